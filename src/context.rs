@@ -1,0 +1,117 @@
+//! [`Context`]: a device's primary CUDA context, retained while any holder
+//! (a pointer, a view, a Python object) keeps it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::driver::{Driver, RawContext};
+use crate::error::Result;
+use crate::memory::DevicePointer;
+use crate::runtime::Runtime;
+
+/// A retained primary context. Shared through `Arc`: creating the first one
+/// for a device calls `cuDevicePrimaryCtxRetain`, and dropping the last one
+/// calls `cuDevicePrimaryCtxRelease`. [`Runtime::context`] hands out one live
+/// `Context` per device.
+pub struct Context {
+    runtime: Arc<Runtime>,
+    device: usize,
+    raw: RawContext,
+    /// Bumped when the context is reset behind gpuptr's back; allocations
+    /// from an older generation are never freed.
+    generation: AtomicU64,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("device", &self.device)
+            .field("raw", &format_args!("{:#x}", self.raw))
+            .finish()
+    }
+}
+
+impl Context {
+    /// Retain `device`'s primary context. Use [`Runtime::context`], which
+    /// shares one `Context` per device.
+    pub(crate) fn retain(runtime: Arc<Runtime>, device: usize) -> Result<Self> {
+        let raw = runtime.driver().primary_context_retain(device)?;
+        Ok(Context {
+            runtime,
+            device,
+            raw,
+            generation: AtomicU64::new(0),
+        })
+    }
+
+    /// The device ordinal.
+    #[inline]
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The raw `CUcontext`, as an integer.
+    #[inline]
+    pub fn raw(&self) -> RawContext {
+        self.raw
+    }
+
+    /// The runtime this context belongs to.
+    #[inline]
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    #[inline]
+    pub(crate) fn driver(&self) -> &dyn Driver {
+        self.runtime.driver().as_ref()
+    }
+
+    /// The current generation (see [`Context::invalidate`]).
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Mark every allocation made so far as stale, after the context was
+    /// reset outside gpuptr (numba's `cuda.close()`): their memory is gone,
+    /// and freeing them later must not touch whatever reuses their addresses.
+    pub fn invalidate(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Allocate `size` bytes of device memory in this context.
+    pub fn alloc(self: &Arc<Self>, size: usize) -> Result<Arc<DevicePointer>> {
+        DevicePointer::alloc(self, size)
+    }
+
+    /// Wait for all work in this context (`cuCtxSynchronize`).
+    pub fn synchronize(&self) -> Result<()> {
+        self.driver().synchronize(self.raw)
+    }
+
+    /// `(free, total)` device memory, from `cuMemGetInfo`.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.driver().mem_get_info(self.raw)
+    }
+
+    /// Make this context current on the calling thread.
+    pub fn make_current(&self) -> Result<()> {
+        self.driver().set_current_context(self.raw)
+    }
+}
+
+impl PartialEq for Context {
+    fn eq(&self, other: &Self) -> bool {
+        self.raw == other.raw && self.device == other.device
+    }
+}
+impl Eq for Context {}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // Deleters never fail: at process exit the driver may already be
+        // deinitialised, and there is nobody to report to.
+        let _ = self.runtime.driver().primary_context_release(self.device);
+    }
+}

@@ -1,0 +1,242 @@
+//! The driver room: the only code that talks to CUDA.
+//!
+//! [`Driver`] lists every CUDA call the core makes. [`CudaDriver`] forwards
+//! them to libcuda through cudarc; [`SimDriver`] simulates them in host memory
+//! with fault injection, so the core's logic is tested without a GPU.
+
+mod cuda;
+mod sim;
+
+use std::sync::Arc;
+
+pub use cuda::{probe as probe_cuda, CudaDriver};
+pub use sim::{SimConfig, SimDriver};
+
+use crate::error::{Error, Result};
+
+/// A `CUcontext`, as an integer (the handle's address).
+pub type RawContext = usize;
+/// A `CUdeviceptr`.
+pub type DevicePtr = u64;
+/// A `CUstream`, as an integer; 0 is the legacy default stream.
+pub type RawStream = usize;
+
+/// Which implementation a [`Driver`] is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DriverKind {
+    /// libcuda through cudarc.
+    Cuda,
+    /// The host-memory simulator.
+    Sim,
+}
+
+impl DriverKind {
+    /// `"cuda"` or `"sim"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DriverKind::Cuda => "cuda",
+            DriverKind::Sim => "sim",
+        }
+    }
+}
+
+/// What an address points at, as `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` says.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryType {
+    /// Device memory (including managed memory).
+    Device,
+    /// Page-locked host memory registered with or allocated by CUDA.
+    Host,
+    /// Not known to CUDA: plain host memory or garbage.
+    Unregistered,
+}
+
+/// What the driver knows about an address (`cuPointerGetAttributes`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PointerAttributes {
+    /// The context the memory was allocated in (0 if none).
+    pub context: RawContext,
+    /// The device ordinal the memory lives on.
+    pub device: usize,
+    /// Device, host or unregistered.
+    pub memory_type: MemoryType,
+    /// Whether it is managed (unified) memory.
+    pub is_managed: bool,
+    /// Start of the allocation that contains the address.
+    pub range_start: DevicePtr,
+    /// Size of that allocation.
+    pub range_size: usize,
+}
+
+/// `cuDevicePrimaryCtxGetState`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PrimaryContextState {
+    /// The context flags.
+    pub flags: u32,
+    /// Whether the primary context is active (retained at least once).
+    pub active: bool,
+}
+
+/// The kinds of call a driver makes; the simulator can fail the Nth of a kind.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CallKind {
+    /// `cuDevicePrimaryCtxRetain`
+    ContextRetain,
+    /// `cuDevicePrimaryCtxRelease`
+    ContextRelease,
+    /// `cuCtxSetCurrent`/`cuCtxGetCurrent`
+    ContextCurrent,
+    /// `cuCtxSynchronize`
+    Synchronize,
+    /// `cuMemAlloc`
+    MemAlloc,
+    /// `cuMemFree`
+    MemFree,
+    /// `cuMemGetInfo`
+    MemGetInfo,
+    /// `cuMemsetD8[Async]`
+    Memset,
+    /// `cuMemcpy*`
+    Memcpy,
+    /// `cuPointerGetAttributes`
+    PointerAttributes,
+    /// device queries: count, name, total memory
+    DeviceQuery,
+}
+
+impl CallKind {
+    /// Every kind, for tests that fail each in turn.
+    pub const ALL: [CallKind; 11] = [
+        CallKind::ContextRetain,
+        CallKind::ContextRelease,
+        CallKind::ContextCurrent,
+        CallKind::Synchronize,
+        CallKind::MemAlloc,
+        CallKind::MemFree,
+        CallKind::MemGetInfo,
+        CallKind::Memset,
+        CallKind::Memcpy,
+        CallKind::PointerAttributes,
+        CallKind::DeviceQuery,
+    ];
+
+    /// The snake-case name used from Python (`"mem_alloc"`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            CallKind::ContextRetain => "context_retain",
+            CallKind::ContextRelease => "context_release",
+            CallKind::ContextCurrent => "context_current",
+            CallKind::Synchronize => "synchronize",
+            CallKind::MemAlloc => "mem_alloc",
+            CallKind::MemFree => "mem_free",
+            CallKind::MemGetInfo => "mem_get_info",
+            CallKind::Memset => "memset",
+            CallKind::Memcpy => "memcpy",
+            CallKind::PointerAttributes => "pointer_attributes",
+            CallKind::DeviceQuery => "device_query",
+        }
+    }
+
+    /// The kind named `name`, if any.
+    pub fn from_name(name: &str) -> Option<CallKind> {
+        CallKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+/// Every CUDA call the core makes. Calls that touch memory take the context
+/// they act in; the CUDA implementation makes it current when it is not.
+pub trait Driver: Send + Sync + 'static {
+    /// Which implementation this is.
+    fn kind(&self) -> DriverKind;
+    /// `cuDriverGetVersion` (for example 13000).
+    fn version(&self) -> Result<i32>;
+    /// `cuDeviceGetCount`.
+    fn device_count(&self) -> Result<usize>;
+    /// `cuDeviceGetName`.
+    fn device_name(&self, device: usize) -> Result<String>;
+    /// `cuDeviceTotalMem`.
+    fn device_total_memory(&self, device: usize) -> Result<usize>;
+
+    /// `cuDevicePrimaryCtxRetain`.
+    fn primary_context_retain(&self, device: usize) -> Result<RawContext>;
+    /// `cuDevicePrimaryCtxRelease`.
+    fn primary_context_release(&self, device: usize) -> Result<()>;
+    /// `cuDevicePrimaryCtxGetState`.
+    fn primary_context_state(&self, device: usize) -> Result<PrimaryContextState>;
+    /// `cuCtxGetCurrent` (0 when none).
+    fn current_context(&self) -> Result<RawContext>;
+    /// `cuCtxSetCurrent`.
+    fn set_current_context(&self, context: RawContext) -> Result<()>;
+    /// `cuCtxSynchronize` in `context`.
+    fn synchronize(&self, context: RawContext) -> Result<()>;
+
+    /// `cuMemAlloc` in `context`.
+    fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr>;
+    /// `cuMemFree` in `context`.
+    fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()>;
+    /// `cuMemGetInfo` in `context`: (free, total).
+    fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)>;
+    /// `cuMemsetD8` (stream 0) or `cuMemsetD8Async`.
+    fn memset_d8(
+        &self,
+        context: RawContext,
+        ptr: DevicePtr,
+        value: u8,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<()>;
+    /// `cuMemcpyHtoD`.
+    fn memcpy_htod(&self, context: RawContext, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    /// `cuMemcpyDtoH`.
+    fn memcpy_dtoh(&self, context: RawContext, dst: &mut [u8], src: DevicePtr) -> Result<()>;
+    /// `cuMemcpyDtoD` (`cuMemcpy` with unified addressing, so peers work).
+    fn memcpy_dtod(
+        &self,
+        context: RawContext,
+        dst: DevicePtr,
+        src: DevicePtr,
+        count: usize,
+    ) -> Result<()>;
+
+    /// `cuPointerGetAttributes`: context, device, memory type and range.
+    fn pointer_attributes(&self, ptr: DevicePtr) -> Result<PointerAttributes>;
+}
+
+/// How to pick the driver: the value of `GPUPTR_DRIVER`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum DriverChoice {
+    /// `auto` (or unset): the CUDA driver.
+    Auto,
+    /// `cuda`: the CUDA driver.
+    Cuda,
+    /// `sim`: the simulator, configured by `GPUPTR_SIM_DEVICES` and `GPUPTR_SIM_MEMORY`.
+    Sim,
+}
+
+impl DriverChoice {
+    /// Parse a `GPUPTR_DRIVER` value (case-insensitive; empty means auto).
+    pub fn parse(value: &str) -> Result<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(DriverChoice::Auto),
+            "cuda" => Ok(DriverChoice::Cuda),
+            "sim" => Ok(DriverChoice::Sim),
+            other => Err(Error::NoDriver(format!(
+                "GPUPTR_DRIVER={other:?} is not a driver; use auto, cuda or sim"
+            ))),
+        }
+    }
+
+    /// Read `GPUPTR_DRIVER` from the environment.
+    pub fn from_env() -> Result<Self> {
+        DriverChoice::parse(&std::env::var("GPUPTR_DRIVER").unwrap_or_default())
+    }
+}
+
+/// Make the driver `choice` asks for. The CUDA driver is probed first, so a
+/// missing or too-old libcuda gives [`Error::NoDriver`], never a panic.
+pub fn open(choice: DriverChoice) -> Result<Arc<dyn Driver>> {
+    match choice {
+        DriverChoice::Auto | DriverChoice::Cuda => Ok(Arc::new(CudaDriver::new()?)),
+        DriverChoice::Sim => Ok(Arc::new(SimDriver::new(SimConfig::from_env()?))),
+    }
+}

@@ -1,0 +1,116 @@
+//! One error enum for the whole crate. The binding maps each variant to one
+//! Python exception class (`gpuptr.GpuptrError` and its subclasses).
+
+use thiserror::Error;
+
+/// `CUDA_ERROR_INVALID_VALUE`
+pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+/// `CUDA_ERROR_OUT_OF_MEMORY`
+pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+/// `CUDA_ERROR_NOT_INITIALIZED`
+pub const CUDA_ERROR_NOT_INITIALIZED: i32 = 3;
+/// `CUDA_ERROR_DEINITIALIZED`
+pub const CUDA_ERROR_DEINITIALIZED: i32 = 4;
+/// `CUDA_ERROR_NO_DEVICE`
+pub const CUDA_ERROR_NO_DEVICE: i32 = 100;
+/// `CUDA_ERROR_INVALID_DEVICE`
+pub const CUDA_ERROR_INVALID_DEVICE: i32 = 101;
+/// `CUDA_ERROR_INVALID_CONTEXT`
+pub const CUDA_ERROR_INVALID_CONTEXT: i32 = 201;
+/// `CUDA_ERROR_MAP_FAILED`
+pub const CUDA_ERROR_MAP_FAILED: i32 = 205;
+/// `CUDA_ERROR_INVALID_HANDLE`
+pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
+/// `CUDA_ERROR_NOT_READY`
+pub const CUDA_ERROR_NOT_READY: i32 = 600;
+/// `CUDA_ERROR_LAUNCH_FAILED`
+pub const CUDA_ERROR_LAUNCH_FAILED: i32 = 719;
+/// `CUDA_ERROR_UNKNOWN`
+pub const CUDA_ERROR_UNKNOWN: i32 = 999;
+
+/// Name of a `CUresult` code, for the codes the simulator can produce and
+/// the common ones; the CUDA driver path names every code through cudarc.
+pub fn cuda_error_name(code: i32) -> &'static str {
+    match code {
+        0 => "CUDA_SUCCESS",
+        CUDA_ERROR_INVALID_VALUE => "CUDA_ERROR_INVALID_VALUE",
+        CUDA_ERROR_OUT_OF_MEMORY => "CUDA_ERROR_OUT_OF_MEMORY",
+        CUDA_ERROR_NOT_INITIALIZED => "CUDA_ERROR_NOT_INITIALIZED",
+        CUDA_ERROR_DEINITIALIZED => "CUDA_ERROR_DEINITIALIZED",
+        CUDA_ERROR_NO_DEVICE => "CUDA_ERROR_NO_DEVICE",
+        CUDA_ERROR_INVALID_DEVICE => "CUDA_ERROR_INVALID_DEVICE",
+        CUDA_ERROR_INVALID_CONTEXT => "CUDA_ERROR_INVALID_CONTEXT",
+        CUDA_ERROR_MAP_FAILED => "CUDA_ERROR_MAP_FAILED",
+        CUDA_ERROR_INVALID_HANDLE => "CUDA_ERROR_INVALID_HANDLE",
+        CUDA_ERROR_NOT_READY => "CUDA_ERROR_NOT_READY",
+        CUDA_ERROR_LAUNCH_FAILED => "CUDA_ERROR_LAUNCH_FAILED",
+        CUDA_ERROR_UNKNOWN => "CUDA_ERROR_UNKNOWN",
+        _ => "CUDA_ERROR_OTHER",
+    }
+}
+
+/// Every failure gpuptr reports.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum Error {
+    /// No usable CUDA driver (libcuda missing, too old, no device, or an
+    /// unknown `GPUPTR_DRIVER`). The message carries a hint.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// A driver call failed with a `CUresult`.
+    #[error("{call} failed: {name} ({code})")]
+    Cuda {
+        call: &'static str,
+        code: i32,
+        name: String,
+    },
+    /// The device (or the pool in front of it) cannot satisfy a request.
+    #[error("out of memory on device {device}: could not allocate {requested} bytes")]
+    OutOfMemory { device: usize, requested: usize },
+    /// A pointer that is freed, stale, out of range or not device memory.
+    #[error("invalid pointer: {0}")]
+    InvalidPointer(String),
+    /// An argument with a bad value (negative size, unknown device, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A panic caught at an FFI edge; it never unwinds further.
+    #[error("internal error (caught panic): {0}")]
+    Panic(String),
+}
+
+impl Error {
+    /// A driver failure for `call` with code `code`, named with `name`.
+    pub fn cuda(call: &'static str, code: i32, name: impl Into<String>) -> Self {
+        Error::Cuda {
+            call,
+            code,
+            name: name.into(),
+        }
+    }
+
+    /// The `CUresult` code, where there is one.
+    pub fn cuda_code(&self) -> Option<i32> {
+        match self {
+            Error::Cuda { code, .. } => Some(*code),
+            Error::OutOfMemory { .. } => Some(CUDA_ERROR_OUT_OF_MEMORY),
+            _ => None,
+        }
+    }
+
+    /// Whether this is an out-of-memory condition (worth a release-and-retry).
+    pub fn is_oom(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+            || matches!(self, Error::Cuda { code, .. } if *code == CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
+    /// Turn a raw `CUDA_ERROR_OUT_OF_MEMORY` into the typed variant.
+    pub(crate) fn oom_on(self, device: usize, requested: usize) -> Self {
+        if self.is_oom() {
+            Error::OutOfMemory { device, requested }
+        } else {
+            self
+        }
+    }
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,53 @@
+//! # gpuptr
+//!
+//! Refcounted CUDA contexts and device pointers. Every pointer holds a real,
+//! retained primary context (`Arc<Context>`), and a view holds its parent
+//! allocation, so no holder can outlive what it points into.
+//!
+//! The crate has four rooms, and calls flow one way through them:
+//! - [`driver`]: the only code that calls CUDA, behind the [`Driver`] trait,
+//!   with a real implementation ([`CudaDriver`], cudarc loaded dynamically)
+//!   and a simulator ([`SimDriver`]).
+//! - the core: [`Runtime`], [`Context`], [`DevicePointer`], [`View`] and the
+//!   pointer→context [`Registry`]. No Python here.
+//! - `python` (feature `python`): the PyO3 binding, `gpuptr._core`.
+//! - the Python package `gpuptr` (in `python/`), outside this crate.
+//!
+//! ```no_run
+//! use gpuptr::Runtime;
+//! let rt = Runtime::global()?;          // GPUPTR_DRIVER=auto|cuda|sim
+//! let ctx = rt.context(0)?;             // retains device 0's primary context
+//! let mem = ctx.alloc(1 << 20)?;        // Arc<DevicePointer>
+//! let half = mem.view_all().view(0, Some(1 << 19))?;
+//! half.memset(0xab, None, 0)?;
+//! assert_eq!(rt.context_of(half.address())?.device(), 0);
+//! # Ok::<(), gpuptr::Error>(())
+//! ```
+
+pub mod driver;
+mod error;
+
+mod context;
+mod memory;
+mod registry;
+mod runtime;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use context::Context;
+pub use driver::{CudaDriver, Driver, DriverKind, SimConfig, SimDriver};
+pub use error::{cuda_error_name, Error, Result};
+pub use memory::{DevicePointer, KeepAlive, Origin, View};
+pub use registry::{Registration, Registry};
+pub use runtime::{DeviceStats, Runtime};
+
+/// `CUresult` codes gpuptr refers to by name.
+pub mod codes {
+    pub use crate::error::{
+        CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE,
+        CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_LAUNCH_FAILED,
+        CUDA_ERROR_MAP_FAILED, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_READY,
+        CUDA_ERROR_NO_DEVICE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_UNKNOWN,
+    };
+}

@@ -1,0 +1,338 @@
+//! Device memory: [`DevicePointer`], the owning allocation, and [`View`], a
+//! sub-range that keeps its allocation (and so the context) alive.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::context::Context;
+use crate::driver::{DevicePtr, RawStream};
+use crate::error::{Error, Result};
+use crate::registry::Registration;
+
+/// Anything a pointer must keep alive until its memory is released (a
+/// foreign owner, a finalizer object). Dropped when the pointer is freed.
+pub type KeepAlive = Box<dyn Any + Send + Sync>;
+
+/// Who frees the memory.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// `cuMemAlloc` by gpuptr; gpuptr frees it.
+    Driver,
+    /// Someone else's memory (wrapped); gpuptr never frees it.
+    Foreign,
+}
+
+/// An allocation: address, size and the context it lives in. Shared through
+/// `Arc`; freed exactly once, by [`DevicePointer::free`] or when the last
+/// holder drops it.
+pub struct DevicePointer {
+    context: Arc<Context>,
+    address: DevicePtr,
+    size: usize,
+    origin: Origin,
+    generation: u64,
+    registration: Option<Registration>,
+    freed: AtomicBool,
+    keepalive: Mutex<Option<KeepAlive>>,
+}
+
+impl std::fmt::Debug for DevicePointer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevicePointer")
+            .field("address", &format_args!("{:#x}", self.address))
+            .field("size", &self.size)
+            .field("device", &self.context.device())
+            .field("origin", &self.origin)
+            .field("freed", &self.is_freed())
+            .finish()
+    }
+}
+
+impl DevicePointer {
+    /// Allocate `size` bytes in `context`. Zero bytes give a null pointer and
+    /// make no driver call.
+    pub fn alloc(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
+        let device = context.device();
+        let (address, registration) = if size == 0 {
+            (0, None)
+        } else {
+            let address = context
+                .driver()
+                .mem_alloc(context.raw(), size)
+                .map_err(|e| e.oom_on(device, size))?;
+            let reg = context.runtime().registry().insert(address, size, context);
+            (address, Some(reg))
+        };
+        let c = context.runtime().counters(device);
+        c.alloc_count.fetch_add(1, Ordering::Relaxed);
+        c.live_count.fetch_add(1, Ordering::Relaxed);
+        let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
+        c.peak_bytes.fetch_max(live, Ordering::Relaxed);
+        Ok(Arc::new(DevicePointer {
+            context: context.clone(),
+            address,
+            size,
+            origin: Origin::Driver,
+            generation: context.generation(),
+            registration,
+            freed: AtomicBool::new(false),
+            keepalive: Mutex::new(None),
+        }))
+    }
+
+    /// Wrap memory someone else owns. `registration` is the registry entry
+    /// the wrap holds (if it added one); `keepalive` is kept until release.
+    pub(crate) fn foreign(
+        context: Arc<Context>,
+        address: DevicePtr,
+        size: usize,
+        registration: Option<Registration>,
+        keepalive: Option<KeepAlive>,
+    ) -> Arc<Self> {
+        let generation = context.generation();
+        Arc::new(DevicePointer {
+            context,
+            address,
+            size,
+            origin: Origin::Foreign,
+            generation,
+            registration,
+            freed: AtomicBool::new(false),
+            keepalive: Mutex::new(keepalive),
+        })
+    }
+
+    /// The start address.
+    #[inline]
+    pub fn address(&self) -> DevicePtr {
+        self.address
+    }
+
+    /// The size in bytes.
+    #[inline]
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The context the memory lives in.
+    #[inline]
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// Who frees it.
+    #[inline]
+    pub fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    /// Whether it was freed.
+    #[inline]
+    pub fn is_freed(&self) -> bool {
+        self.freed.load(Ordering::Acquire)
+    }
+
+    /// Whether its context was reset since it was made, so its memory is gone.
+    #[inline]
+    pub fn is_stale(&self) -> bool {
+        self.generation != self.context.generation()
+    }
+
+    /// `Ok` if the memory may be used now, else [`Error::InvalidPointer`].
+    #[inline]
+    pub fn check_live(&self) -> Result<()> {
+        if self.is_freed() {
+            Err(Error::InvalidPointer(format!(
+                "memory at {:#x} was freed",
+                self.address
+            )))
+        } else if self.is_stale() {
+            Err(Error::InvalidPointer(format!(
+                "memory at {:#x} belongs to a context that was reset",
+                self.address
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// A view of the whole allocation.
+    pub fn view_all(self: &Arc<Self>) -> View {
+        View {
+            parent: self.clone(),
+            offset: 0,
+            size: self.size,
+        }
+    }
+
+    /// Release the memory now. Returns `Ok(true)` if this call freed it and
+    /// `Ok(false)` if it was already free (a second free is a no-op). Foreign
+    /// memory is never freed; the pointer just lets go of its owner. Memory
+    /// of a reset context is not freed either: its address may now belong to
+    /// a newer allocation.
+    pub fn free(&self) -> Result<bool> {
+        if self.freed.swap(true, Ordering::AcqRel) {
+            return Ok(false);
+        }
+        if self.origin == Origin::Driver && self.address != 0 && !self.is_stale() {
+            if let Err(e) = self
+                .context
+                .driver()
+                .mem_free(self.context.raw(), self.address)
+            {
+                // Still allocated: stay live so a later free or drop retries.
+                self.freed.store(false, Ordering::Release);
+                return Err(e);
+            }
+        }
+        if let Some(reg) = self.registration {
+            self.context.runtime().registry().remove(reg);
+        }
+        if self.origin == Origin::Driver {
+            let c = self.context.runtime().counters(self.context.device());
+            c.live_count.fetch_sub(1, Ordering::Relaxed);
+            c.live_bytes.fetch_sub(self.size, Ordering::Relaxed);
+        }
+        let keep = self
+            .keepalive
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        drop(keep);
+        Ok(true)
+    }
+}
+
+impl Drop for DevicePointer {
+    fn drop(&mut self) {
+        // Deleters never fail; a driver error here has no one to go to.
+        let _ = self.free();
+    }
+}
+
+/// A byte range `[offset, offset+size)` of an allocation. Holding a view
+/// keeps the allocation, and through it the context, alive.
+#[derive(Clone, Debug)]
+pub struct View {
+    parent: Arc<DevicePointer>,
+    offset: usize,
+    size: usize,
+}
+
+impl View {
+    /// The allocation this view is part of.
+    #[inline]
+    pub fn parent(&self) -> &Arc<DevicePointer> {
+        &self.parent
+    }
+
+    /// The context the memory lives in.
+    #[inline]
+    pub fn context(&self) -> &Arc<Context> {
+        self.parent.context()
+    }
+
+    /// The start address of the view (0 for a null pointer).
+    #[inline]
+    pub fn address(&self) -> DevicePtr {
+        if self.parent.address == 0 {
+            0
+        } else {
+            self.parent.address + self.offset as u64
+        }
+    }
+
+    /// Offset from the start of the allocation.
+    #[inline]
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Size of the view in bytes.
+    #[inline]
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The sub-view `[start, stop)` of this view (`stop` defaults to the
+    /// end). Out of range or reversed bounds are [`Error::InvalidPointer`].
+    pub fn view(&self, start: usize, stop: Option<usize>) -> Result<View> {
+        let stop = stop.unwrap_or(self.size);
+        if start > stop || stop > self.size {
+            return Err(Error::InvalidPointer(format!(
+                "view [{start}, {stop}) is out of range for {} bytes",
+                self.size
+            )));
+        }
+        Ok(View {
+            parent: self.parent.clone(),
+            offset: self.offset + start,
+            size: stop - start,
+        })
+    }
+
+    fn check_span(&self, what: &str, count: usize) -> Result<()> {
+        self.parent.check_live()?;
+        if count > self.size {
+            return Err(Error::InvalidPointer(format!(
+                "{what} of {count} bytes exceeds the {} bytes at {:#x}",
+                self.size,
+                self.address()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Set `count` bytes (default: all) to `value`, on `stream` (0 = synchronous).
+    pub fn memset(&self, value: u8, count: Option<usize>, stream: RawStream) -> Result<()> {
+        let count = count.unwrap_or(self.size);
+        self.check_span("memset", count)?;
+        if count == 0 {
+            return Ok(());
+        }
+        let ctx = self.context();
+        ctx.driver()
+            .memset_d8(ctx.raw(), self.address(), value, count, stream)
+    }
+
+    /// Copy `src` to the start of the view.
+    pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
+        self.check_span("copy", src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let ctx = self.context();
+        ctx.driver().memcpy_htod(ctx.raw(), self.address(), src)
+    }
+
+    /// Copy the start of the view into `dst`.
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        self.check_span("copy", dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let ctx = self.context();
+        ctx.driver().memcpy_dtoh(ctx.raw(), dst, self.address())
+    }
+
+    /// Copy `count` bytes (default: all of `src`) from `src` to this view.
+    pub fn copy_from_device(&self, src: &View, count: Option<usize>) -> Result<()> {
+        let count = count.unwrap_or(src.size);
+        src.check_span("copy", count)?;
+        self.check_span("copy", count)?;
+        if count == 0 {
+            return Ok(());
+        }
+        let ctx = self.context();
+        ctx.driver()
+            .memcpy_dtod(ctx.raw(), self.address(), src.address(), count)
+    }
+
+    /// The whole view as a `Vec` (a convenience for tests and tools).
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.size];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+}

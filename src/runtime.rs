@@ -1,0 +1,233 @@
+//! [`Runtime`]: one driver, its contexts, the pointer registry and the
+//! statistics. Python uses [`Runtime::global`]; Rust code and tests can make
+//! their own (for example over a [`SimDriver`](crate::SimDriver)).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use crate::context::Context;
+use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType};
+use crate::error::{Error, Result};
+use crate::memory::{DevicePointer, KeepAlive};
+use crate::registry::Registry;
+
+/// Allocation counters of one device.
+#[derive(Default, Debug)]
+pub(crate) struct DeviceCounters {
+    pub live_bytes: AtomicUsize,
+    pub live_count: AtomicUsize,
+    pub peak_bytes: AtomicUsize,
+    pub alloc_count: AtomicU64,
+}
+
+/// A snapshot of one device's allocation counters.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Device ordinal.
+    pub device: usize,
+    /// Bytes in live allocations made by gpuptr.
+    pub live_bytes: usize,
+    /// Number of live allocations made by gpuptr.
+    pub live_count: usize,
+    /// The most `live_bytes` has been.
+    pub peak_bytes: usize,
+    /// Allocations made so far.
+    pub alloc_count: u64,
+}
+
+/// The driver with everything gpuptr keeps about it.
+pub struct Runtime {
+    driver: Arc<dyn Driver>,
+    contexts: Mutex<Vec<Weak<Context>>>,
+    registry: Registry,
+    counters: Vec<DeviceCounters>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("driver", &self.driver.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    /// A runtime over `driver`.
+    pub fn new(driver: Arc<dyn Driver>) -> Result<Arc<Self>> {
+        let n = driver.device_count()?;
+        Ok(Arc::new(Runtime {
+            driver,
+            contexts: Mutex::new(vec![Weak::new(); n]),
+            registry: Registry::new(),
+            counters: (0..n).map(|_| DeviceCounters::default()).collect(),
+        }))
+    }
+
+    /// The process-wide runtime, over the driver `GPUPTR_DRIVER` names
+    /// (`auto`/`cuda`/`sim`). Opened on first use; a failure is remembered.
+    pub fn global() -> Result<&'static Arc<Runtime>> {
+        static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
+        GLOBAL
+            .get_or_init(|| Runtime::new(driver::open(DriverChoice::from_env()?)?))
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// The driver.
+    #[inline]
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// The pointer→context registry.
+    #[inline]
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> usize {
+        self.counters.len()
+    }
+
+    fn check_device(&self, device: usize) -> Result<()> {
+        if device >= self.device_count() {
+            return Err(Error::InvalidArgument(format!(
+                "device {device} does not exist ({} device(s) present)",
+                self.device_count()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The one live context of `device`, retaining its primary context if no
+    /// holder has it now.
+    pub fn context(self: &Arc<Self>, device: usize) -> Result<Arc<Context>> {
+        self.check_device(device)?;
+        let mut slots = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ctx) = slots[device].upgrade() {
+            return Ok(ctx);
+        }
+        let ctx = Arc::new(Context::retain(self.clone(), device)?);
+        slots[device] = Arc::downgrade(&ctx);
+        Ok(ctx)
+    }
+
+    /// The live context of `device` if some holder keeps one, without
+    /// retaining a new one.
+    pub fn existing_context(&self, device: usize) -> Option<Arc<Context>> {
+        let slots = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        slots.get(device).and_then(Weak::upgrade)
+    }
+
+    /// The context that `address` belongs to, resolved from the address
+    /// itself (never from the current context): first the registry of known
+    /// ranges, then `cuPointerGetAttributes`. Host and unregistered addresses
+    /// are [`Error::InvalidPointer`].
+    pub fn context_of(self: &Arc<Self>, address: DevicePtr) -> Result<Arc<Context>> {
+        if let Some(ctx) = self.registry.lookup(address) {
+            return Ok(ctx);
+        }
+        Ok(self.resolve(address)?.0)
+    }
+
+    /// Ask the driver about `address`: its context and allocation range.
+    pub(crate) fn resolve(
+        self: &Arc<Self>,
+        address: DevicePtr,
+    ) -> Result<(Arc<Context>, DevicePtr, usize)> {
+        if address == 0 {
+            return Err(Error::InvalidPointer("null address".into()));
+        }
+        let attrs = self.driver.pointer_attributes(address).map_err(|e| match e {
+            Error::Cuda { code, .. } if code == crate::error::CUDA_ERROR_INVALID_VALUE => {
+                Error::InvalidPointer(format!("{address:#x} is not CUDA memory ({e})"))
+            }
+            other => other,
+        })?;
+        match attrs.memory_type {
+            MemoryType::Device => {}
+            MemoryType::Host => {
+                return Err(Error::InvalidPointer(format!(
+                    "{address:#x} is page-locked host memory, not device memory"
+                )))
+            }
+            MemoryType::Unregistered => {
+                return Err(Error::InvalidPointer(format!(
+                    "{address:#x} is not device memory (host or unregistered address)"
+                )))
+            }
+        }
+        let ctx = self.context(attrs.device)?;
+        Ok((ctx, attrs.range_start, attrs.range_size))
+    }
+
+    /// Wrap `[address, address+size)` of memory gpuptr does not own, keeping
+    /// `keepalive` (its owner) until the pointer is released.
+    ///
+    /// With `context` given, it is trusted (numba's `MemoryPointer(ctx, ...)`
+    /// call shape). Without it, the context is resolved from the address: a
+    /// registry hit costs a map lookup; a miss asks the driver once and
+    /// registers the allocation's range for as long as this pointer lives.
+    pub fn wrap(
+        self: &Arc<Self>,
+        address: DevicePtr,
+        size: usize,
+        context: Option<Arc<Context>>,
+        keepalive: Option<KeepAlive>,
+    ) -> Result<Arc<DevicePointer>> {
+        let end = address.checked_add(size as u64).ok_or_else(|| {
+            Error::InvalidPointer(format!("{address:#x} + {size} overflows the address space"))
+        })?;
+        if let Some(ctx) = context {
+            if address == 0 && size != 0 {
+                return Err(Error::InvalidPointer(format!(
+                    "null address with a size of {size} bytes"
+                )));
+            }
+            return Ok(DevicePointer::foreign(ctx, address, size, None, keepalive));
+        }
+        if address == 0 {
+            return Err(Error::InvalidPointer(
+                "a null address has no context; pass one explicitly".into(),
+            ));
+        }
+        let out_of_range = |start: DevicePtr, stop: DevicePtr| {
+            Error::InvalidPointer(format!(
+                "[{address:#x}, {end:#x}) runs past its allocation [{start:#x}, {stop:#x})"
+            ))
+        };
+        if let Some((ctx, start, stop)) = self.registry.lookup_range(address) {
+            if end > stop {
+                return Err(out_of_range(start, stop));
+            }
+            return Ok(DevicePointer::foreign(ctx, address, size, None, keepalive));
+        }
+        let (ctx, start, range) = self.resolve(address)?;
+        let stop = start + range as u64;
+        if range != 0 && end > stop {
+            return Err(out_of_range(start, stop));
+        }
+        let reg = (range != 0).then(|| self.registry.insert(start, range, &ctx));
+        Ok(DevicePointer::foreign(ctx, address, size, reg, keepalive))
+    }
+
+    pub(crate) fn counters(&self, device: usize) -> &DeviceCounters {
+        &self.counters[device]
+    }
+
+    /// Allocation statistics of every device.
+    pub fn stats(&self) -> Vec<DeviceStats> {
+        self.counters
+            .iter()
+            .enumerate()
+            .map(|(device, c)| DeviceStats {
+                device,
+                live_bytes: c.live_bytes.load(Ordering::Relaxed),
+                live_count: c.live_count.load(Ordering::Relaxed),
+                peak_bytes: c.peak_bytes.load(Ordering::Relaxed),
+                alloc_count: c.alloc_count.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,358 @@
+//! Core logic on the simulator: contexts, pointers, views, the registry and
+//! error paths. Runs with `cargo test`, no GPU and no Python.
+
+use std::sync::Arc;
+
+use gpuptr::driver::{CallKind, Driver};
+use gpuptr::{codes, Error, Runtime, SimConfig, SimDriver};
+
+fn sim(devices: usize) -> (Arc<SimDriver>, Arc<Runtime>) {
+    let drv = Arc::new(SimDriver::new(SimConfig::new(devices, 1 << 20)));
+    let rt = Runtime::new(drv.clone()).unwrap();
+    (drv, rt)
+}
+
+#[test]
+fn test_context_is_shared_and_released_with_last_holder() {
+    let (drv, rt) = sim(1);
+    assert_eq!(drv.retain_count(0), 0);
+    let a = rt.context(0).unwrap();
+    let b = rt.context(0).unwrap();
+    assert!(Arc::ptr_eq(&a, &b));
+    assert_eq!(drv.retain_count(0), 1, "one retain per live Context");
+    drop(a);
+    assert_eq!(drv.retain_count(0), 1);
+    drop(b);
+    assert_eq!(drv.retain_count(0), 0, "released when the last holder goes");
+    let c = rt.context(0).unwrap();
+    assert_eq!(drv.retain_count(0), 1, "retained afresh");
+    drop(c);
+}
+
+#[test]
+fn test_pointer_keeps_context_alive() {
+    let (drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(1000).unwrap();
+    assert_eq!(drv.retain_count(0), 1);
+    assert_eq!(drv.live_bytes(), 1000);
+    drop(mem);
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(drv.retain_count(0), 0);
+}
+
+#[test]
+fn test_view_keeps_parent_alive() {
+    let (drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(4096).unwrap();
+    let base = mem.address();
+    let view = mem.view_all().view(1024, Some(2048)).unwrap();
+    drop(mem);
+    assert_eq!(drv.live_bytes(), 4096, "the view holds the allocation");
+    assert_eq!(view.address(), base + 1024);
+    view.memset(7, None, 0).unwrap();
+    assert_eq!(view.to_vec().unwrap(), vec![7u8; 1024]);
+    drop(view);
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(drv.retain_count(0), 0);
+}
+
+#[test]
+fn test_double_free_is_safe_and_use_after_free_is_invalid_pointer() {
+    let (drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(64).unwrap();
+    let view = mem.view_all();
+    assert_eq!(mem.free(), Ok(true));
+    assert_eq!(mem.free(), Ok(false));
+    assert_eq!(drv.calls(CallKind::MemFree), 1, "freed exactly once");
+    assert_eq!(drv.live_bytes(), 0);
+    assert!(matches!(
+        view.memset(0, None, 0),
+        Err(Error::InvalidPointer(_))
+    ));
+    assert!(matches!(view.to_vec(), Err(Error::InvalidPointer(_))));
+    drop(view);
+    drop(mem);
+    assert_eq!(
+        drv.calls(CallKind::MemFree),
+        1,
+        "drop after free frees nothing"
+    );
+}
+
+#[test]
+fn test_zero_size_and_out_of_range_views() {
+    let (_drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(100).unwrap();
+    let all = mem.view_all();
+    let empty = all.view(100, None).unwrap();
+    assert_eq!(empty.size(), 0);
+    assert_eq!(all.view(10, Some(10)).unwrap().size(), 0);
+    assert!(matches!(all.view(101, None), Err(Error::InvalidPointer(_))));
+    assert!(matches!(
+        all.view(0, Some(101)),
+        Err(Error::InvalidPointer(_))
+    ));
+    assert!(matches!(
+        all.view(50, Some(40)),
+        Err(Error::InvalidPointer(_))
+    ));
+    let nested = all.view(10, Some(90)).unwrap().view(5, Some(15)).unwrap();
+    assert_eq!(nested.offset(), 15);
+    assert_eq!(nested.size(), 10);
+    assert!(matches!(
+        nested.view(0, Some(11)),
+        Err(Error::InvalidPointer(_))
+    ));
+    assert!(matches!(
+        nested.memset(0, Some(11), 0),
+        Err(Error::InvalidPointer(_))
+    ));
+}
+
+#[test]
+fn test_zero_size_alloc_is_null_and_makes_no_driver_call() {
+    let (drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(0).unwrap();
+    assert_eq!(mem.address(), 0);
+    assert_eq!(drv.calls(CallKind::MemAlloc), 0);
+    assert_eq!(mem.free(), Ok(true));
+    assert_eq!(drv.calls(CallKind::MemFree), 0);
+}
+
+#[test]
+fn test_injected_oom_is_typed_and_leaks_nothing() {
+    let (drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let keep = ctx.alloc(100).unwrap();
+    drv.fail_nth(CallKind::MemAlloc, 1, codes::CUDA_ERROR_OUT_OF_MEMORY);
+    let err = ctx.alloc(200).unwrap_err();
+    assert_eq!(
+        err,
+        Error::OutOfMemory {
+            device: 0,
+            requested: 200
+        }
+    );
+    assert_eq!(drv.live_bytes(), 100);
+    assert_eq!(rt.stats()[0].live_bytes, 100);
+    drop(keep);
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(rt.stats()[0].live_bytes, 0);
+    assert_eq!(rt.stats()[0].live_count, 0);
+    assert!(rt.registry().is_empty());
+}
+
+#[test]
+fn test_real_oom_from_simulated_capacity() {
+    let (drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let err = ctx.alloc(2 << 20).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { requested, .. } if requested == 2 << 20));
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+#[test]
+fn test_failed_free_stays_live_and_drop_retries() {
+    let (drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(256).unwrap();
+    drv.fail_nth(CallKind::MemFree, 1, codes::CUDA_ERROR_LAUNCH_FAILED);
+    let err = mem.free().unwrap_err();
+    assert_eq!(err.cuda_code(), Some(codes::CUDA_ERROR_LAUNCH_FAILED));
+    assert!(!mem.is_freed());
+    assert_eq!(drv.live_bytes(), 256);
+    assert_eq!(rt.stats()[0].live_bytes, 256);
+    drop(mem);
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(rt.stats()[0].live_bytes, 0);
+}
+
+#[test]
+fn test_failed_retain_is_a_cuda_error_and_retry_works() {
+    let (drv, rt) = sim(1);
+    drv.fail_nth(CallKind::ContextRetain, 1, codes::CUDA_ERROR_UNKNOWN);
+    let err = rt.context(0).unwrap_err();
+    assert!(matches!(err, Error::Cuda { code, ref name, .. }
+        if code == codes::CUDA_ERROR_UNKNOWN && name == "CUDA_ERROR_UNKNOWN"));
+    assert_eq!(drv.retain_count(0), 0);
+    let ctx = rt.context(0).unwrap();
+    assert_eq!(drv.retain_count(0), 1);
+    drop(ctx);
+}
+
+#[test]
+fn test_copy_round_trip_and_device_to_device() {
+    let (_drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let a = ctx.alloc(16).unwrap().view_all();
+    let b = ctx.alloc(16).unwrap().view_all();
+    let data: Vec<u8> = (0..16).collect();
+    a.copy_from_host(&data).unwrap();
+    b.view(8, None)
+        .unwrap()
+        .copy_from_device(&a.view(0, Some(8)).unwrap(), None)
+        .unwrap();
+    let out = b.to_vec().unwrap();
+    assert_eq!(&out[8..], &data[..8]);
+    assert_eq!(&out[..8], &[0u8; 8]);
+    assert!(matches!(
+        a.copy_from_host(&[0u8; 17]),
+        Err(Error::InvalidPointer(_))
+    ));
+}
+
+#[test]
+fn test_address_on_device_1_resolves_to_device_1_while_device_0_is_current() {
+    let (drv, rt) = sim(2);
+    let ctx0 = rt.context(0).unwrap();
+    let ctx1 = rt.context(1).unwrap();
+    let mem1 = ctx1.alloc(4096).unwrap();
+    ctx0.make_current().unwrap();
+    assert_eq!(drv.current_context().unwrap(), ctx0.raw());
+    // Through the registry (gpuptr's own allocation).
+    let found = rt.context_of(mem1.address() + 100).unwrap();
+    assert!(Arc::ptr_eq(&found, &ctx1));
+    assert_eq!(found.device(), 1);
+    assert_eq!(drv.calls(CallKind::PointerAttributes), 0, "a registry hit");
+}
+
+#[test]
+fn test_foreign_wrap_resolves_by_address_and_registers_its_range() {
+    let (drv, rt) = sim(2);
+    // Memory allocated "by someone else": straight from the driver.
+    let ctx1 = rt.context(1).unwrap();
+    let foreign = drv.mem_alloc(ctx1.raw(), 8192).unwrap();
+    rt.context(0).unwrap().make_current().unwrap();
+    let w = rt.wrap(foreign + 512, 1024, None, None).unwrap();
+    assert_eq!(w.context().device(), 1);
+    assert!(Arc::ptr_eq(w.context(), &ctx1));
+    assert_eq!(drv.calls(CallKind::PointerAttributes), 1);
+    // A second wrap inside the same allocation hits the registry.
+    let w2 = rt.wrap(foreign + 4096, 4096, None, None).unwrap();
+    assert_eq!(w2.context().device(), 1);
+    assert_eq!(drv.calls(CallKind::PointerAttributes), 1);
+    // Past the allocation's end is refused.
+    assert!(matches!(
+        rt.wrap(foreign + 4096, 4097, None, None),
+        Err(Error::InvalidPointer(_))
+    ));
+    drop(w2);
+    drop(w);
+    assert!(
+        rt.registry().is_empty(),
+        "the range goes with its last wrap"
+    );
+    // Wrapping never frees foreign memory.
+    assert_eq!(drv.live_allocations(), 1);
+    drv.mem_free(ctx1.raw(), foreign).unwrap();
+}
+
+#[test]
+fn test_wrap_of_unregistered_or_null_address_is_invalid_pointer() {
+    let (_drv, rt) = sim(1);
+    let host = vec![0u8; 64];
+    let err = rt.wrap(host.as_ptr() as u64, 64, None, None).unwrap_err();
+    assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
+    assert!(matches!(
+        rt.wrap(0, 0, None, None),
+        Err(Error::InvalidPointer(_))
+    ));
+    assert!(matches!(
+        rt.wrap(u64::MAX - 4, 64, None, None),
+        Err(Error::InvalidPointer(_))
+    ));
+}
+
+#[test]
+fn test_wrap_keeps_owner_until_released() {
+    let (_drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let owner = Arc::new(());
+    let w = rt
+        .wrap(0, 0, Some(ctx), Some(Box::new(owner.clone())))
+        .unwrap();
+    assert_eq!(Arc::strong_count(&owner), 2);
+    let v = w.view_all();
+    drop(w);
+    assert_eq!(Arc::strong_count(&owner), 2, "the view keeps the wrap");
+    drop(v);
+    assert_eq!(Arc::strong_count(&owner), 1);
+}
+
+#[test]
+fn test_stale_free_after_reset_never_frees_a_reused_address() {
+    let (drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let old = ctx.alloc(1024).unwrap();
+    let addr = old.address();
+    // Simulate a reset behind gpuptr's back: the memory is gone, and the
+    // driver hands the same address to the next allocation.
+    drv.mem_free(ctx.raw(), addr).unwrap();
+    ctx.invalidate();
+    let new = ctx.alloc(1024).unwrap();
+    assert_eq!(new.address(), addr, "the simulator reuses the address");
+    assert!(matches!(old.check_live(), Err(Error::InvalidPointer(_))));
+    assert_eq!(old.free(), Ok(true));
+    assert_eq!(drv.live_bytes(), 1024, "the new block survived");
+    new.view_all().memset(1, None, 0).unwrap();
+    assert_eq!(rt.context_of(addr).unwrap().device(), 0);
+    drop(new);
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+#[test]
+fn test_every_fault_kind_surfaces_as_its_code() {
+    for kind in [
+        CallKind::MemAlloc,
+        CallKind::Memset,
+        CallKind::Memcpy,
+        CallKind::Synchronize,
+        CallKind::MemGetInfo,
+    ] {
+        let (drv, rt) = sim(1);
+        let ctx = rt.context(0).unwrap();
+        drv.fail_nth(kind, 1, codes::CUDA_ERROR_LAUNCH_FAILED);
+        let r = match kind {
+            CallKind::MemAlloc => ctx.alloc(8).map(|_| ()),
+            CallKind::Memset => ctx.alloc(8).unwrap().view_all().memset(0, None, 0),
+            CallKind::Memcpy => ctx.alloc(8).unwrap().view_all().to_vec().map(|_| ()),
+            CallKind::Synchronize => ctx.synchronize(),
+            CallKind::MemGetInfo => ctx.memory_info().map(|_| ()),
+            _ => unreachable!(),
+        };
+        let err = r.unwrap_err();
+        assert_eq!(
+            err.cuda_code(),
+            Some(codes::CUDA_ERROR_LAUNCH_FAILED),
+            "{kind:?}"
+        );
+        assert_eq!(drv.live_bytes(), 0, "{kind:?} leaked");
+        assert_eq!(rt.stats()[0].live_count, 0, "{kind:?} miscounted");
+    }
+}
+
+#[test]
+fn test_unknown_device_is_invalid_argument() {
+    let (_drv, rt) = sim(2);
+    assert!(matches!(rt.context(2), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn test_driver_choice_parsing() {
+    use gpuptr::driver::DriverChoice;
+    assert_eq!(DriverChoice::parse("").unwrap(), DriverChoice::Auto);
+    assert_eq!(DriverChoice::parse("SIM").unwrap(), DriverChoice::Sim);
+    assert_eq!(DriverChoice::parse("cuda").unwrap(), DriverChoice::Cuda);
+    assert!(matches!(
+        DriverChoice::parse("rocm"),
+        Err(Error::NoDriver(_))
+    ));
+}
+
+#[test]
+fn test_cuda_probe_without_libcuda_is_no_driver_not_a_panic() {
+    // This machine class (CI) has no libcuda; on a GPU box it returns Ok.
+    match gpuptr::driver::probe_cuda() {
+        Ok(version) => assert!(version >= 12000),
+        Err(e) => assert!(matches!(e, Error::NoDriver(ref m) if m.contains("GPUPTR_DRIVER=sim"))),
+    }
+}

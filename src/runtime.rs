@@ -113,6 +113,12 @@ impl Runtime {
         Ok(ctx)
     }
 
+    /// The device of the calling thread's current context, or 0 when none
+    /// is current (CuPy's and numba's default device).
+    pub fn current_device(&self) -> Result<usize> {
+        Ok(self.driver.current_device()?.unwrap_or(0))
+    }
+
     /// The live context of `device` if some holder keeps one, without
     /// retaining a new one.
     pub fn existing_context(&self, device: usize) -> Option<Arc<Context>> {
@@ -139,12 +145,15 @@ impl Runtime {
         if address == 0 {
             return Err(Error::InvalidPointer("null address".into()));
         }
-        let attrs = self.driver.pointer_attributes(address).map_err(|e| match e {
-            Error::Cuda { code, .. } if code == crate::error::CUDA_ERROR_INVALID_VALUE => {
-                Error::InvalidPointer(format!("{address:#x} is not CUDA memory ({e})"))
-            }
-            other => other,
-        })?;
+        let attrs = self
+            .driver
+            .pointer_attributes(address)
+            .map_err(|e| match e {
+                Error::Cuda { code, .. } if code == crate::error::CUDA_ERROR_INVALID_VALUE => {
+                    Error::InvalidPointer(format!("{address:#x} is not CUDA memory ({e})"))
+                }
+                other => other,
+            })?;
         match attrs.memory_type {
             MemoryType::Device => {}
             MemoryType::Host => {

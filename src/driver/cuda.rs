@@ -13,15 +13,16 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::{
-    DevicePtr, Driver, DriverKind, MemoryType, PointerAttributes, PrimaryContextState,
-    RawContext, RawStream,
+    DevicePtr, Driver, DriverKind, MemoryType, PointerAttributes, PrimaryContextState, RawContext,
+    RawStream,
 };
 use crate::error::{Error, Result, CUDA_ERROR_NO_DEVICE};
 
 /// The oldest driver API gpuptr's bindings (cudarc `cuda-12000`) are built for.
 const MIN_DRIVER_VERSION: i32 = 12000;
 
-const NO_DRIVER_HINT: &str = "install the NVIDIA driver (libcuda.so.1 must be on the loader path), \
+const NO_DRIVER_HINT: &str =
+    "install the NVIDIA driver (libcuda.so.1 must be on the loader path), \
 or set GPUPTR_DRIVER=sim to run on gpuptr's simulator";
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
@@ -149,7 +150,9 @@ impl Driver for CudaDriver {
 
     fn device_total_memory(&self, device: usize) -> Result<usize> {
         let dev = self.device(device)?;
-        guard("cuDeviceTotalMem", || unsafe { result::device::total_mem(dev) })
+        guard("cuDeviceTotalMem", || unsafe {
+            result::device::total_mem(dev)
+        })
     }
 
     fn primary_context_retain(&self, device: usize) -> Result<RawContext> {
@@ -181,8 +184,18 @@ impl Driver for CudaDriver {
     }
 
     fn current_context(&self) -> Result<RawContext> {
-        guard("cuCtxGetCurrent", result::ctx::get_current)
-            .map(|c| c.map_or(0, |c| c as RawContext))
+        guard("cuCtxGetCurrent", result::ctx::get_current).map(|c| c.map_or(0, |c| c as RawContext))
+    }
+
+    fn current_device(&self) -> Result<Option<usize>> {
+        if self.current_context()? == 0 {
+            return Ok(None);
+        }
+        let mut dev: sys::CUdevice = 0;
+        guard("cuCtxGetDevice", || unsafe {
+            sys::cuCtxGetDevice(&mut dev).result()
+        })?;
+        Ok(Some(dev as usize))
     }
 
     fn set_current_context(&self, context: RawContext) -> Result<()> {
@@ -233,12 +246,16 @@ impl Driver for CudaDriver {
 
     fn memcpy_htod(&self, context: RawContext, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.enter(context)?;
-        guard("cuMemcpyHtoD", || unsafe { result::memcpy_htod_sync(dst, src) })
+        guard("cuMemcpyHtoD", || unsafe {
+            result::memcpy_htod_sync(dst, src)
+        })
     }
 
     fn memcpy_dtoh(&self, context: RawContext, dst: &mut [u8], src: DevicePtr) -> Result<()> {
         self.enter(context)?;
-        guard("cuMemcpyDtoH", || unsafe { result::memcpy_dtoh_sync(dst, src) })
+        guard("cuMemcpyDtoH", || unsafe {
+            result::memcpy_dtoh_sync(dst, src)
+        })
     }
 
     fn memcpy_dtod(

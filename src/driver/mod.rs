@@ -165,6 +165,9 @@ pub trait Driver: Send + Sync + 'static {
     fn primary_context_state(&self, device: usize) -> Result<PrimaryContextState>;
     /// `cuCtxGetCurrent` (0 when none).
     fn current_context(&self) -> Result<RawContext>;
+    /// The device of the current context (`cuCtxGetDevice`), or `None` when
+    /// no context is current.
+    fn current_device(&self) -> Result<Option<usize>>;
     /// `cuCtxSetCurrent`.
     fn set_current_context(&self, context: RawContext) -> Result<()>;
     /// `cuCtxSynchronize` in `context`.
@@ -200,6 +203,11 @@ pub trait Driver: Send + Sync + 'static {
 
     /// `cuPointerGetAttributes`: context, device, memory type and range.
     fn pointer_attributes(&self, ptr: DevicePtr) -> Result<PointerAttributes>;
+
+    /// The simulator behind this driver, for tests that inject faults.
+    fn as_sim(&self) -> Option<&SimDriver> {
+        None
+    }
 }
 
 /// How to pick the driver: the value of `GPUPTR_DRIVER`.

@@ -102,11 +102,7 @@ impl State {
         let n = self.calls.entry(kind).or_insert(0);
         *n += 1;
         let n = *n;
-        if let Some(i) = self
-            .faults
-            .iter()
-            .position(|f| f.kind == kind && f.at == n)
-        {
+        if let Some(i) = self.faults.iter().position(|f| f.kind == kind && f.at == n) {
             let code = self.faults.remove(i).code;
             return Err(Error::cuda(call, code, cuda_error_name(code)));
         }
@@ -188,8 +184,13 @@ impl SimDriver {
 
     /// The device whose primary context is `context`, if it is live.
     fn device_of(&self, st: &State, context: RawContext, call: &'static str) -> Result<usize> {
-        let invalid =
-            || Error::cuda(call, CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT");
+        let invalid = || {
+            Error::cuda(
+                call,
+                CUDA_ERROR_INVALID_CONTEXT,
+                "CUDA_ERROR_INVALID_CONTEXT",
+            )
+        };
         let off = context.checked_sub(CONTEXT_BASE).ok_or_else(invalid)?;
         if off % 0x1000 != 0 {
             return Err(invalid());
@@ -248,24 +249,31 @@ impl Driver for SimDriver {
         DriverKind::Sim
     }
 
+    fn as_sim(&self) -> Option<&SimDriver> {
+        Some(self)
+    }
+
     fn version(&self) -> Result<i32> {
         Ok(self.config.version)
     }
 
     fn device_count(&self) -> Result<usize> {
-        self.lock().enter(CallKind::DeviceQuery, "cuDeviceGetCount")?;
+        self.lock()
+            .enter(CallKind::DeviceQuery, "cuDeviceGetCount")?;
         Ok(self.config.devices)
     }
 
     fn device_name(&self, device: usize) -> Result<String> {
         self.check_device(device)?;
-        self.lock().enter(CallKind::DeviceQuery, "cuDeviceGetName")?;
+        self.lock()
+            .enter(CallKind::DeviceQuery, "cuDeviceGetName")?;
         Ok(format!("gpuptr simulated device {device}"))
     }
 
     fn device_total_memory(&self, device: usize) -> Result<usize> {
         self.check_device(device)?;
-        self.lock().enter(CallKind::DeviceQuery, "cuDeviceTotalMem")?;
+        self.lock()
+            .enter(CallKind::DeviceQuery, "cuDeviceTotalMem")?;
         Ok(self.config.memory_per_device)
     }
 
@@ -316,6 +324,11 @@ impl Driver for SimDriver {
             .get(&std::thread::current().id())
             .copied()
             .unwrap_or(0))
+    }
+
+    fn current_device(&self) -> Result<Option<usize>> {
+        let raw = self.current_context()?;
+        Ok((raw != 0).then(|| (raw - CONTEXT_BASE) / 0x1000))
     }
 
     fn set_current_context(&self, context: RawContext) -> Result<()> {

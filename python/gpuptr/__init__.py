@@ -1,0 +1,69 @@
+"""gpuptr: refcounted CUDA contexts and device pointers, from Rust.
+
+Every pointer holds a real, retained CUDA context, and views hold their
+allocation, so nothing can outlive what it points into::
+
+    import gpuptr
+    mem = gpuptr.alloc(1 << 20)            # on the current device
+    mem.memset(0)
+    half = mem.view(0, 1 << 19)            # keeps `mem`'s memory alive
+    half.context.device.id, int(half.context.handle)
+
+    ptr = gpuptr.wrap(cupy_array.data.ptr, cupy_array.nbytes, owner=cupy_array)
+    ptr.context                            # resolved from the address
+
+The driver is chosen by ``GPUPTR_DRIVER``: ``auto`` (default) or ``cuda``
+use libcuda; ``sim`` uses gpuptr's host-memory simulator.
+"""
+
+from __future__ import annotations
+
+from gpuptr._core import (
+    Context,
+    ContextHandle,
+    Device,
+    MemoryPointer,
+    __version__,
+    alloc,
+    context,
+    context_of,
+    devices,
+    driver_info,
+    probe_cuda,
+    release_contexts,
+    stats,
+    wrap,
+)
+from gpuptr._errors import (
+    CudaError,
+    GpuptrError,
+    InvalidArgumentError,
+    InvalidPointerError,
+    NoDriverError,
+    OutOfMemoryError,
+)
+from gpuptr._types import MemoryInfo
+
+__all__ = [
+    "Context",
+    "ContextHandle",
+    "CudaError",
+    "Device",
+    "GpuptrError",
+    "InvalidArgumentError",
+    "InvalidPointerError",
+    "MemoryInfo",
+    "MemoryPointer",
+    "NoDriverError",
+    "OutOfMemoryError",
+    "__version__",
+    "alloc",
+    "context",
+    "context_of",
+    "devices",
+    "driver_info",
+    "probe_cuda",
+    "release_contexts",
+    "stats",
+    "wrap",
+]

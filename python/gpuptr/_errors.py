@@ -1,0 +1,53 @@
+"""gpuptr's exception hierarchy. The Rust binding raises these classes."""
+
+from __future__ import annotations
+
+__all__ = [
+    "GpuptrError",
+    "NoDriverError",
+    "CudaError",
+    "OutOfMemoryError",
+    "InvalidPointerError",
+    "InvalidArgumentError",
+]
+
+
+class GpuptrError(Exception):
+    """Base class of every error gpuptr raises."""
+
+
+class NoDriverError(GpuptrError, RuntimeError):
+    """No usable CUDA driver: libcuda is missing or too old, there is no
+    device, or ``GPUPTR_DRIVER`` names no driver. The message has a hint."""
+
+
+class CudaError(GpuptrError, RuntimeError):
+    """A CUDA driver call failed.
+
+    Attributes:
+        code: the ``CUresult`` value (for example 2).
+        name: its name (for example ``"CUDA_ERROR_OUT_OF_MEMORY"``).
+    """
+
+    def __init__(self, message: str, code: int = -1, name: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.name = name
+
+
+class OutOfMemoryError(CudaError, MemoryError):
+    """The device (or gpuptr's pool in front of it) cannot satisfy an
+    allocation. Also a :class:`MemoryError`."""
+
+    def __init__(self, message: str, code: int = 2, name: str = "CUDA_ERROR_OUT_OF_MEMORY") -> None:
+        super().__init__(message, code, name)
+
+
+class InvalidPointerError(GpuptrError, ValueError):
+    """A pointer that is freed, stale, out of range, or not device memory.
+    Also a :class:`ValueError`."""
+
+
+class InvalidArgumentError(GpuptrError, ValueError):
+    """An argument with a bad value: a negative size, an unknown device, a
+    malformed array descriptor. Also a :class:`ValueError`."""

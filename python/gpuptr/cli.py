@@ -1,0 +1,65 @@
+"""The ``gpuptr`` command line.
+
+``python -m gpuptr info`` prints the driver in use (cuda or sim), its
+version, and each device with its memory. With no ``GPUPTR_DRIVER`` set and
+no usable CUDA driver, it runs on the simulator and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+
+def _choose_driver(out) -> None:
+    """Fall back to the simulator when the user did not pick a driver and
+    libcuda cannot be used here. Must run before the first GPU call."""
+    if os.environ.get("GPUPTR_DRIVER", "").strip():
+        return
+    from gpuptr import probe_cuda
+
+    ok, detail = probe_cuda()
+    if not ok:
+        print(f"note: {detail}", file=out)
+        print("note: running on gpuptr's simulator (GPUPTR_DRIVER=sim)", file=out)
+        os.environ["GPUPTR_DRIVER"] = "sim"
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print the driver and devices."""
+    import gpuptr
+
+    _choose_driver(sys.stdout)
+    info = gpuptr.driver_info()
+    print(f"gpuptr {gpuptr.__version__}")
+    print(f"driver: {info['driver']} (CUDA {info['version_string']}, version {info['version']})")
+    print(f"devices: {info['device_count']}")
+    for dev in gpuptr.devices():
+        ctx = gpuptr.context(dev.id)
+        free, total = ctx.get_memory_info()
+        print(f"  [{dev.id}] {dev.name}: {_gib(total)} total, {_gib(free)} free")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="gpuptr", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="show the driver and devices")
+    p.set_defaults(func=cmd_info)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as e:  # the CLI reports, it does not trace back
+        from gpuptr import GpuptrError
+
+        if isinstance(e, GpuptrError):
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        raise

@@ -1,0 +1,214 @@
+//! The binding room: `gpuptr._core`. Thin wrappers over the core; every
+//! error goes through one `From<Error> for PyErr`.
+
+mod errors;
+mod pointer;
+mod py_context;
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyAny, PyDict, PyList};
+
+use crate::driver::{self, CallKind, SimDriver};
+use crate::{Error, Runtime};
+use pointer::{pointer_arg, PyMemoryPointer};
+use py_context::{py_context, PyContext, PyContextHandle, PyDevice};
+
+/// The process runtime (`GPUPTR_DRIVER` picks the driver on first use).
+pub(crate) fn runtime() -> PyResult<&'static Arc<Runtime>> {
+    Ok(Runtime::global()?)
+}
+
+/// A byte count: negative is an `InvalidArgumentError`.
+pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
+    usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
+}
+
+/// The context of `device` (default 0): one object per device.
+#[pyfunction]
+#[pyo3(signature = (device=0))]
+fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
+    let device = usize::try_from(device)
+        .map_err(|_| Error::InvalidArgument(format!("device {device} does not exist")))?;
+    py_context(py, &runtime()?.context(device)?)
+}
+
+/// Allocate ``nbytes`` of device memory on ``device`` (default: the current
+/// context's device, else 0).
+#[pyfunction]
+#[pyo3(signature = (nbytes, device=None))]
+fn alloc(py: Python<'_>, nbytes: isize, device: Option<isize>) -> PyResult<PyMemoryPointer> {
+    let size = size_arg(nbytes)?;
+    let rt = runtime()?;
+    let device = match device {
+        Some(d) => usize::try_from(d)
+            .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")))?,
+        None => rt.current_device()?,
+    };
+    let ctx = rt.context(device)?;
+    let pyctx = py_context(py, &ctx)?;
+    Ok(PyMemoryPointer::owning(ctx.alloc(size)?, Some(pyctx)))
+}
+
+/// Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a
+/// MemoryPointer that keeps ``owner`` alive. Without ``context``, the
+/// context is resolved from the address itself, never from the current one.
+#[pyfunction]
+#[pyo3(signature = (address, nbytes, owner=None, context=None))]
+fn wrap(
+    address: &Bound<'_, PyAny>,
+    nbytes: isize,
+    owner: Option<Py<PyAny>>,
+    context: Option<&Bound<'_, PyContext>>,
+) -> PyResult<PyMemoryPointer> {
+    let size = size_arg(nbytes)?;
+    let address = pointer_arg(address)?;
+    let ctx = context.map(|c| c.get().inner.clone());
+    let mem = runtime()?.wrap(address, size, ctx, None)?;
+    Ok(PyMemoryPointer::wrapping(mem, owner, false))
+}
+
+/// The context of the memory at ``address``: a registry lookup for memory
+/// gpuptr knows, one driver query otherwise.
+#[pyfunction]
+fn context_of(py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<Py<PyContext>> {
+    let address = pointer_arg(address)?;
+    py_context(py, &runtime()?.context_of(address)?)
+}
+
+/// Which driver is in use, its version and the device count.
+#[pyfunction]
+fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let rt = runtime()?;
+    let d = PyDict::new(py);
+    let version = rt.driver().version()?;
+    d.set_item("driver", rt.driver().kind().as_str())?;
+    d.set_item("version", version)?;
+    d.set_item(
+        "version_string",
+        format!("{}.{}", version / 1000, (version % 1000) / 10),
+    )?;
+    d.set_item("device_count", rt.device_count())?;
+    Ok(d)
+}
+
+/// The devices, as `Device` objects.
+#[pyfunction]
+fn devices(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    let n = runtime()?.device_count();
+    let list = PyList::empty(py);
+    for id in 0..n {
+        list.append(Py::new(py, PyDevice::from_id(id))?)?;
+    }
+    Ok(list)
+}
+
+/// Whether the CUDA driver can be used here, without opening it for use:
+/// ``(True, version)`` or ``(False, reason)``.
+#[pyfunction]
+fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
+    Ok(match driver::probe_cuda() {
+        Ok(v) => (true, v.into_pyobject(py)?.into_any().unbind()),
+        Err(e) => (false, e.to_string().into_pyobject(py)?.into_any().unbind()),
+    })
+}
+
+/// Allocation statistics per device: live bytes and count, peak, and the
+/// number of allocations made.
+#[pyfunction]
+fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    let list = PyList::empty(py);
+    for s in runtime()?.stats() {
+        let d = PyDict::new(py);
+        d.set_item("device", s.device)?;
+        d.set_item("live_bytes", s.live_bytes)?;
+        d.set_item("live_count", s.live_count)?;
+        d.set_item("peak_bytes", s.peak_bytes)?;
+        d.set_item("alloc_count", s.alloc_count)?;
+        list.append(d)?;
+    }
+    Ok(list)
+}
+
+/// Drop gpuptr's own hold on contexts; each is released once no pointer
+/// holds it.
+#[pyfunction]
+fn release_contexts() {
+    py_context::release_contexts();
+}
+
+fn sim() -> PyResult<&'static SimDriver> {
+    runtime()?.driver().as_sim().ok_or_else(|| {
+        Error::NoDriver("this needs the simulator (GPUPTR_DRIVER=sim)".into()).into()
+    })
+}
+
+/// Simulator: fail the ``nth`` next call of ``kind`` with CUresult ``code``.
+#[pyfunction]
+fn _sim_fail_nth(kind: &str, nth: u64, code: i32) -> PyResult<()> {
+    let kind = CallKind::from_name(kind)
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown call kind {kind:?}")))?;
+    sim()?.fail_nth(kind, nth, code);
+    Ok(())
+}
+
+/// Simulator: drop every armed fault.
+#[pyfunction]
+fn _sim_clear_faults() -> PyResult<()> {
+    sim()?.clear_faults();
+    Ok(())
+}
+
+/// Simulator: device bytes allocated now (over all devices).
+#[pyfunction]
+fn _sim_live_bytes() -> PyResult<usize> {
+    Ok(sim()?.live_bytes())
+}
+
+/// Simulator: the primary-context retain count of ``device``.
+#[pyfunction]
+fn _sim_retain_count(device: usize) -> PyResult<u32> {
+    Ok(sim()?.retain_count(device))
+}
+
+/// Simulator: how many calls of ``kind`` were made.
+#[pyfunction]
+fn _sim_calls(kind: &str) -> PyResult<u64> {
+    let kind = CallKind::from_name(kind)
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown call kind {kind:?}")))?;
+    Ok(sim()?.calls(kind))
+}
+
+/// `cuDevicePrimaryCtxGetState(device)`: ``(flags, active)``.
+#[pyfunction]
+fn _primary_context_state(device: usize) -> PyResult<(u32, bool)> {
+    let s = runtime()?.driver().primary_context_state(device)?;
+    Ok((s.flags, s.active))
+}
+
+/// The native core of gpuptr. Use the `gpuptr` package, which re-exports it.
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyContext>()?;
+    m.add_class::<PyContextHandle>()?;
+    m.add_class::<PyDevice>()?;
+    m.add_class::<PyMemoryPointer>()?;
+    m.add_function(wrap_pyfunction!(context, m)?)?;
+    m.add_function(wrap_pyfunction!(alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(wrap, m)?)?;
+    m.add_function(wrap_pyfunction!(context_of, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_info, m)?)?;
+    m.add_function(wrap_pyfunction!(devices, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(release_contexts, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_fail_nth, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_clear_faults, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_live_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_retain_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_calls, m)?)?;
+    m.add_function(wrap_pyfunction!(_primary_context_state, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,261 @@
+//! `Context`, `Device` and `ContextHandle`: the context as consumers read it
+//! (`ctx.device.id`, `ctx.handle.value`, `int(ctx.handle)`).
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+use pyo3::pyclass::CompareOp;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyAny;
+
+use super::pointer::PyMemoryPointer;
+use super::runtime;
+use crate::Context;
+
+/// A device, as numba's `Device` is read: `.id`, plus its name and memory.
+#[pyclass(frozen, module = "gpuptr._core", name = "Device")]
+pub struct PyDevice {
+    /// The device ordinal.
+    #[pyo3(get)]
+    id: usize,
+}
+
+impl PyDevice {
+    pub(crate) fn from_id(id: usize) -> Self {
+        PyDevice { id }
+    }
+}
+
+#[pymethods]
+impl PyDevice {
+    #[new]
+    fn new(id: usize) -> PyResult<Self> {
+        let rt = runtime()?;
+        if id >= rt.device_count() {
+            return Err(crate::Error::InvalidArgument(format!(
+                "device {id} does not exist ({} device(s) present)",
+                rt.device_count()
+            ))
+            .into());
+        }
+        Ok(PyDevice { id })
+    }
+
+    /// The device's name (`cuDeviceGetName`).
+    #[getter]
+    fn name(&self) -> PyResult<String> {
+        Ok(runtime()?.driver().device_name(self.id)?)
+    }
+
+    /// Total device memory in bytes (`cuDeviceTotalMem`).
+    #[getter]
+    fn total_memory(&self) -> PyResult<usize> {
+        Ok(runtime()?.driver().device_total_memory(self.id)?)
+    }
+
+    fn __int__(&self) -> usize {
+        self.id
+    }
+
+    fn __index__(&self) -> usize {
+        self.id
+    }
+
+    fn __hash__(&self) -> usize {
+        self.id
+    }
+
+    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> Option<bool> {
+        let other_id = match other.cast::<PyDevice>() {
+            Ok(d) => Some(d.get().id),
+            Err(_) => other.extract::<usize>().ok(),
+        };
+        compare(other_id.map(|o| (self.id, o)), op)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<gpuptr.Device {}>", self.id)
+    }
+}
+
+fn compare<T: PartialEq>(pair: Option<(T, T)>, op: CompareOp) -> Option<bool> {
+    // None is NotImplemented, so Python tries the reflected comparison.
+    let (a, b) = pair?;
+    match op {
+        CompareOp::Eq => Some(a == b),
+        CompareOp::Ne => Some(a != b),
+        _ => None,
+    }
+}
+
+/// A `CUcontext` handle. `.value` is the integer address (the attribute
+/// PyArrow reads); `int(handle)` gives the same (what code written for
+/// numba-cuda >= 0.28 does), and it compares equal to numba's or
+/// cuda-bindings' `CUcontext` for the same context.
+#[pyclass(frozen, module = "gpuptr._core", name = "ContextHandle")]
+pub struct PyContextHandle {
+    /// The `CUcontext` as an integer.
+    #[pyo3(get)]
+    value: usize,
+}
+
+#[pymethods]
+impl PyContextHandle {
+    fn __int__(&self) -> usize {
+        self.value
+    }
+
+    fn __index__(&self) -> usize {
+        self.value
+    }
+
+    fn __hash__(&self) -> usize {
+        self.value
+    }
+
+    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> Option<bool> {
+        let other = match other.cast::<PyContextHandle>() {
+            Ok(h) => Some(h.get().value),
+            Err(_) => other
+                .extract::<usize>()
+                .ok()
+                .or_else(|| other.call_method0("__int__").ok()?.extract().ok()),
+        };
+        compare(other.map(|o| (self.value, o)), op)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<gpuptr.ContextHandle {:#x}>", self.value)
+    }
+}
+
+/// A device's primary context, retained while this object or any pointer
+/// into its memory lives. `gpuptr.context(d)` returns the same object for
+/// the same device.
+#[pyclass(frozen, weakref, module = "gpuptr._core", name = "Context")]
+pub struct PyContext {
+    pub(crate) inner: Arc<Context>,
+    /// The device (`ctx.device.id` is its ordinal).
+    #[pyo3(get)]
+    device: Py<PyDevice>,
+    /// The `CUcontext` handle (`.value`, `int()`).
+    #[pyo3(get)]
+    handle: Py<PyContextHandle>,
+}
+
+#[pymethods]
+impl PyContext {
+    /// Allocate `size` bytes in this context (numba's `Context.memalloc`).
+    fn memalloc(slf: &Bound<'_, Self>, size: isize) -> PyResult<PyMemoryPointer> {
+        let size = super::size_arg(size)?;
+        let mem = slf.get().inner.alloc(size)?;
+        Ok(PyMemoryPointer::owning(mem, Some(slf.clone().unbind())))
+    }
+
+    /// `MemoryInfo(free, total)` from `cuMemGetInfo`.
+    fn get_memory_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        static MEMORY_INFO: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let (free, total) = py.detach(|| self.inner.memory_info())?;
+        MEMORY_INFO
+            .import(py, "gpuptr._types", "MemoryInfo")?
+            .call1((free, total))
+    }
+
+    /// Wait for all work in this context to finish.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(py.detach(|| self.inner.synchronize())?)
+    }
+
+    /// Make this context current on the calling thread.
+    fn push(&self) -> PyResult<()> {
+        Ok(self.inner.make_current()?)
+    }
+
+    fn __hash__(&self) -> usize {
+        self.inner.raw()
+    }
+
+    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> Option<bool> {
+        // Equal to another gpuptr context of the same device, or to a numba
+        // context (anything with .device.id and .handle) for the same one.
+        let other = match other.cast::<PyContext>() {
+            Ok(c) => Some((c.get().inner.device(), c.get().inner.raw())),
+            Err(_) => (|| {
+                let id: usize = other
+                    .getattr("device")
+                    .ok()?
+                    .getattr("id")
+                    .ok()?
+                    .extract()
+                    .ok()?;
+                let handle = other.getattr("handle").ok()?;
+                let raw: usize = handle
+                    .extract()
+                    .ok()
+                    .or_else(|| handle.call_method0("__int__").ok()?.extract().ok())?;
+                Some((id, raw))
+            })(),
+        };
+        compare(
+            other.map(|o| ((self.inner.device(), self.inner.raw()), o)),
+            op,
+        )
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<gpuptr.Context device={} handle={:#x}>",
+            self.inner.device(),
+            self.inner.raw()
+        )
+    }
+}
+
+/// The Python object for each device's context: one per device, so
+/// `context(0) is context(0)`. gpuptr holds it (and so the primary context)
+/// until `release_contexts()`, as numba and CuPy hold theirs: dropping the
+/// last retain destroys a primary context and everything in it.
+static PY_CONTEXTS: Mutex<Vec<Option<Py<PyContext>>>> = Mutex::new(Vec::new());
+
+fn cached(ctx: &Arc<Context>, py: Python<'_>) -> Option<Py<PyContext>> {
+    let slots = PY_CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    let c = slots.get(ctx.device())?.as_ref()?;
+    Arc::ptr_eq(&c.get().inner, ctx).then(|| c.clone_ref(py))
+}
+
+/// The Python object of a core context.
+pub(crate) fn py_context(py: Python<'_>, ctx: &Arc<Context>) -> PyResult<Py<PyContext>> {
+    if let Some(c) = cached(ctx, py) {
+        return Ok(c);
+    }
+    // Build outside the lock: creating Python objects can run arbitrary code.
+    let made = Py::new(
+        py,
+        PyContext {
+            inner: ctx.clone(),
+            device: Py::new(py, PyDevice { id: ctx.device() })?,
+            handle: Py::new(py, PyContextHandle { value: ctx.raw() })?,
+        },
+    )?;
+    let mut slots = PY_CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    if slots.len() <= ctx.device() {
+        slots.resize_with(ctx.device() + 1, || None);
+    }
+    let slot = &mut slots[ctx.device()];
+    match slot {
+        Some(c) if Arc::ptr_eq(&c.get().inner, ctx) => Ok(c.clone_ref(py)),
+        _ => {
+            let old = slot.replace(made.clone_ref(py));
+            drop(slots);
+            drop(old);
+            Ok(made)
+        }
+    }
+}
+
+/// Drop gpuptr's own hold on every context: a context is then released
+/// once no pointer or other object holds it.
+pub(crate) fn release_contexts() {
+    let old = std::mem::take(&mut *PY_CONTEXTS.lock().unwrap_or_else(|p| p.into_inner()));
+    drop(old);
+}

@@ -1,0 +1,135 @@
+"""Simulator-only tests: fault injection, driver-side leak counters, two
+simulated devices, and driver selection. They run in CI (no GPU)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gpuptr
+from gpuptr import _core
+
+pytestmark = pytest.mark.sim
+
+
+def test_injected_oom_raises_out_of_memory_and_leaks_nothing(no_leaks):
+    gc.collect()
+    base = _core._sim_live_bytes()
+    keep = gpuptr.alloc(1000)
+    _core._sim_fail_nth("mem_alloc", 1, 2)
+    with pytest.raises(gpuptr.OutOfMemoryError) as ei:
+        gpuptr.alloc(4096)
+    assert isinstance(ei.value, MemoryError)
+    assert _core._sim_live_bytes() == base + 1000
+    del keep
+    gc.collect()
+    assert _core._sim_live_bytes() == base
+
+
+def test_capacity_oom_leaks_nothing(no_leaks):
+    base = _core._sim_live_bytes()
+    with pytest.raises(gpuptr.OutOfMemoryError):
+        gpuptr.alloc(512 << 20)
+    assert _core._sim_live_bytes() == base
+
+
+def test_cuda_error_carries_code_and_name(no_leaks):
+    mem = gpuptr.alloc(64)
+    _core._sim_fail_nth("memset", 1, 719)
+    with pytest.raises(gpuptr.CudaError) as ei:
+        mem.memset(0)
+    assert ei.value.code == 719
+    assert ei.value.name == "CUDA_ERROR_LAUNCH_FAILED"
+    assert "cuMemsetD8" in str(ei.value)
+    mem.memset(0)  # the fault fired once
+
+
+def test_failed_free_keeps_memory_and_a_later_free_succeeds(no_leaks):
+    base = _core._sim_live_bytes()
+    mem = gpuptr.alloc(256)
+    _core._sim_fail_nth("mem_free", 1, 719)
+    with pytest.raises(gpuptr.CudaError):
+        mem.free()
+    assert not mem.freed
+    assert _core._sim_live_bytes() == base + 256
+    mem.free()
+    assert _core._sim_live_bytes() == base
+
+
+def test_context_released_when_the_last_holder_goes():
+    gc.collect()
+    gpuptr.release_contexts()
+    gc.collect()
+    assert _core._sim_retain_count(1) == 0
+    mem = gpuptr.alloc(64, device=1)
+    assert _core._sim_retain_count(1) == 1
+    ctx = mem.context
+    gpuptr.release_contexts()  # gpuptr's own hold goes; the pointer's stays
+    assert _core._sim_retain_count(1) == 1
+    del ctx
+    gc.collect()
+    assert _core._sim_retain_count(1) == 1
+    v = mem.view(8)
+    del mem
+    gc.collect()
+    assert _core._sim_retain_count(1) == 1, "the view holds the context"
+    del v
+    gc.collect()
+    assert _core._sim_retain_count(1) == 0
+    assert _core._primary_context_state(1) == (0, False)
+
+
+def test_address_on_device_1_resolves_to_device_1_while_device_0_is_current(no_leaks):
+    ctx0, ctx1 = gpuptr.context(0), gpuptr.context(1)
+    mem1 = gpuptr.alloc(4096, device=1)
+    ctx0.push()
+    assert gpuptr.alloc(8).context is ctx0, "device 0 is current"
+    calls = _core._sim_calls("pointer_attributes")
+    w = gpuptr.wrap(mem1.device_pointer_value + 100, 100)
+    assert w.context is ctx1 and w.context.device.id == 1
+    assert gpuptr.context_of(mem1.device_pointer_value) is ctx1
+    assert _core._sim_calls("pointer_attributes") == calls, "registry hits"
+    ctx1.push()
+    assert gpuptr.alloc(8).context is ctx1
+    ctx0.push()
+
+
+def test_unknown_driver_name_is_no_driver_error():
+    code = "import gpuptr\ntry:\n    gpuptr.alloc(8)\nexcept gpuptr.NoDriverError as e:\n    print('NoDriverError', e)\n"
+    env = dict(os.environ, GPUPTR_DRIVER="rocm")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("NoDriverError") and "auto, cuda or sim" in out.stdout
+
+
+def test_without_libcuda_import_works_and_first_call_raises_no_driver_error():
+    if gpuptr.probe_cuda()[0]:
+        pytest.skip("libcuda is present on this machine")
+    code = (
+        "import gpuptr\n"
+        "try:\n    gpuptr.context(0)\n"
+        "except gpuptr.NoDriverError as e:\n    print('NoDriverError', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPTR_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("NoDriverError")
+    assert "GPUPTR_DRIVER=sim" in out.stdout, "the message carries a hint"
+    assert out.stderr == ""
+
+
+def test_cli_info_falls_back_to_the_simulator_and_says_so():
+    if gpuptr.probe_cuda()[0]:
+        pytest.skip("libcuda is present on this machine")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPTR_")}
+    out = subprocess.run([sys.executable, "-m", "gpuptr", "info"], env=env, capture_output=True, text=True, check=True)
+    assert "running on gpuptr's simulator" in out.stdout
+    assert "driver: sim" in out.stdout
+    assert "[0] gpuptr simulated device 0" in out.stdout
+
+
+def test_sim_helpers_refuse_on_the_wrong_kind():
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        _core._sim_fail_nth("no_such_call", 1, 1)

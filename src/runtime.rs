@@ -57,7 +57,7 @@ impl Runtime {
         let n = driver.device_count()?;
         Ok(Arc::new(Runtime {
             driver,
-            contexts: Mutex::new(vec![Weak::new(); n]),
+            contexts: Mutex::new((0..n).map(|_| Weak::new()).collect()),
             registry: Registry::new(),
             counters: (0..n).map(|_| DeviceCounters::default()).collect(),
         }))

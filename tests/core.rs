@@ -249,7 +249,7 @@ fn test_foreign_wrap_resolves_by_address_and_registers_its_range() {
 #[test]
 fn test_wrap_of_unregistered_or_null_address_is_invalid_pointer() {
     let (_drv, rt) = sim(1);
-    let host = vec![0u8; 64];
+    let host = [0u8; 64];
     let err = rt.wrap(host.as_ptr() as u64, 64, None, None).unwrap_err();
     assert!(matches!(err, Error::InvalidPointer(_)), "{err:?}");
     assert!(matches!(

@@ -90,6 +90,11 @@ impl Context {
         self.driver().synchronize(self.raw)
     }
 
+    /// Wait for the work queued on `stream` (an int handle) to finish.
+    pub fn stream_synchronize(&self, stream: crate::driver::RawStream) -> Result<()> {
+        self.driver().stream_synchronize(self.raw, stream)
+    }
+
     /// `(free, total)` device memory, from `cuMemGetInfo`.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.driver().mem_get_info(self.raw)

@@ -43,8 +43,12 @@ from gpuptr._errors import (
     OutOfMemoryError,
 )
 from gpuptr._types import MemoryInfo
+from gpuptr.interop import ArrayView, from_cuda_array_interface, from_dlpack
 
 __all__ = [
+    "ArrayView",
+    "from_cuda_array_interface",
+    "from_dlpack",
     "Context",
     "ContextHandle",
     "CudaError",

@@ -209,6 +209,13 @@ impl Driver for CudaDriver {
         guard("cuCtxSynchronize", result::ctx::synchronize)
     }
 
+    fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()> {
+        self.enter(context)?;
+        guard("cuStreamSynchronize", || unsafe {
+            result::stream::synchronize(stream as sys::CUstream)
+        })
+    }
+
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
         self.enter(context)?;
         guard("cuMemAlloc", || unsafe { result::malloc_sync(size) })

@@ -86,7 +86,7 @@ pub enum CallKind {
     ContextRelease,
     /// `cuCtxSetCurrent`/`cuCtxGetCurrent`
     ContextCurrent,
-    /// `cuCtxSynchronize`
+    /// `cuCtxSynchronize`, `cuStreamSynchronize`
     Synchronize,
     /// `cuMemAlloc`
     MemAlloc,
@@ -172,6 +172,10 @@ pub trait Driver: Send + Sync + 'static {
     fn set_current_context(&self, context: RawContext) -> Result<()>;
     /// `cuCtxSynchronize` in `context`.
     fn synchronize(&self, context: RawContext) -> Result<()>;
+
+    /// `cuStreamSynchronize` of `stream` (an int handle; 0, 1 and 2 are the
+    /// legacy, legacy and per-thread default streams) in `context`.
+    fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()>;
 
     /// `cuMemAlloc` in `context`.
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr>;

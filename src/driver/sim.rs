@@ -347,6 +347,14 @@ impl Driver for SimDriver {
         self.device_of(&st, context, "cuCtxSynchronize").map(|_| ())
     }
 
+    fn stream_synchronize(&self, context: RawContext, _stream: RawStream) -> Result<()> {
+        // The simulator runs everything synchronously.
+        let mut st = self.lock();
+        st.enter(CallKind::Synchronize, "cuStreamSynchronize")?;
+        self.device_of(&st, context, "cuStreamSynchronize")
+            .map(|_| ())
+    }
+
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
         let mut st = self.lock();
         st.enter(CallKind::MemAlloc, "cuMemAlloc")?;

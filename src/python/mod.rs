@@ -1,6 +1,7 @@
 //! The binding room: `gpuptr._core`. Thin wrappers over the core; every
 //! error goes through one `From<Error> for PyErr`.
 
+mod dlpack;
 mod errors;
 mod pointer;
 mod py_context;
@@ -209,6 +210,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_sim_retain_count, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_calls, m)?)?;
     m.add_function(wrap_pyfunction!(_primary_context_state, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::_dlpack_describe, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -166,6 +166,13 @@ impl PyContext {
         Ok(py.detach(|| self.inner.synchronize())?)
     }
 
+    /// Wait for the work queued on ``stream`` (an int handle, or a numba or
+    /// CuPy stream object) to finish.
+    fn stream_synchronize(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let stream = super::pointer::stream_arg(Some(stream))?;
+        Ok(py.detach(|| self.inner.stream_synchronize(stream))?)
+    }
+
     /// Make this context current on the calling thread.
     fn push(&self) -> PyResult<()> {
         Ok(self.inner.make_current()?)

@@ -5,6 +5,7 @@ gpuptr MemoryPointer with the context resolved from the address itself."""
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Any, Optional, Tuple
 
 from gpuptr import _core
@@ -119,26 +120,53 @@ def _c_strides(shape: Tuple[int, ...], itemsize: int) -> Tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _make_view(address, shape, strides, typestr, itemsize, readonly, owner, stream) -> ArrayView:
-    """Wrap the memory a strided array spans; the pointer starts at element 0."""
+def _layout_uncached(shape: Any, strides: Any, typestr: Any):
+    """Validate a strided layout: ``(shape, byte strides, itemsize, lo, span)``
+    where ``lo <= 0`` is the lowest byte offset from element 0 and ``span``
+    the bytes the array covers (0 when empty)."""
+    itemsize = _parse_typestr(typestr)
+    shape = _int_tuple(shape, "shape", nonneg=True)
     if strides is None:
         strides = _c_strides(shape, itemsize)
-    elif len(strides) != len(shape):
-        raise InvalidArgumentError(f"strides {strides!r} do not match shape {shape!r}")
+    else:
+        strides = _int_tuple(strides, "strides", nonneg=False)
+        if len(strides) != len(shape):
+            raise InvalidArgumentError(f"strides {strides!r} do not match shape {shape!r}")
     if any(s == 0 for s in shape):
-        # Empty: no memory is touched; a null pointer in the current context.
-        return ArrayView(_core.alloc(0), shape, strides, typestr, itemsize, readonly, 0, stream, owner)
-    if not address:
-        raise InvalidPointerError("a non-empty array has a null data pointer")
+        return shape, strides, itemsize, 0, 0
     lo = hi = 0
     for n, st in zip(shape, strides):
         if st >= 0:
             hi += (n - 1) * st
         else:
             lo += (n - 1) * st
+    return shape, strides, itemsize, lo, hi - lo + itemsize
+
+
+# Exporters hand the same few layouts over and over; validating each once
+# keeps the import cheap. Errors are raised, never cached.
+_layout_cached = lru_cache(maxsize=4096)(_layout_uncached)
+
+
+def _layout(shape: Any, strides: Any, typestr: Any):
+    try:
+        return _layout_cached(shape, strides, typestr)
+    except TypeError as e:  # an unhashable part (a list): validate uncached
+        if "unhashable" not in str(e):
+            raise
+        return _layout_uncached(shape, strides, typestr)
+
+
+def _make_view(address, layout, typestr, readonly, owner, stream) -> ArrayView:
+    """Wrap the memory a strided array spans; the pointer starts at element 0."""
+    shape, strides, itemsize, lo, span = layout
+    if not span:
+        # Empty: no memory is touched; a null pointer in the current context.
+        return ArrayView(_core.alloc(0), shape, strides, typestr, itemsize, readonly, 0, stream, owner)
+    if not address:
+        raise InvalidPointerError("a non-empty array has a null data pointer")
     if address + lo < 0:
         raise InvalidPointerError("negative strides reach below address 0")
-    span = hi - lo + itemsize
     pointer = _core.wrap(address + lo, span, owner)
     if lo:
         pointer = pointer.view(-lo)
@@ -182,18 +210,14 @@ def from_cuda_array_interface(obj_or_desc: Any, *, owner: Any = None, sync: bool
     address, readonly = data
     if isinstance(address, bool) or not isinstance(address, int) or address < 0:
         raise InvalidPointerError(f"data address {address!r} is not an address")
-    shape = _int_tuple(desc["shape"], "shape", nonneg=True)
-    itemsize = _parse_typestr(desc["typestr"])
-    strides = desc.get("strides")
-    if strides is not None:
-        strides = _int_tuple(strides, "strides", nonneg=False)
+    layout = _layout(desc["shape"], desc.get("strides"), desc["typestr"])
     stream = desc.get("stream") if version >= 3 else None
     if stream is not None:
         if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
             raise InvalidArgumentError(f"stream must be an int handle, got {stream!r}")
         if stream == 0:
             raise InvalidArgumentError("stream 0 is disallowed by the interface (ambiguous); use 1 or 2")
-    view = _make_view(address, shape, strides, desc["typestr"], itemsize, bool(readonly), owner, stream)
+    view = _make_view(address, layout, desc["typestr"], bool(readonly), owner, stream)
     if stream is not None and sync:
         view.pointer.context.stream_synchronize(stream)
     return view
@@ -219,6 +243,7 @@ def from_dlpack(obj: Any) -> ArrayView:
     itemsize = _parse_typestr(typestr)
     if strides is not None:
         strides = tuple(s * itemsize for s in strides)
+    layout = _layout(tuple(shape), strides, typestr)
     # The capsule is the owner: its destructor frees the tensor when the last
     # pointer over it goes.
-    return _make_view(address + byte_offset, tuple(shape), strides, typestr, itemsize, False, capsule, None)
+    return _make_view(address + byte_offset, layout, typestr, False, capsule, None)

@@ -50,3 +50,11 @@ def no_leaks():
     gc.collect()
     after = [s["live_bytes"] for s in gpuptr.stats()]
     assert after == before, f"live bytes {before} -> {after}"
+
+
+@pytest.fixture(autouse=True)
+def device_0_current():
+    """Each test starts with device 0 current, whatever an earlier test
+    (numba's ``cuda.gpus[1]``, CuPy's ``Device(1)``) left behind."""
+    gpuptr.context(0).push()
+    yield

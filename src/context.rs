@@ -95,6 +95,11 @@ impl Context {
         self.driver().stream_synchronize(self.raw, stream)
     }
 
+    /// Whether all work on `stream` is done, without waiting.
+    pub fn stream_is_idle(&self, stream: crate::driver::RawStream) -> Result<bool> {
+        self.driver().stream_query(self.raw, stream)
+    }
+
     /// `(free, total)` device memory, from `cuMemGetInfo`.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.driver().mem_get_info(self.raw)

@@ -221,6 +221,31 @@ impl Runtime {
         Ok(DevicePointer::foreign(ctx, address, size, reg, keepalive))
     }
 
+    /// Wrap the memory a strided array spans (see [`Layout`]) whose element
+    /// 0 is at `address`; the returned view starts at element 0. An empty
+    /// layout gives a null view in the current device's context.
+    pub fn wrap_layout(
+        self: &Arc<Self>,
+        address: DevicePtr,
+        layout: &crate::Layout,
+        keepalive: Option<KeepAlive>,
+    ) -> Result<crate::View> {
+        if layout.span == 0 {
+            let ctx = self.context(self.current_device()?)?;
+            return Ok(self.wrap(0, 0, Some(ctx), keepalive)?.view_all());
+        }
+        if address == 0 {
+            return Err(Error::InvalidPointer(
+                "a non-empty array has a null data pointer".into(),
+            ));
+        }
+        let start = address.checked_add_signed(layout.lo).ok_or_else(|| {
+            Error::InvalidPointer("negative strides reach below address 0".into())
+        })?;
+        let mem = self.wrap(start, layout.span, None, keepalive)?;
+        mem.view_all().view((-layout.lo) as usize, None)
+    }
+
     pub(crate) fn counters(&self, device: usize) -> &DeviceCounters {
         &self.counters[device]
     }

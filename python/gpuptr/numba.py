@@ -17,21 +17,27 @@ from numba.cuda import config
 from numba.cuda.cudadrv import dummyarray
 from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-from gpuptr.interop import from_cuda_array_interface
+from gpuptr import _core
+from gpuptr._errors import InvalidArgumentError
 
 __all__ = ["as_cuda_array", "from_cuda_array_interface_numba"]
 
 
 @lru_cache(maxsize=1024)
-def _dummy(shape: tuple, strides: tuple, itemsize: int):
-    # numba builds this index descriptor for every array; it is immutable,
-    # so one per (shape, strides, itemsize) serves them all.
-    return dummyarray.Array.from_desc(0, shape, strides, itemsize)
-
-
-@lru_cache(maxsize=256)
-def _dtype(typestr: str):
-    return np.dtype(typestr)
+def _array_attrs(shape: tuple, strides: tuple, typestr: str) -> dict:
+    """What ``DeviceNDArray.__init__`` derives from a layout. numba builds the
+    index descriptor (``_dummy``) for every array; it is never mutated, so one
+    per layout serves them all."""
+    dtype = np.dtype(typestr)
+    dummy = dummyarray.Array.from_desc(0, shape, strides, dtype.itemsize)
+    return {
+        "ndim": len(shape),
+        "_dummy": dummy,
+        "shape": dummy.shape,
+        "strides": dummy.strides,
+        "dtype": dtype,
+        "size": dummy.size,
+    }
 
 
 @lru_cache(maxsize=64)
@@ -41,30 +47,25 @@ def _external_stream(handle: int, device: int):
         return cuda.external_stream(handle)
 
 
-def _device_ndarray(shape, strides, dtype, gpu_data, alloc_size, stream) -> DeviceNDArray:
-    """Build the DeviceNDArray that ``DeviceNDArray(shape, strides, dtype,
-    stream, gpu_data)`` would, without re-deriving what is already known."""
-    arr = DeviceNDArray.__new__(DeviceNDArray)
-    dummy = _dummy(shape, strides, dtype.itemsize)
-    arr.ndim = len(shape)
-    arr._dummy = dummy
-    arr.shape = dummy.shape
-    arr.strides = dummy.strides
-    arr.dtype = dtype
-    arr.size = dummy.size
-    arr.alloc_size = alloc_size if dummy.size else 0
-    arr.gpu_data = gpu_data
-    arr.stream = stream
+def from_cuda_array_interface_numba(desc: dict, owner: Any = None, sync: bool = True) -> DeviceNDArray:
+    """``numba.cuda.from_cuda_array_interface`` over a gpuptr pointer: the
+    DeviceNDArray that ``DeviceNDArray(shape, strides, dtype, stream,
+    gpu_data)`` would build, without re-deriving what is already known."""
+    if not isinstance(desc, dict):
+        raise InvalidArgumentError("__cuda_array_interface__ must be a dict")
+    ptr, shape, strides, typestr, _itemsize, _ro, offset, stream = _core._import_cai(
+        desc, owner, sync and config.CUDA_ARRAY_INTERFACE_SYNC
+    )
+    attrs = dict(_array_attrs(shape, strides, typestr))
+    attrs["alloc_size"] = offset + ptr.size if attrs["size"] else 0
+    attrs["gpu_data"] = ptr
+    attrs["stream"] = 0 if stream is None else _external_stream(stream, ptr.context.device.id)
+    arr = _new(DeviceNDArray)
+    arr.__dict__ = attrs
     return arr
 
 
-def from_cuda_array_interface_numba(desc: dict, owner: Any = None, sync: bool = True) -> DeviceNDArray:
-    """``numba.cuda.from_cuda_array_interface`` over a gpuptr pointer."""
-    view = from_cuda_array_interface(desc, owner=owner, sync=sync and config.CUDA_ARRAY_INTERFACE_SYNC)
-    stream = 0 if view.stream is None else _external_stream(view.stream, view.context.device.id)
-    return _device_ndarray(
-        view.shape, view.strides, _dtype(view.typestr), view.pointer, view.offset + view.pointer.size, stream
-    )
+_new = object.__new__
 
 
 def as_cuda_array(obj: Any, sync: bool = True) -> DeviceNDArray:

@@ -216,6 +216,20 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool> {
+        self.enter(context)?;
+        let r = guard("cuStreamQuery", || unsafe {
+            sys::cuStreamQuery(stream as sys::CUstream).result()
+        });
+        match r {
+            Ok(()) => Ok(true),
+            Err(Error::Cuda { code, .. }) if code == crate::error::CUDA_ERROR_NOT_READY => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
         self.enter(context)?;
         guard("cuMemAlloc", || unsafe { result::malloc_sync(size) })

@@ -176,6 +176,8 @@ pub trait Driver: Send + Sync + 'static {
     /// `cuStreamSynchronize` of `stream` (an int handle; 0, 1 and 2 are the
     /// legacy, legacy and per-thread default streams) in `context`.
     fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()>;
+    /// `cuStreamQuery`: whether all work on `stream` is done (no waiting).
+    fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool>;
 
     /// `cuMemAlloc` in `context`.
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr>;

@@ -355,6 +355,12 @@ impl Driver for SimDriver {
             .map(|_| ())
     }
 
+    fn stream_query(&self, context: RawContext, _stream: RawStream) -> Result<bool> {
+        let mut st = self.lock();
+        st.enter(CallKind::Synchronize, "cuStreamQuery")?;
+        self.device_of(&st, context, "cuStreamQuery").map(|_| true)
+    }
+
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
         let mut st = self.lock();
         st.enter(CallKind::MemAlloc, "cuMemAlloc")?;

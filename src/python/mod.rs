@@ -3,6 +3,7 @@
 
 mod dlpack;
 mod errors;
+mod interop;
 mod pointer;
 mod py_context;
 
@@ -211,6 +212,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_sim_calls, m)?)?;
     m.add_function(wrap_pyfunction!(_primary_context_state, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_describe, m)?)?;
+    m.add_function(wrap_pyfunction!(interop::_import_cai, m)?)?;
+    m.add_function(wrap_pyfunction!(interop::_import_strided, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

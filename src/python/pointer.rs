@@ -83,6 +83,17 @@ impl PyMemoryPointer {
         }
     }
 
+    /// A non-owning pointer over an existing view.
+    pub(crate) fn over(view: View, owner: Option<Py<PyAny>>) -> Self {
+        PyMemoryPointer {
+            view,
+            managed: false,
+            owner,
+            context: OnceLock::new(),
+            device_pointer: OnceLock::new(),
+        }
+    }
+
     fn sibling(&self, view: View, managed: bool, owner: Option<Py<PyAny>>, py: Python<'_>) -> Self {
         let ctx = OnceLock::new();
         if let Some(c) = self.context.get() {

@@ -1,0 +1,174 @@
+//! The CUDA Array Interface and DLPack import paths, parsed in Rust because
+//! they sit on the per-array hot path of `as_cuda_array`.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
+
+use super::pointer::PyMemoryPointer;
+use super::runtime;
+use crate::{typestr_itemsize, Error, Layout, View};
+
+fn bad(msg: impl Into<String>) -> PyErr {
+    Error::InvalidArgument(msg.into()).into()
+}
+
+/// An int that is not a bool.
+fn int_of(obj: &Bound<'_, PyAny>) -> Option<i64> {
+    if obj.is_instance_of::<PyBool>() {
+        return None;
+    }
+    obj.extract::<i64>().ok()
+}
+
+fn ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
+    let err = || {
+        bad(format!(
+            "{what} must be a tuple of ints, got {}",
+            obj.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    };
+    if obj.is_instance_of::<PyString>() {
+        return Err(err());
+    }
+    let iter = obj.try_iter().map_err(|_| err())?;
+    iter.map(|v| v.ok().as_ref().and_then(int_of).ok_or_else(err))
+        .collect()
+}
+
+fn shape_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    ints(obj, "shape")?
+        .into_iter()
+        .map(|n| {
+            usize::try_from(n).map_err(|_| bad(format!("shape must not be negative, got {n}")))
+        })
+        .collect()
+}
+
+/// The pointer over a layout, and the tuple the Python side unpacks. The
+/// exporter's own shape tuple and typestr are handed back when they are
+/// already exactly what we would build.
+fn finish<'py>(
+    view: View,
+    layout: Layout,
+    shape: &Bound<'py, PyAny>,
+    typestr: Bound<'py, PyString>,
+    readonly: bool,
+    owner: Option<Py<PyAny>>,
+    stream: Option<usize>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = shape.py();
+    let offset = (-layout.lo) as usize;
+    let ptr = Py::new(py, PyMemoryPointer::over(view, owner))?;
+    let shape = match shape.cast_exact::<PyTuple>() {
+        Ok(t) => t.clone(),
+        Err(_) => PyTuple::new(py, &layout.shape)?,
+    };
+    (
+        ptr,
+        shape,
+        PyTuple::new(py, &layout.strides)?,
+        typestr,
+        layout.itemsize,
+        readonly,
+        offset,
+        stream,
+    )
+        .into_pyobject(py)
+}
+
+/// Import a CUDA Array Interface dict (v0-v3): ``(pointer, shape, strides,
+/// typestr, itemsize, readonly, offset, stream)``. With ``sync`` and a
+/// named stream, waits for that stream (v3's rule) unless it is idle.
+#[pyfunction]
+#[pyo3(signature = (desc, owner=None, sync=true))]
+pub(crate) fn _import_cai<'py>(
+    desc: &Bound<'py, PyAny>,
+    owner: Option<Py<PyAny>>,
+    sync: bool,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = desc.py();
+    let desc = desc
+        .cast::<PyDict>()
+        .map_err(|_| bad("__cuda_array_interface__ must be a dict"))?;
+    let version = match desc.get_item(intern!(py, "version"))? {
+        None => 0,
+        Some(v) => int_of(&v)
+            .filter(|v| (0..=3).contains(v))
+            .ok_or_else(|| bad(format!("unsupported CUDA Array Interface version {v}")))?,
+    };
+    if let Some(mask) = desc.get_item(intern!(py, "mask"))? {
+        if !mask.is_none() {
+            return Err(bad("masked arrays are not supported"));
+        }
+    }
+    let get = |key: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyAny>> {
+        desc.get_item(key)?
+            .ok_or_else(|| bad(format!("the interface lacks {key}")))
+    };
+    let (shape, typestr, data) = (
+        get(intern!(py, "shape"))?,
+        get(intern!(py, "typestr"))?,
+        get(intern!(py, "data"))?,
+    );
+    let data = data
+        .cast::<PyTuple>()
+        .ok()
+        .filter(|t| t.len() == 2)
+        .ok_or_else(|| bad(format!("data must be (address, readonly), got {data}")))?;
+    let address = data.get_item(0)?;
+    let address = int_of(&address)
+        .and_then(|a| u64::try_from(a).ok())
+        .ok_or_else(|| {
+            Error::InvalidPointer(format!("data address {address} is not an address"))
+        })?;
+    let readonly = data.get_item(1)?.is_truthy()?;
+    let typestr = typestr
+        .cast_into::<PyString>()
+        .map_err(|e| bad(format!("typestr must be a str, got {}", e.into_inner())))?;
+    let itemsize = typestr_itemsize(typestr.to_str()?)?;
+    let strides = match desc.get_item(intern!(py, "strides"))? {
+        Some(s) if !s.is_none() => Some(ints(&s, "strides")?),
+        _ => None,
+    };
+    let stream = match desc.get_item(intern!(py, "stream"))? {
+        Some(s) if version >= 3 && !s.is_none() => match int_of(&s) {
+            Some(0) => {
+                return Err(bad(
+                    "stream 0 is disallowed by the interface (ambiguous); use 1 or 2",
+                ))
+            }
+            Some(v) if v > 0 => Some(v as usize),
+            _ => return Err(bad(format!("stream must be an int handle, got {s}"))),
+        },
+        _ => None,
+    };
+    let layout = Layout::new(shape_of(&shape)?, strides, itemsize)?;
+    let view = runtime()?.wrap_layout(address, &layout, None)?;
+    if let (Some(stream), true) = (stream, sync) {
+        let ctx = view.context();
+        // Most imports find the stream idle: a query, no GIL release, no wait.
+        if !ctx.stream_is_idle(stream)? {
+            py.detach(|| ctx.stream_synchronize(stream))?;
+        }
+    }
+    finish(view, layout, &shape, typestr, readonly, owner, stream)
+}
+
+/// Import a strided array at ``address`` given its layout (the DLPack path,
+/// strides in bytes or None): same tuple as ``_import_cai``.
+#[pyfunction]
+#[pyo3(signature = (address, shape, strides, typestr, owner=None))]
+pub(crate) fn _import_strided<'py>(
+    address: u64,
+    shape: &Bound<'py, PyAny>,
+    strides: Option<&Bound<'py, PyAny>>,
+    typestr: Bound<'py, PyString>,
+    owner: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let itemsize = typestr_itemsize(typestr.to_str()?)?;
+    let strides = strides.map(|s| ints(s, "strides")).transpose()?;
+    let layout = Layout::new(shape_of(shape)?, strides, itemsize)?;
+    let view = runtime()?.wrap_layout(address, &layout, None)?;
+    finish(view, layout, shape, typestr, false, owner, None)
+}

@@ -34,6 +34,9 @@ pub struct DevicePointer {
     generation: u64,
     registration: Option<Registration>,
     freed: AtomicBool,
+    /// Set once at construction: most pointers keep nothing, and then
+    /// releasing them takes no lock.
+    has_keepalive: bool,
     keepalive: Mutex<Option<KeepAlive>>,
 }
 
@@ -77,6 +80,7 @@ impl DevicePointer {
             generation: context.generation(),
             registration,
             freed: AtomicBool::new(false),
+            has_keepalive: false,
             keepalive: Mutex::new(None),
         }))
     }
@@ -99,6 +103,7 @@ impl DevicePointer {
             generation,
             registration,
             freed: AtomicBool::new(false),
+            has_keepalive: keepalive.is_some(),
             keepalive: Mutex::new(keepalive),
         })
     }
@@ -194,12 +199,14 @@ impl DevicePointer {
             c.live_count.fetch_sub(1, Ordering::Relaxed);
             c.live_bytes.fetch_sub(self.size, Ordering::Relaxed);
         }
-        let keep = self
-            .keepalive
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        drop(keep);
+        if self.has_keepalive {
+            let keep = self
+                .keepalive
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            drop(keep);
+        }
         Ok(true)
     }
 }

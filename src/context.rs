@@ -85,6 +85,24 @@ impl Context {
         DevicePointer::alloc(self, size)
     }
 
+    /// Allocate `size` bytes of managed (unified) memory in this context.
+    pub fn alloc_managed(
+        self: &Arc<Self>,
+        size: usize,
+        attach_global: bool,
+    ) -> Result<Arc<DevicePointer>> {
+        DevicePointer::alloc_managed(self, size, attach_global)
+    }
+
+    /// Allocate `size` bytes of pinned host memory in this context.
+    pub fn alloc_host(
+        self: &Arc<Self>,
+        size: usize,
+        flags: crate::HostFlags,
+    ) -> Result<Arc<crate::HostMemory>> {
+        crate::HostMemory::alloc(self, size, flags)
+    }
+
     /// Wait for all work in this context (`cuCtxSynchronize`).
     pub fn synchronize(&self) -> Result<()> {
         self.driver().synchronize(self.raw)

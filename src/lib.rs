@@ -28,6 +28,7 @@ pub mod driver;
 mod error;
 
 mod context;
+mod host;
 mod layout;
 mod memory;
 mod registry;
@@ -39,6 +40,7 @@ mod python;
 pub use context::Context;
 pub use driver::{CudaDriver, Driver, DriverKind, SimConfig, SimDriver};
 pub use error::{cuda_error_name, Error, Result};
+pub use host::{HostFlags, HostKind, HostMemory};
 pub use layout::{typestr_itemsize, Layout};
 pub use memory::{DevicePointer, KeepAlive, Origin, View};
 pub use registry::{Registration, Registry};

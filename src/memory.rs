@@ -31,6 +31,7 @@ pub struct DevicePointer {
     address: DevicePtr,
     size: usize,
     origin: Origin,
+    managed: bool,
     generation: u64,
     registration: Option<Registration>,
     freed: AtomicBool,
@@ -56,14 +57,27 @@ impl DevicePointer {
     /// Allocate `size` bytes in `context`. Zero bytes give a null pointer and
     /// make no driver call.
     pub fn alloc(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
+        DevicePointer::alloc_with(
+            context,
+            size,
+            |ctx| ctx.driver().mem_alloc(ctx.raw(), size),
+            false,
+        )
+    }
+
+    /// Allocate with `allocate` (a driver call freed by `cuMemFree`), then
+    /// register and count the allocation.
+    pub(crate) fn alloc_with(
+        context: &Arc<Context>,
+        size: usize,
+        allocate: impl FnOnce(&Context) -> Result<DevicePtr>,
+        managed: bool,
+    ) -> Result<Arc<Self>> {
         let device = context.device();
         let (address, registration) = if size == 0 {
             (0, None)
         } else {
-            let address = context
-                .driver()
-                .mem_alloc(context.raw(), size)
-                .map_err(|e| e.oom_on(device, size))?;
+            let address = allocate(context).map_err(|e| e.oom_on(device, size))?;
             let reg = context.runtime().registry().insert(address, size, context);
             (address, Some(reg))
         };
@@ -77,6 +91,7 @@ impl DevicePointer {
             address,
             size,
             origin: Origin::Driver,
+            managed,
             generation: context.generation(),
             registration,
             freed: AtomicBool::new(false),
@@ -100,6 +115,7 @@ impl DevicePointer {
             address,
             size,
             origin: Origin::Foreign,
+            managed: false,
             generation,
             registration,
             freed: AtomicBool::new(false),
@@ -130,6 +146,12 @@ impl DevicePointer {
     #[inline]
     pub fn origin(&self) -> Origin {
         self.origin
+    }
+
+    /// Whether it is managed (unified) memory.
+    #[inline]
+    pub fn is_managed(&self) -> bool {
+        self.managed
     }
 
     /// Whether it was freed.

@@ -13,8 +13,8 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::{
-    DevicePtr, Driver, DriverKind, MemoryType, PointerAttributes, PrimaryContextState, RawContext,
-    RawStream,
+    DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes, PrimaryContextState,
+    RawContext, RawStream,
 };
 use crate::error::{Error, Result, CUDA_ERROR_NO_DEVICE};
 
@@ -238,6 +238,59 @@ impl Driver for CudaDriver {
     fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
         self.enter(context)?;
         guard("cuMemFree", || unsafe { result::free_sync(ptr) })
+    }
+
+    fn mem_alloc_managed(&self, context: RawContext, size: usize, flags: u32) -> Result<DevicePtr> {
+        self.enter(context)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        guard("cuMemAllocManaged", || unsafe {
+            sys::cuMemAllocManaged(&mut ptr, size, flags).result()
+        })?;
+        Ok(ptr)
+    }
+
+    fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr> {
+        self.enter(context)?;
+        guard("cuMemHostAlloc", || unsafe {
+            result::malloc_host(size, flags)
+        })
+        .map(|p| p as HostPtr)
+    }
+
+    fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+        self.enter(context)?;
+        guard("cuMemFreeHost", || unsafe {
+            result::free_host(ptr as *mut c_void)
+        })
+    }
+
+    fn host_register(
+        &self,
+        context: RawContext,
+        ptr: HostPtr,
+        size: usize,
+        flags: u32,
+    ) -> Result<()> {
+        self.enter(context)?;
+        guard("cuMemHostRegister", || unsafe {
+            sys::cuMemHostRegister_v2(ptr as *mut c_void, size, flags).result()
+        })
+    }
+
+    fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+        self.enter(context)?;
+        guard("cuMemHostUnregister", || unsafe {
+            sys::cuMemHostUnregister(ptr as *mut c_void).result()
+        })
+    }
+
+    fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr> {
+        self.enter(context)?;
+        let mut d: sys::CUdeviceptr = 0;
+        guard("cuMemHostGetDevicePointer", || unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut d, ptr as *mut c_void, 0).result()
+        })?;
+        Ok(d)
     }
 
     fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {

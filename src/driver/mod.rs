@@ -20,6 +20,19 @@ pub type RawContext = usize;
 pub type DevicePtr = u64;
 /// A `CUstream`, as an integer; 0 is the legacy default stream.
 pub type RawStream = usize;
+/// A host address.
+pub type HostPtr = usize;
+
+/// `cuMemHostAlloc` flag: pinned for every context.
+pub const HOST_ALLOC_PORTABLE: u32 = 1;
+/// `cuMemHostAlloc`/`cuMemHostRegister` flag: map into the device address space.
+pub const HOST_ALLOC_DEVICEMAP: u32 = 2;
+/// `cuMemHostAlloc` flag: write-combined.
+pub const HOST_ALLOC_WRITECOMBINED: u32 = 4;
+/// `cuMemAllocManaged` flag: accessible from any stream on any device.
+pub const MEM_ATTACH_GLOBAL: u32 = 1;
+/// `cuMemAllocManaged` flag: host-attached until a stream attaches it.
+pub const MEM_ATTACH_HOST: u32 = 2;
 
 /// Which implementation a [`Driver`] is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -100,13 +113,25 @@ pub enum CallKind {
     Memcpy,
     /// `cuPointerGetAttributes`
     PointerAttributes,
+    /// `cuMemHostAlloc`
+    HostAlloc,
+    /// `cuMemFreeHost`
+    HostFree,
+    /// `cuMemHostRegister`
+    HostRegister,
+    /// `cuMemHostUnregister`
+    HostUnregister,
+    /// `cuMemHostGetDevicePointer`
+    HostDevicePointer,
+    /// `cuMemAllocManaged`
+    MemAllocManaged,
     /// device queries: count, name, total memory
     DeviceQuery,
 }
 
 impl CallKind {
     /// Every kind, for tests that fail each in turn.
-    pub const ALL: [CallKind; 11] = [
+    pub const ALL: [CallKind; 17] = [
         CallKind::ContextRetain,
         CallKind::ContextRelease,
         CallKind::ContextCurrent,
@@ -118,6 +143,12 @@ impl CallKind {
         CallKind::Memcpy,
         CallKind::PointerAttributes,
         CallKind::DeviceQuery,
+        CallKind::HostAlloc,
+        CallKind::HostFree,
+        CallKind::HostRegister,
+        CallKind::HostUnregister,
+        CallKind::HostDevicePointer,
+        CallKind::MemAllocManaged,
     ];
 
     /// The snake-case name used from Python (`"mem_alloc"`, ...).
@@ -134,6 +165,12 @@ impl CallKind {
             CallKind::Memcpy => "memcpy",
             CallKind::PointerAttributes => "pointer_attributes",
             CallKind::DeviceQuery => "device_query",
+            CallKind::HostAlloc => "host_alloc",
+            CallKind::HostFree => "host_free",
+            CallKind::HostRegister => "host_register",
+            CallKind::HostUnregister => "host_unregister",
+            CallKind::HostDevicePointer => "host_device_pointer",
+            CallKind::MemAllocManaged => "mem_alloc_managed",
         }
     }
 
@@ -183,6 +220,25 @@ pub trait Driver: Send + Sync + 'static {
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr>;
     /// `cuMemFree` in `context`.
     fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()>;
+    /// `cuMemAllocManaged` in `context` (`flags`: [`MEM_ATTACH_GLOBAL`] or
+    /// [`MEM_ATTACH_HOST`]). Freed with [`Driver::mem_free`].
+    fn mem_alloc_managed(&self, context: RawContext, size: usize, flags: u32) -> Result<DevicePtr>;
+    /// `cuMemHostAlloc` in `context` (`flags`: `HOST_ALLOC_*`).
+    fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr>;
+    /// `cuMemFreeHost`.
+    fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()>;
+    /// `cuMemHostRegister` of `[ptr, ptr+size)` (`flags`: portable, devicemap).
+    fn host_register(
+        &self,
+        context: RawContext,
+        ptr: HostPtr,
+        size: usize,
+        flags: u32,
+    ) -> Result<()>;
+    /// `cuMemHostUnregister`.
+    fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()>;
+    /// `cuMemHostGetDevicePointer`: the device address of mapped host memory.
+    fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr>;
     /// `cuMemGetInfo` in `context`: (free, total).
     fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)>;
     /// `cuMemsetD8` (stream 0) or `cuMemsetD8Async`.

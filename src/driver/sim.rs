@@ -11,15 +11,17 @@ use std::sync::Mutex;
 use std::thread::ThreadId;
 
 use super::{
-    CallKind, DevicePtr, Driver, DriverKind, MemoryType, PointerAttributes, PrimaryContextState,
-    RawContext, RawStream,
+    CallKind, DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes,
+    PrimaryContextState, RawContext, RawStream, HOST_ALLOC_DEVICEMAP,
 };
 use crate::error::{
     cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_OUT_OF_MEMORY,
 };
 
-const SPACE_BASE: u64 = 0x7000_0000_0000;
+// Below where Linux puts the heap and mmaps, so simulated device addresses
+// never collide with the real host addresses of simulated pinned memory.
+const SPACE_BASE: u64 = 0x2000_0000_0000;
 const SPACE_PER_DEVICE: u64 = 1 << 40;
 const ALIGN: u64 = 512;
 const CONTEXT_BASE: RawContext = 0x5100_0000;
@@ -75,9 +77,73 @@ impl SimConfig {
     }
 }
 
+/// Host memory the simulator allocated itself (pinned or managed), at a
+/// real, stable address.
+struct HostBuf {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the buffer is plain bytes owned by the simulator's state, and all
+// access goes through the state's lock.
+unsafe impl Send for HostBuf {}
+
+impl HostBuf {
+    fn new(size: usize) -> Option<HostBuf> {
+        let layout = std::alloc::Layout::from_size_align(size.max(1), 4096).ok()?;
+        // SAFETY: non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        (!ptr.is_null()).then_some(HostBuf { ptr, layout })
+    }
+}
+
+impl Drop for HostBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Kind {
+    Device,
+    Managed,
+    Pinned { mapped: bool },
+    Registered { mapped: bool },
+}
+
+enum Storage {
+    /// Simulated device memory, only reachable through the driver.
+    Device(Vec<u8>),
+    /// Real host memory the simulator owns.
+    Host(HostBuf),
+    /// Real host memory someone else owns (registered).
+    Foreign,
+}
+
 struct Block {
     device: usize,
-    data: Vec<u8>,
+    kind: Kind,
+    len: usize,
+    storage: Storage,
+}
+
+impl Block {
+    fn bytes_mut(&mut self, start: DevicePtr) -> &mut [u8] {
+        match &mut self.storage {
+            Storage::Device(v) => v,
+            // SAFETY: host blocks are live host memory of `len` bytes at
+            // `start` (ours, or registered by a caller who keeps it alive).
+            Storage::Host(h) => unsafe { std::slice::from_raw_parts_mut(h.ptr, self.len) },
+            Storage::Foreign => unsafe {
+                std::slice::from_raw_parts_mut(start as usize as *mut u8, self.len)
+            },
+        }
+    }
+
+    fn counts_as_device(&self) -> bool {
+        matches!(self.kind, Kind::Device | Kind::Managed)
+    }
 }
 
 struct Fault {
@@ -90,6 +156,7 @@ struct Fault {
 struct State {
     blocks: BTreeMap<DevicePtr, Block>,
     used: Vec<usize>,
+    host_used: usize,
     retains: Vec<u32>,
     current: HashMap<ThreadId, RawContext>,
     calls: HashMap<CallKind, u64>,
@@ -113,25 +180,35 @@ impl State {
         self.blocks
             .range(..=ptr)
             .next_back()
-            .filter(|(start, b)| ptr < **start + b.data.len() as u64)
+            .filter(|(start, b)| ptr < **start + b.len as u64)
             .map(|(s, b)| (*s, b))
     }
 
-    /// The block holding `[ptr, ptr+count)`, and the offset of `ptr` in it.
-    fn span_mut(
-        &mut self,
-        ptr: DevicePtr,
-        count: usize,
-        call: &'static str,
-    ) -> Result<(&mut Block, usize)> {
+    fn remove(&mut self, start: DevicePtr) -> Option<Block> {
+        let block = self.blocks.remove(&start)?;
+        if block.counts_as_device() {
+            self.used[block.device] -= block.len;
+        } else if matches!(block.kind, Kind::Pinned { .. }) {
+            self.host_used -= block.len;
+        }
+        Some(block)
+    }
+
+    /// The bytes `[ptr, ptr+count)`, which must lie in one device-accessible
+    /// block (device, managed, or mapped host memory).
+    fn span_mut(&mut self, ptr: DevicePtr, count: usize, call: &'static str) -> Result<&mut [u8]> {
         let invalid = || Error::cuda(call, CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE");
         let start = self.find(ptr).map(|(s, _)| s).ok_or_else(invalid)?;
         let block = self.blocks.get_mut(&start).ok_or_else(invalid)?;
+        let reachable = match block.kind {
+            Kind::Device | Kind::Managed => true,
+            Kind::Pinned { mapped } | Kind::Registered { mapped } => mapped,
+        };
         let offset = (ptr - start) as usize;
-        if offset + count > block.data.len() {
+        if !reachable || offset + count > block.len {
             return Err(invalid());
         }
-        Ok((block, offset))
+        Ok(&mut block.bytes_mut(start)[offset..offset + count])
     }
 }
 
@@ -228,9 +305,27 @@ impl SimDriver {
         self.lock().used.iter().sum()
     }
 
-    /// Number of live simulated device allocations.
+    /// Number of live simulated device allocations (device and managed).
     pub fn live_allocations(&self) -> usize {
-        self.lock().blocks.len()
+        self.lock()
+            .blocks
+            .values()
+            .filter(|b| b.counts_as_device())
+            .count()
+    }
+
+    /// Bytes of pinned host memory allocated now.
+    pub fn live_host_bytes(&self) -> usize {
+        self.lock().host_used
+    }
+
+    /// Number of host ranges registered now.
+    pub fn live_registrations(&self) -> usize {
+        self.lock()
+            .blocks
+            .values()
+            .filter(|b| matches!(b.kind, Kind::Registered { .. }))
+            .count()
     }
 
     /// The primary-context retain count of `device`.
@@ -299,8 +394,15 @@ impl Driver for SimDriver {
         st.retains[device] -= 1;
         if st.retains[device] == 0 {
             // The context is destroyed, and with it every allocation in it.
-            st.blocks.retain(|_, b| b.device != device);
-            st.used[device] = 0;
+            let gone: Vec<DevicePtr> = st
+                .blocks
+                .iter()
+                .filter(|(_, b)| b.device == device)
+                .map(|(s, _)| *s)
+                .collect();
+            for start in gone {
+                st.remove(start);
+            }
             let ctx = Self::context_of(device);
             st.current.retain(|_, c| *c != ctx);
         }
@@ -388,7 +490,7 @@ impl Driver for SimDriver {
             if *start >= at + span {
                 break;
             }
-            at = (*start + block.data.len() as u64).div_ceil(ALIGN) * ALIGN;
+            at = (*start + block.len as u64).div_ceil(ALIGN) * ALIGN;
         }
         if at + span > hi {
             return Err(Error::cuda(
@@ -401,23 +503,192 @@ impl Driver for SimDriver {
             at,
             Block {
                 device,
-                data: vec![0; size],
+                kind: Kind::Device,
+                len: size,
+                storage: Storage::Device(vec![0; size]),
             },
         );
         st.used[device] += size;
         Ok(at)
     }
 
+    fn mem_alloc_managed(
+        &self,
+        context: RawContext,
+        size: usize,
+        _flags: u32,
+    ) -> Result<DevicePtr> {
+        let mut st = self.lock();
+        st.enter(CallKind::MemAllocManaged, "cuMemAllocManaged")?;
+        let device = self.device_of(&st, context, "cuMemAllocManaged")?;
+        let oom = || {
+            Error::cuda(
+                "cuMemAllocManaged",
+                CUDA_ERROR_OUT_OF_MEMORY,
+                "CUDA_ERROR_OUT_OF_MEMORY",
+            )
+        };
+        if size == 0 {
+            return Err(Error::cuda(
+                "cuMemAllocManaged",
+                CUDA_ERROR_INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+            ));
+        }
+        if st.used[device].saturating_add(size) > self.config.memory_per_device {
+            return Err(oom());
+        }
+        // Managed memory is reachable from the host at the same address.
+        let buf = HostBuf::new(size).ok_or_else(oom)?;
+        let at = buf.ptr as DevicePtr;
+        st.blocks.insert(
+            at,
+            Block {
+                device,
+                kind: Kind::Managed,
+                len: size,
+                storage: Storage::Host(buf),
+            },
+        );
+        st.used[device] += size;
+        Ok(at)
+    }
+
+    fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr> {
+        let mut st = self.lock();
+        st.enter(CallKind::HostAlloc, "cuMemHostAlloc")?;
+        let device = self.device_of(&st, context, "cuMemHostAlloc")?;
+        if size == 0 {
+            return Err(Error::cuda(
+                "cuMemHostAlloc",
+                CUDA_ERROR_INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+            ));
+        }
+        let buf = HostBuf::new(size).ok_or_else(|| {
+            Error::cuda(
+                "cuMemHostAlloc",
+                CUDA_ERROR_OUT_OF_MEMORY,
+                "CUDA_ERROR_OUT_OF_MEMORY",
+            )
+        })?;
+        let at = buf.ptr as HostPtr;
+        let mapped = flags & HOST_ALLOC_DEVICEMAP != 0;
+        st.blocks.insert(
+            at as DevicePtr,
+            Block {
+                device,
+                kind: Kind::Pinned { mapped },
+                len: size,
+                storage: Storage::Host(buf),
+            },
+        );
+        st.host_used += size;
+        Ok(at)
+    }
+
+    fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+        let mut st = self.lock();
+        st.enter(CallKind::HostFree, "cuMemFreeHost")?;
+        self.device_of(&st, context, "cuMemFreeHost")?;
+        match st.blocks.get(&(ptr as DevicePtr)) {
+            Some(b) if matches!(b.kind, Kind::Pinned { .. }) => {
+                st.remove(ptr as DevicePtr);
+                Ok(())
+            }
+            _ => Err(Error::cuda(
+                "cuMemFreeHost",
+                CUDA_ERROR_INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+            )),
+        }
+    }
+
+    fn host_register(
+        &self,
+        context: RawContext,
+        ptr: HostPtr,
+        size: usize,
+        flags: u32,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        st.enter(CallKind::HostRegister, "cuMemHostRegister")?;
+        let device = self.device_of(&st, context, "cuMemHostRegister")?;
+        let start = ptr as DevicePtr;
+        let overlaps = st
+            .blocks
+            .range(..start + size as u64)
+            .next_back()
+            .is_some_and(|(s, b)| *s + b.len as u64 > start);
+        if size == 0 || ptr == 0 || overlaps {
+            // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED is 712; the sim keeps it simple.
+            return Err(Error::cuda(
+                "cuMemHostRegister",
+                CUDA_ERROR_INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+            ));
+        }
+        let mapped = flags & HOST_ALLOC_DEVICEMAP != 0;
+        st.blocks.insert(
+            start,
+            Block {
+                device,
+                kind: Kind::Registered { mapped },
+                len: size,
+                storage: Storage::Foreign,
+            },
+        );
+        Ok(())
+    }
+
+    fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+        let mut st = self.lock();
+        st.enter(CallKind::HostUnregister, "cuMemHostUnregister")?;
+        self.device_of(&st, context, "cuMemHostUnregister")?;
+        match st.blocks.get(&(ptr as DevicePtr)) {
+            Some(b) if matches!(b.kind, Kind::Registered { .. }) => {
+                st.remove(ptr as DevicePtr);
+                Ok(())
+            }
+            _ => Err(Error::cuda(
+                "cuMemHostUnregister",
+                CUDA_ERROR_INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+            )),
+        }
+    }
+
+    fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr> {
+        let mut st = self.lock();
+        st.enter(CallKind::HostDevicePointer, "cuMemHostGetDevicePointer")?;
+        self.device_of(&st, context, "cuMemHostGetDevicePointer")?;
+        let invalid = || {
+            Error::cuda(
+                "cuMemHostGetDevicePointer",
+                CUDA_ERROR_INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+            )
+        };
+        let (_, block) = st.find(ptr as DevicePtr).ok_or_else(invalid)?;
+        match block.kind {
+            // Unified addressing: the device sees mapped host memory at its host address.
+            Kind::Pinned { mapped: true } | Kind::Registered { mapped: true } => {
+                Ok(ptr as DevicePtr)
+            }
+            _ => Err(invalid()),
+        }
+    }
+
     fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
         let mut st = self.lock();
         st.enter(CallKind::MemFree, "cuMemFree")?;
         self.device_of(&st, context, "cuMemFree")?;
-        match st.blocks.remove(&ptr) {
-            Some(block) => {
-                st.used[block.device] -= block.data.len();
+        match st.blocks.get(&ptr) {
+            Some(b) if b.counts_as_device() => {
+                st.remove(ptr);
                 Ok(())
             }
-            None => Err(Error::cuda(
+            _ => Err(Error::cuda(
                 "cuMemFree",
                 CUDA_ERROR_INVALID_VALUE,
                 "CUDA_ERROR_INVALID_VALUE",
@@ -447,8 +718,7 @@ impl Driver for SimDriver {
         if count == 0 {
             return Ok(());
         }
-        let (block, off) = st.span_mut(ptr, count, "cuMemsetD8")?;
-        block.data[off..off + count].fill(value);
+        st.span_mut(ptr, count, "cuMemsetD8")?.fill(value);
         Ok(())
     }
 
@@ -459,8 +729,8 @@ impl Driver for SimDriver {
         if src.is_empty() {
             return Ok(());
         }
-        let (block, off) = st.span_mut(dst, src.len(), "cuMemcpyHtoD")?;
-        block.data[off..off + src.len()].copy_from_slice(src);
+        st.span_mut(dst, src.len(), "cuMemcpyHtoD")?
+            .copy_from_slice(src);
         Ok(())
     }
 
@@ -472,8 +742,7 @@ impl Driver for SimDriver {
             return Ok(());
         }
         let n = dst.len();
-        let (block, off) = st.span_mut(src, n, "cuMemcpyDtoH")?;
-        dst.copy_from_slice(&block.data[off..off + n]);
+        dst.copy_from_slice(st.span_mut(src, n, "cuMemcpyDtoH")?);
         Ok(())
     }
 
@@ -490,10 +759,8 @@ impl Driver for SimDriver {
         if count == 0 {
             return Ok(());
         }
-        let (block, off) = st.span_mut(src, count, "cuMemcpy")?;
-        let bytes = block.data[off..off + count].to_vec();
-        let (block, off) = st.span_mut(dst, count, "cuMemcpy")?;
-        block.data[off..off + count].copy_from_slice(&bytes);
+        let bytes = st.span_mut(src, count, "cuMemcpy")?.to_vec();
+        st.span_mut(dst, count, "cuMemcpy")?.copy_from_slice(&bytes);
         Ok(())
     }
 
@@ -504,10 +771,13 @@ impl Driver for SimDriver {
             Some((start, block)) => PointerAttributes {
                 context: Self::context_of(block.device),
                 device: block.device,
-                memory_type: MemoryType::Device,
-                is_managed: false,
+                memory_type: match block.kind {
+                    Kind::Device | Kind::Managed => MemoryType::Device,
+                    Kind::Pinned { .. } | Kind::Registered { .. } => MemoryType::Host,
+                },
+                is_managed: block.kind == Kind::Managed,
                 range_start: start,
-                range_size: block.data.len(),
+                range_size: block.len,
             },
             None => PointerAttributes {
                 context: 0,

@@ -3,6 +3,7 @@
 
 mod dlpack;
 mod errors;
+mod host;
 mod interop;
 mod pointer;
 mod py_context;
@@ -168,6 +169,18 @@ fn _sim_live_bytes() -> PyResult<usize> {
     Ok(sim()?.live_bytes())
 }
 
+/// Simulator: pinned host bytes allocated now.
+#[pyfunction]
+fn _sim_live_host_bytes() -> PyResult<usize> {
+    Ok(sim()?.live_host_bytes())
+}
+
+/// Simulator: host ranges registered now.
+#[pyfunction]
+fn _sim_live_registrations() -> PyResult<usize> {
+    Ok(sim()?.live_registrations())
+}
+
 /// Simulator: the primary-context retain count of ``device``.
 #[pyfunction]
 fn _sim_retain_count(device: usize) -> PyResult<u32> {
@@ -196,6 +209,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyContextHandle>()?;
     m.add_class::<PyDevice>()?;
     m.add_class::<PyMemoryPointer>()?;
+    m.add_class::<host::PyPinnedMemory>()?;
+    m.add_class::<host::PyMappedMemory>()?;
+    m.add_class::<host::PyManagedMemory>()?;
+    m.add_function(wrap_pyfunction!(host::alloc_host, m)?)?;
+    m.add_function(wrap_pyfunction!(host::register_host, m)?)?;
+    m.add_function(wrap_pyfunction!(host::alloc_managed, m)?)?;
     m.add_function(wrap_pyfunction!(context, m)?)?;
     m.add_function(wrap_pyfunction!(alloc, m)?)?;
     m.add_function(wrap_pyfunction!(wrap, m)?)?;
@@ -209,6 +228,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_sim_clear_faults, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_live_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_retain_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_live_host_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_live_registrations, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_calls, m)?)?;
     m.add_function(wrap_pyfunction!(_primary_context_state, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_describe, m)?)?;

@@ -14,7 +14,13 @@ use crate::{Context, DevicePointer, Error, View};
 
 /// Calls a Python finalizer once, when the allocation it guards is released.
 /// Never raises; skipped while the interpreter shuts down.
-struct PyFinalizer(Option<Py<PyAny>>);
+pub(crate) struct PyFinalizer(Option<Py<PyAny>>);
+
+impl PyFinalizer {
+    pub(crate) fn new(f: Py<PyAny>) -> Self {
+        PyFinalizer(Some(f))
+    }
+}
 
 impl Drop for PyFinalizer {
     fn drop(&mut self) {
@@ -94,6 +100,12 @@ impl PyMemoryPointer {
         }
     }
 
+    /// The same pointer, managing (freeing) its memory or not.
+    pub(crate) fn with_managed(mut self, managed: bool) -> Self {
+        self.managed = managed;
+        self
+    }
+
     fn sibling(&self, view: View, managed: bool, owner: Option<Py<PyAny>>, py: Python<'_>) -> Self {
         let ctx = OnceLock::new();
         if let Some(c) = self.context.get() {
@@ -163,7 +175,7 @@ pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<RawStream> 
 
 /// The context a constructor argument names: a gpuptr context, a numba
 /// context (read through `.device.id`), or None (resolve by address).
-fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context>>> {
+pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context>>> {
     if obj.is_none() {
         return Ok(None);
     }
@@ -193,7 +205,7 @@ fn contiguous(buf: &PyUntypedBuffer) -> PyResult<()> {
 impl PyMemoryPointer {
     #[new]
     #[pyo3(signature = (context, pointer, size, owner=None, finalizer=None))]
-    fn py_new(
+    pub(crate) fn py_new(
         context: &Bound<'_, PyAny>,
         pointer: &Bound<'_, PyAny>,
         size: isize,
@@ -204,7 +216,7 @@ impl PyMemoryPointer {
         let address = pointer_arg(pointer)?;
         let ctx = context_arg(context)?;
         let managed = finalizer.is_some();
-        let keep = finalizer.map(|f| Box::new(PyFinalizer(Some(f))) as crate::KeepAlive);
+        let keep = finalizer.map(|f| Box::new(PyFinalizer::new(f)) as crate::KeepAlive);
         let mem = runtime()?.wrap(address, size, ctx, keep)?;
         Ok(PyMemoryPointer::wrapping(mem, owner, managed))
     }
@@ -301,7 +313,7 @@ impl PyMemoryPointer {
     /// Whether `free()` releases the memory (gpuptr allocations, and wraps
     /// made with a finalizer).
     #[getter]
-    fn is_managed(&self) -> bool {
+    pub(crate) fn is_managed(&self) -> bool {
         self.managed
     }
 

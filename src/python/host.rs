@@ -1,0 +1,410 @@
+//! `PinnedMemory`, `MappedMemory` and `ManagedMemory`: numba's host and
+//! managed memory types, each exporting its bytes through the buffer
+//! protocol (so `numpy.asarray(mem)` and numba's pinned, mapped and managed
+//! arrays work).
+
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, OnceLock};
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::pointer::{context_arg, pointer_arg, PyFinalizer, PyMemoryPointer};
+use super::py_context::{py_context, PyContext};
+use super::{runtime, size_arg};
+use crate::{Error, HostFlags, HostMemory, KeepAlive};
+
+/// Fill a `Py_buffer` over `[ptr, ptr+len)`, exported by `owner`.
+///
+/// # Safety
+/// `view` is the buffer CPython passed to `__getbuffer__`, and the memory
+/// stays valid while `owner` (which the buffer references) lives.
+unsafe fn fill_buffer(
+    owner: &Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    ptr: usize,
+    len: usize,
+    flags: c_int,
+) -> PyResult<()> {
+    static EMPTY: u8 = 0;
+    let buf = if len == 0 {
+        &EMPTY as *const u8 as *mut c_void
+    } else {
+        ptr as *mut c_void
+    };
+    if ffi::PyBuffer_FillInfo(view, owner.as_ptr(), buf, len as ffi::Py_ssize_t, 0, flags) == -1 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
+}
+
+fn keep_finalizer(finalizer: Option<Py<PyAny>>) -> Option<KeepAlive> {
+    finalizer.map(|f| Box::new(PyFinalizer::new(f)) as KeepAlive)
+}
+
+fn host_context(context: &Bound<'_, PyAny>) -> PyResult<Arc<crate::Context>> {
+    match context_arg(context)? {
+        Some(c) => Ok(c),
+        None => {
+            let rt = runtime()?;
+            Ok(rt.context(rt.current_device()?)?)
+        }
+    }
+}
+
+/// Page-locked host memory (numba's ``PinnedMemory``). Its bytes are
+/// exported through the buffer protocol. ``PinnedMemory(context, pointer,
+/// size, owner=None, finalizer=None)`` wraps memory someone else pinned.
+#[pyclass(frozen, module = "gpuptr._core", name = "PinnedMemory")]
+pub struct PyPinnedMemory {
+    host: Arc<HostMemory>,
+    owned: Option<Py<PyAny>>,
+    managed: bool,
+    context: OnceLock<Py<PyContext>>,
+}
+
+impl PyPinnedMemory {
+    pub(crate) fn new(host: Arc<HostMemory>, owned: Option<Py<PyAny>>, managed: bool) -> Self {
+        PyPinnedMemory {
+            host,
+            owned,
+            managed,
+            context: OnceLock::new(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyPinnedMemory {
+    #[new]
+    #[pyo3(signature = (context, pointer, size, owner=None, finalizer=None))]
+    fn py_new(
+        context: &Bound<'_, PyAny>,
+        pointer: &Bound<'_, PyAny>,
+        size: isize,
+        owner: Option<Py<PyAny>>,
+        finalizer: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let ctx = host_context(context)?;
+        let managed = finalizer.is_some();
+        let host = HostMemory::wrap(
+            &ctx,
+            pointer_arg(pointer)? as usize,
+            size_arg(size)?,
+            false,
+            keep_finalizer(finalizer),
+        )?;
+        Ok(PyPinnedMemory::new(host, owner, managed))
+    }
+
+    /// The context the memory is pinned in.
+    #[getter]
+    fn context(&self, py: Python<'_>) -> PyResult<Py<PyContext>> {
+        if let Some(c) = self.context.get() {
+            return Ok(c.clone_ref(py));
+        }
+        let c = py_context(py, self.host.context())?;
+        Ok(self.context.get_or_init(|| c).clone_ref(py))
+    }
+
+    /// The host address (an int).
+    #[getter]
+    fn host_pointer(&self) -> usize {
+        self.host.host_ptr()
+    }
+
+    /// numba's ``handle``: the host address.
+    #[getter]
+    fn handle(&self) -> usize {
+        self.host.host_ptr()
+    }
+
+    /// Size in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.host.size()
+    }
+
+    /// The object whose memory this is (registered memory), if any.
+    #[getter]
+    fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.owned.as_ref().map(|o| o.clone_ref(py))
+    }
+
+    /// Whether ``free()`` releases the memory.
+    #[getter]
+    fn is_managed(&self) -> bool {
+        self.managed
+    }
+
+    /// numba's ``own()``: pinned memory is its own owner.
+    fn own(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Release (free or unregister) now; a second call does nothing.
+    fn free(&self) -> PyResult<()> {
+        if self.managed {
+            self.host.free()?;
+        }
+        Ok(())
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let me = slf.get();
+        me.host.check_live()?;
+        fill_buffer(
+            slf.as_any(),
+            view,
+            me.host.host_ptr(),
+            me.host.size(),
+            flags,
+        )
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<gpuptr.PinnedMemory {:#x} size={}>",
+            self.host.host_ptr(),
+            self.host.size()
+        )
+    }
+}
+
+/// Host memory mapped into the device (numba's ``MappedMemory``): a
+/// MemoryPointer over the device address, whose host bytes are exported
+/// through the buffer protocol.
+#[pyclass(frozen, extends = PyMemoryPointer, module = "gpuptr._core", name = "MappedMemory")]
+pub struct PyMappedMemory {
+    host: Arc<HostMemory>,
+    owned: Option<Py<PyAny>>,
+}
+
+impl PyMappedMemory {
+    pub(crate) fn init(
+        host: Arc<HostMemory>,
+        owned: Option<Py<PyAny>>,
+        managed: bool,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let view = host.device_view()?;
+        let base = PyMemoryPointer::over(view, None).with_managed(managed);
+        Ok(PyClassInitializer::from(base).add_subclass(PyMappedMemory { host, owned }))
+    }
+}
+
+#[pymethods]
+impl PyMappedMemory {
+    #[new]
+    #[pyo3(signature = (context, pointer, size, owner=None, finalizer=None))]
+    fn py_new(
+        context: &Bound<'_, PyAny>,
+        pointer: &Bound<'_, PyAny>,
+        size: isize,
+        owner: Option<Py<PyAny>>,
+        finalizer: Option<Py<PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let ctx = host_context(context)?;
+        let managed = finalizer.is_some();
+        let host = HostMemory::wrap(
+            &ctx,
+            pointer_arg(pointer)? as usize,
+            size_arg(size)?,
+            true,
+            keep_finalizer(finalizer),
+        )?;
+        PyMappedMemory::init(host, owner, managed)
+    }
+
+    /// The host address (an int).
+    #[getter]
+    fn host_pointer(&self) -> usize {
+        self.host.host_ptr()
+    }
+
+    /// numba's ``handle`` for mapped memory: the host address.
+    #[getter]
+    fn handle(&self) -> usize {
+        self.host.host_ptr()
+    }
+
+    /// The object whose memory this is (registered memory), if any.
+    #[getter]
+    fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.owned.as_ref().map(|o| o.clone_ref(py))
+    }
+
+    /// Release the host memory now (when this pointer manages it).
+    fn free(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let base = slf.as_super().get();
+        if base.is_managed() {
+            base.view.parent().free()?;
+            slf.get().host.free()?;
+        }
+        Ok(())
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let me = slf.get();
+        me.host.check_live()?;
+        fill_buffer(
+            slf.as_any(),
+            view,
+            me.host.host_ptr(),
+            me.host.size(),
+            flags,
+        )
+    }
+}
+
+/// Managed (unified) memory (numba's ``ManagedMemory``): a MemoryPointer
+/// whose bytes the host can also reach, exported through the buffer protocol.
+#[pyclass(frozen, extends = PyMemoryPointer, module = "gpuptr._core", name = "ManagedMemory")]
+pub struct PyManagedMemory;
+
+impl PyManagedMemory {
+    pub(crate) fn init(base: PyMemoryPointer) -> PyClassInitializer<Self> {
+        PyClassInitializer::from(base).add_subclass(PyManagedMemory)
+    }
+}
+
+#[pymethods]
+impl PyManagedMemory {
+    #[new]
+    #[pyo3(signature = (context, pointer, size, owner=None, finalizer=None))]
+    fn py_new(
+        context: &Bound<'_, PyAny>,
+        pointer: &Bound<'_, PyAny>,
+        size: isize,
+        owner: Option<Py<PyAny>>,
+        finalizer: Option<Py<PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let base = PyMemoryPointer::py_new(context, pointer, size, owner, finalizer)?;
+        Ok(PyManagedMemory::init(base))
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let base = slf.as_super().get();
+        base.view.parent().check_live()?;
+        fill_buffer(
+            slf.as_any(),
+            view,
+            base.view.address() as usize,
+            base.view.size(),
+            flags,
+        )
+    }
+}
+
+/// Allocate ``nbytes`` of pinned host memory on ``device`` (default: the
+/// current one). With ``mapped``, it is mapped into the device and returned
+/// as a `MappedMemory`, else as a `PinnedMemory`.
+#[pyfunction]
+#[pyo3(signature = (nbytes, mapped=false, portable=false, wc=false, device=None))]
+pub(crate) fn alloc_host(
+    py: Python<'_>,
+    nbytes: isize,
+    mapped: bool,
+    portable: bool,
+    wc: bool,
+    device: Option<usize>,
+) -> PyResult<Py<PyAny>> {
+    let rt = runtime()?;
+    let ctx = rt.context(match device {
+        Some(d) => d,
+        None => rt.current_device()?,
+    })?;
+    let flags = HostFlags {
+        mapped,
+        portable,
+        write_combined: wc,
+    };
+    let host = HostMemory::alloc(&ctx, size_arg(nbytes)?, flags)?;
+    if mapped {
+        Ok(Bound::new(py, PyMappedMemory::init(host, None, true)?)?
+            .into_any()
+            .unbind())
+    } else {
+        Ok(Bound::new(py, PyPinnedMemory::new(host, None, true))?
+            .into_any()
+            .unbind())
+    }
+}
+
+/// Pin the memory of ``obj`` (any writable or read-only C-contiguous
+/// buffer: numpy array, bytearray, ...) in place, keeping ``obj`` alive until
+/// it is unregistered. With ``mapped``, returns a `MappedMemory`.
+#[pyfunction]
+#[pyo3(signature = (obj, mapped=false, portable=false, device=None))]
+pub(crate) fn register_host(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    mapped: bool,
+    portable: bool,
+    device: Option<usize>,
+) -> PyResult<Py<PyAny>> {
+    let buf = PyUntypedBuffer::get(obj)?;
+    if !buf.is_c_contiguous() {
+        return Err(
+            Error::InvalidArgument("only C-contiguous buffers can be pinned".into()).into(),
+        );
+    }
+    let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+    let rt = runtime()?;
+    let ctx = rt.context(match device {
+        Some(d) => d,
+        None => rt.current_device()?,
+    })?;
+    let flags = HostFlags {
+        mapped,
+        portable,
+        write_combined: false,
+    };
+    // Holding the buffer keeps obj alive and its memory from moving.
+    let host = HostMemory::register(&ctx, ptr, len, flags, Some(Box::new(buf)))?;
+    let owned = Some(obj.clone().unbind());
+    if mapped {
+        Ok(Bound::new(py, PyMappedMemory::init(host, owned, true)?)?
+            .into_any()
+            .unbind())
+    } else {
+        Ok(Bound::new(py, PyPinnedMemory::new(host, owned, true))?
+            .into_any()
+            .unbind())
+    }
+}
+
+/// Allocate ``nbytes`` of managed (unified) memory on ``device`` (default:
+/// the current one), attached globally (or to the host).
+#[pyfunction]
+#[pyo3(signature = (nbytes, attach_global=true, device=None))]
+pub(crate) fn alloc_managed(
+    py: Python<'_>,
+    nbytes: isize,
+    attach_global: bool,
+    device: Option<usize>,
+) -> PyResult<Py<PyManagedMemory>> {
+    let rt = runtime()?;
+    let ctx = rt.context(match device {
+        Some(d) => d,
+        None => rt.current_device()?,
+    })?;
+    let mem = ctx.alloc_managed(size_arg(nbytes)?, attach_global)?;
+    let pyctx = py_context(py, &ctx)?;
+    Py::new(
+        py,
+        PyManagedMemory::init(PyMemoryPointer::owning(mem, Some(pyctx))),
+    )
+}

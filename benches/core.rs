@@ -47,5 +47,37 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// The raw driver calls a pool design chooses between (CUDA only).
+fn driver_calls(c: &mut Criterion) {
+    let Ok(drv) = driver::open(DriverChoice::Cuda) else {
+        return;
+    };
+    let rt = Runtime::new(drv.clone()).unwrap();
+    let ctx = rt.context(0).unwrap();
+    let raw = ctx.raw();
+    c.bench_function("cuda/driver/mem_alloc_async+free_async_1MiB", |b| {
+        b.iter(|| {
+            let p = drv.mem_alloc_async(raw, 1 << 20, 0).unwrap();
+            drv.mem_free_async(raw, p, 0).unwrap();
+        })
+    });
+    let ev = drv.event_create(raw).unwrap();
+    c.bench_function("cuda/driver/event_record", |b| {
+        b.iter(|| drv.event_record(raw, ev, 0).unwrap())
+    });
+    drv.event_synchronize(raw, ev).unwrap();
+    c.bench_function("cuda/driver/event_query_done", |b| {
+        b.iter(|| black_box(drv.event_query(raw, ev).unwrap()))
+    });
+    c.bench_function("cuda/driver/stream_query", |b| {
+        b.iter(|| black_box(drv.stream_query(raw, 0).unwrap()))
+    });
+    let mem = ctx.alloc(1 << 20).unwrap();
+    c.bench_function("cuda/driver/pointer_attributes", |b| {
+        b.iter(|| black_box(drv.pointer_attributes(mem.address() + 64).unwrap()))
+    });
+    drv.event_destroy(raw, ev).unwrap();
+}
+
+criterion_group!(benches, bench, driver_calls);
 criterion_main!(benches);

@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 
 use super::{
     DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes, PrimaryContextState,
-    RawContext, RawStream,
+    RawContext, RawEvent, RawStream,
 };
 use crate::error::{Error, Result, CUDA_ERROR_NO_DEVICE};
 
@@ -238,6 +238,67 @@ impl Driver for CudaDriver {
     fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
         self.enter(context)?;
         guard("cuMemFree", || unsafe { result::free_sync(ptr) })
+    }
+
+    fn mem_alloc_async(
+        &self,
+        context: RawContext,
+        size: usize,
+        stream: RawStream,
+    ) -> Result<DevicePtr> {
+        self.enter(context)?;
+        guard("cuMemAllocAsync", || unsafe {
+            result::malloc_async(stream as sys::CUstream, size)
+        })
+    }
+
+    fn mem_free_async(&self, context: RawContext, ptr: DevicePtr, stream: RawStream) -> Result<()> {
+        self.enter(context)?;
+        guard("cuMemFreeAsync", || unsafe {
+            result::free_async(ptr, stream as sys::CUstream)
+        })
+    }
+
+    fn event_create(&self, context: RawContext) -> Result<RawEvent> {
+        self.enter(context)?;
+        guard("cuEventCreate", || {
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        })
+        .map(|e| e as RawEvent)
+    }
+
+    fn event_record(&self, context: RawContext, event: RawEvent, stream: RawStream) -> Result<()> {
+        self.enter(context)?;
+        guard("cuEventRecord", || unsafe {
+            result::event::record(event as sys::CUevent, stream as sys::CUstream)
+        })
+    }
+
+    fn event_query(&self, context: RawContext, event: RawEvent) -> Result<bool> {
+        self.enter(context)?;
+        match guard("cuEventQuery", || unsafe {
+            result::event::query(event as sys::CUevent)
+        }) {
+            Ok(()) => Ok(true),
+            Err(Error::Cuda { code, .. }) if code == crate::error::CUDA_ERROR_NOT_READY => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn event_synchronize(&self, context: RawContext, event: RawEvent) -> Result<()> {
+        self.enter(context)?;
+        guard("cuEventSynchronize", || unsafe {
+            result::event::synchronize(event as sys::CUevent)
+        })
+    }
+
+    fn event_destroy(&self, context: RawContext, event: RawEvent) -> Result<()> {
+        self.enter(context)?;
+        guard("cuEventDestroy", || unsafe {
+            result::event::destroy(event as sys::CUevent)
+        })
     }
 
     fn mem_alloc_managed(&self, context: RawContext, size: usize, flags: u32) -> Result<DevicePtr> {

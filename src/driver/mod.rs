@@ -22,6 +22,8 @@ pub type DevicePtr = u64;
 pub type RawStream = usize;
 /// A host address.
 pub type HostPtr = usize;
+/// A `CUevent`, as an integer.
+pub type RawEvent = usize;
 
 /// `cuMemHostAlloc` flag: pinned for every context.
 pub const HOST_ALLOC_PORTABLE: u32 = 1;
@@ -127,11 +129,13 @@ pub enum CallKind {
     MemAllocManaged,
     /// device queries: count, name, total memory
     DeviceQuery,
+    /// `cuEvent*`: create, record, query, synchronize, destroy
+    Event,
 }
 
 impl CallKind {
     /// Every kind, for tests that fail each in turn.
-    pub const ALL: [CallKind; 17] = [
+    pub const ALL: [CallKind; 18] = [
         CallKind::ContextRetain,
         CallKind::ContextRelease,
         CallKind::ContextCurrent,
@@ -149,6 +153,7 @@ impl CallKind {
         CallKind::HostUnregister,
         CallKind::HostDevicePointer,
         CallKind::MemAllocManaged,
+        CallKind::Event,
     ];
 
     /// The snake-case name used from Python (`"mem_alloc"`, ...).
@@ -171,6 +176,7 @@ impl CallKind {
             CallKind::HostUnregister => "host_unregister",
             CallKind::HostDevicePointer => "host_device_pointer",
             CallKind::MemAllocManaged => "mem_alloc_managed",
+            CallKind::Event => "event",
         }
     }
 
@@ -220,6 +226,27 @@ pub trait Driver: Send + Sync + 'static {
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr>;
     /// `cuMemFree` in `context`.
     fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()>;
+    /// `cuMemAllocAsync` on `stream` (from the device's default mempool);
+    /// counted and faulted as [`CallKind::MemAlloc`].
+    fn mem_alloc_async(
+        &self,
+        context: RawContext,
+        size: usize,
+        stream: RawStream,
+    ) -> Result<DevicePtr>;
+    /// `cuMemFreeAsync` on `stream`; counted as [`CallKind::MemFree`].
+    fn mem_free_async(&self, context: RawContext, ptr: DevicePtr, stream: RawStream) -> Result<()>;
+    /// `cuEventCreate` (timing disabled).
+    fn event_create(&self, context: RawContext) -> Result<RawEvent>;
+    /// `cuEventRecord` on `stream`.
+    fn event_record(&self, context: RawContext, event: RawEvent, stream: RawStream) -> Result<()>;
+    /// `cuEventQuery`: whether the work before the record is done.
+    fn event_query(&self, context: RawContext, event: RawEvent) -> Result<bool>;
+    /// `cuEventSynchronize`.
+    fn event_synchronize(&self, context: RawContext, event: RawEvent) -> Result<()>;
+    /// `cuEventDestroy`.
+    fn event_destroy(&self, context: RawContext, event: RawEvent) -> Result<()>;
+
     /// `cuMemAllocManaged` in `context` (`flags`: [`MEM_ATTACH_GLOBAL`] or
     /// [`MEM_ATTACH_HOST`]). Freed with [`Driver::mem_free`].
     fn mem_alloc_managed(&self, context: RawContext, size: usize, flags: u32) -> Result<DevicePtr>;

@@ -12,7 +12,7 @@ use std::thread::ThreadId;
 
 use super::{
     CallKind, DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes,
-    PrimaryContextState, RawContext, RawStream, HOST_ALLOC_DEVICEMAP,
+    PrimaryContextState, RawContext, RawEvent, RawStream, HOST_ALLOC_DEVICEMAP,
 };
 use crate::error::{
     cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE,
@@ -161,6 +161,10 @@ struct State {
     current: HashMap<ThreadId, RawContext>,
     calls: HashMap<CallKind, u64>,
     faults: Vec<Fault>,
+    /// Live events (the simulator completes all work at once, so a recorded
+    /// event is always done).
+    events: HashMap<RawEvent, usize>,
+    next_event: RawEvent,
 }
 
 impl State {
@@ -277,6 +281,25 @@ impl SimDriver {
             return Err(invalid());
         }
         Ok(device)
+    }
+
+    fn event_op(&self, context: RawContext, event: RawEvent, call: &'static str) -> Result<()> {
+        let mut st = self.lock();
+        st.enter(CallKind::Event, call)?;
+        self.device_of(&st, context, call)?;
+        if !st.events.contains_key(&event) {
+            return Err(Error::cuda(
+                call,
+                crate::error::CUDA_ERROR_INVALID_HANDLE,
+                "CUDA_ERROR_INVALID_HANDLE",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Number of live events.
+    pub fn live_events(&self) -> usize {
+        self.lock().events.len()
     }
 
     /// Fail the `nth` call of `kind` from now on (1 = the next one) with `code`.
@@ -510,6 +533,52 @@ impl Driver for SimDriver {
         );
         st.used[device] += size;
         Ok(at)
+    }
+
+    fn mem_alloc_async(
+        &self,
+        context: RawContext,
+        size: usize,
+        _stream: RawStream,
+    ) -> Result<DevicePtr> {
+        self.mem_alloc(context, size)
+    }
+
+    fn mem_free_async(
+        &self,
+        context: RawContext,
+        ptr: DevicePtr,
+        _stream: RawStream,
+    ) -> Result<()> {
+        self.mem_free(context, ptr)
+    }
+
+    fn event_create(&self, context: RawContext) -> Result<RawEvent> {
+        let mut st = self.lock();
+        st.enter(CallKind::Event, "cuEventCreate")?;
+        let device = self.device_of(&st, context, "cuEventCreate")?;
+        st.next_event += 1;
+        let e = 0xE000_0000 + st.next_event;
+        st.events.insert(e, device);
+        Ok(e)
+    }
+
+    fn event_record(&self, context: RawContext, event: RawEvent, _stream: RawStream) -> Result<()> {
+        self.event_op(context, event, "cuEventRecord")
+    }
+
+    fn event_query(&self, context: RawContext, event: RawEvent) -> Result<bool> {
+        self.event_op(context, event, "cuEventQuery").map(|_| true)
+    }
+
+    fn event_synchronize(&self, context: RawContext, event: RawEvent) -> Result<()> {
+        self.event_op(context, event, "cuEventSynchronize")
+    }
+
+    fn event_destroy(&self, context: RawContext, event: RawEvent) -> Result<()> {
+        self.event_op(context, event, "cuEventDestroy")?;
+        self.lock().events.remove(&event);
+        Ok(())
     }
 
     fn mem_alloc_managed(

@@ -139,7 +139,13 @@ impl Eq for Context {}
 impl Drop for Context {
     fn drop(&mut self) {
         // Deleters never fail: at process exit the driver may already be
-        // deinitialised, and there is nobody to report to.
+        // deinitialised, and there is nobody to report to. Every allocation
+        // holds its context, so only cached pool blocks are left: give them
+        // back before the retain that keeps them valid goes.
+        if let Some(pool) = self.runtime.pool(self.device) {
+            let _ = pool.trim(self);
+            pool.close(self);
+        }
         let _ = self.runtime.driver().primary_context_release(self.device);
     }
 }

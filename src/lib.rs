@@ -31,6 +31,7 @@ mod context;
 mod host;
 mod layout;
 mod memory;
+mod pool;
 mod registry;
 mod runtime;
 
@@ -43,6 +44,7 @@ pub use error::{cuda_error_name, Error, Result};
 pub use host::{HostFlags, HostKind, HostMemory};
 pub use layout::{typestr_itemsize, Layout};
 pub use memory::{DevicePointer, KeepAlive, Origin, View};
+pub use pool::{size_class, Pool, PoolConfig};
 pub use registry::{Registration, Registry};
 pub use runtime::{DeviceStats, Runtime};
 

@@ -21,6 +21,9 @@ pub enum Origin {
     Driver,
     /// Someone else's memory (wrapped); gpuptr never frees it.
     Foreign,
+    /// A block of the device's caching pool, of the given size class; it
+    /// goes back to the pool when freed.
+    Pool(usize),
 }
 
 /// An allocation: address, size and the context it lives in. Shared through
@@ -57,12 +60,58 @@ impl DevicePointer {
     /// Allocate `size` bytes in `context`. Zero bytes give a null pointer and
     /// make no driver call.
     pub fn alloc(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
+        match context.runtime().pool(context.device()) {
+            Some(pool) if size != 0 => {
+                let (address, class) = pool.alloc(context, size)?;
+                Ok(DevicePointer::counted(
+                    context,
+                    address,
+                    size,
+                    Origin::Pool(class),
+                    false,
+                    None,
+                ))
+            }
+            _ => DevicePointer::alloc_uncached(context, size),
+        }
+    }
+
+    /// Allocate `size` bytes straight from the driver (`cuMemAlloc`),
+    /// bypassing the pool.
+    pub fn alloc_uncached(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
         DevicePointer::alloc_with(
             context,
             size,
             |ctx| ctx.driver().mem_alloc(ctx.raw(), size),
             false,
         )
+    }
+
+    fn counted(
+        context: &Arc<Context>,
+        address: DevicePtr,
+        size: usize,
+        origin: Origin,
+        managed: bool,
+        registration: Option<Registration>,
+    ) -> Arc<Self> {
+        let c = context.runtime().counters(context.device());
+        c.alloc_count.fetch_add(1, Ordering::Relaxed);
+        c.live_count.fetch_add(1, Ordering::Relaxed);
+        let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
+        c.peak_bytes.fetch_max(live, Ordering::Relaxed);
+        Arc::new(DevicePointer {
+            context: context.clone(),
+            address,
+            size,
+            origin,
+            managed,
+            generation: context.generation(),
+            registration,
+            freed: AtomicBool::new(false),
+            has_keepalive: false,
+            keepalive: Mutex::new(None),
+        })
     }
 
     /// Allocate with `allocate` (a driver call freed by `cuMemFree`), then
@@ -81,23 +130,14 @@ impl DevicePointer {
             let reg = context.runtime().registry().insert(address, size, context);
             (address, Some(reg))
         };
-        let c = context.runtime().counters(device);
-        c.alloc_count.fetch_add(1, Ordering::Relaxed);
-        c.live_count.fetch_add(1, Ordering::Relaxed);
-        let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
-        c.peak_bytes.fetch_max(live, Ordering::Relaxed);
-        Ok(Arc::new(DevicePointer {
-            context: context.clone(),
+        Ok(DevicePointer::counted(
+            context,
             address,
             size,
-            origin: Origin::Driver,
+            Origin::Driver,
             managed,
-            generation: context.generation(),
             registration,
-            freed: AtomicBool::new(false),
-            has_keepalive: false,
-            keepalive: Mutex::new(None),
-        }))
+        ))
     }
 
     /// Wrap memory someone else owns. `registration` is the registry entry
@@ -202,21 +242,31 @@ impl DevicePointer {
         if self.freed.swap(true, Ordering::AcqRel) {
             return Ok(false);
         }
-        if self.origin == Origin::Driver && self.address != 0 && !self.is_stale() {
-            if let Err(e) = self
-                .context
-                .driver()
-                .mem_free(self.context.raw(), self.address)
-            {
-                // Still allocated: stay live so a later free or drop retries.
-                self.freed.store(false, Ordering::Release);
-                return Err(e);
+        let stale = self.is_stale();
+        match self.origin {
+            Origin::Driver if self.address != 0 && !stale => {
+                if let Err(e) = self
+                    .context
+                    .driver()
+                    .mem_free(self.context.raw(), self.address)
+                {
+                    // Still allocated: stay live so a later free or drop retries.
+                    self.freed.store(false, Ordering::Release);
+                    return Err(e);
+                }
             }
+            Origin::Pool(class) if !stale => {
+                if let Some(pool) = self.context.runtime().pool(self.context.device()) {
+                    pool.release(self.address, class);
+                }
+            }
+            _ => {}
         }
         if let Some(reg) = self.registration {
             self.context.runtime().registry().remove(reg);
         }
-        if self.origin == Origin::Driver {
+        // A reset already zeroed the counters for stale allocations.
+        if self.origin != Origin::Foreign && !stale {
             let c = self.context.runtime().counters(self.context.device());
             c.live_count.fetch_sub(1, Ordering::Relaxed);
             c.live_bytes.fetch_sub(self.size, Ordering::Relaxed);

@@ -9,6 +9,7 @@ use crate::context::Context;
 use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType};
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, KeepAlive};
+use crate::pool::{Pool, PoolConfig};
 use crate::registry::Registry;
 
 /// Allocation counters of one device.
@@ -33,6 +34,14 @@ pub struct DeviceStats {
     pub peak_bytes: usize,
     /// Allocations made so far.
     pub alloc_count: u64,
+    /// Bytes the pool holds for reuse.
+    pub cached_bytes: usize,
+    /// Allocations served from the pool's cache.
+    pub pool_hits: u64,
+    /// Allocations that went to the driver.
+    pub pool_misses: u64,
+    /// Fences recorded (each makes a batch of freed blocks reusable).
+    pub fences: u64,
 }
 
 /// The driver with everything gpuptr keeps about it.
@@ -41,6 +50,7 @@ pub struct Runtime {
     contexts: Mutex<Vec<Weak<Context>>>,
     registry: Registry,
     counters: Vec<DeviceCounters>,
+    pools: Option<Vec<Pool>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -52,15 +62,58 @@ impl std::fmt::Debug for Runtime {
 }
 
 impl Runtime {
-    /// A runtime over `driver`.
+    /// A runtime over `driver`, with a caching pool per device.
     pub fn new(driver: Arc<dyn Driver>) -> Result<Arc<Self>> {
+        Runtime::with_pool(driver, Some(PoolConfig::default()))
+    }
+
+    /// A runtime over `driver`; `None` allocates straight from the driver.
+    pub fn with_pool(driver: Arc<dyn Driver>, pool: Option<PoolConfig>) -> Result<Arc<Self>> {
         let n = driver.device_count()?;
         Ok(Arc::new(Runtime {
             driver,
             contexts: Mutex::new((0..n).map(|_| Weak::new()).collect()),
             registry: Registry::new(),
             counters: (0..n).map(|_| DeviceCounters::default()).collect(),
+            pools: pool.map(|c| (0..n).map(|_| Pool::new(c)).collect()),
         }))
+    }
+
+    /// The caching pool of `device`, unless pooling is off.
+    #[inline]
+    pub fn pool(&self, device: usize) -> Option<&Pool> {
+        self.pools.as_ref().map(|p| &p[device])
+    }
+
+    /// Return every cached block of every device to the driver; the bytes freed.
+    pub fn trim(self: &Arc<Self>) -> Result<usize> {
+        let mut freed = 0;
+        for d in 0..self.device_count() {
+            if let (Some(pool), Some(ctx)) = (self.pool(d), self.existing_context(d)) {
+                freed += pool.trim(&ctx)?;
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Prepare for `device`'s context being reset (numba's `cuda.close()`):
+    /// cached blocks go back to the driver, and every live allocation turns
+    /// stale. Stale pointers raise `InvalidPointer` on use, and freeing them
+    /// is a no-op, so they never free memory a later allocation reuses.
+    pub fn reset(self: &Arc<Self>, device: usize) -> Result<()> {
+        self.check_device(device)?;
+        let Some(ctx) = self.existing_context(device) else {
+            return Ok(());
+        };
+        let trimmed = self.pool(device).map(|p| p.trim(&ctx));
+        if let Some(pool) = self.pool(device) {
+            pool.forget(&ctx);
+        }
+        ctx.invalidate();
+        let c = &self.counters[device];
+        c.live_bytes.store(0, Ordering::Relaxed);
+        c.live_count.store(0, Ordering::Relaxed);
+        trimmed.transpose().map(|_| ())
     }
 
     /// The process-wide runtime, over the driver `GPUPTR_DRIVER` names
@@ -68,7 +121,13 @@ impl Runtime {
     pub fn global() -> Result<&'static Arc<Runtime>> {
         static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
         GLOBAL
-            .get_or_init(|| Runtime::new(driver::open(DriverChoice::from_env()?)?))
+            .get_or_init(|| {
+                let pool = match std::env::var("GPUPTR_POOL").as_deref() {
+                    Ok("0") | Ok("off") => None,
+                    _ => Some(PoolConfig::default()),
+                };
+                Runtime::with_pool(driver::open(DriverChoice::from_env()?)?, pool)
+            })
             .as_ref()
             .map_err(Clone::clone)
     }
@@ -255,12 +314,19 @@ impl Runtime {
         self.counters
             .iter()
             .enumerate()
-            .map(|(device, c)| DeviceStats {
-                device,
-                live_bytes: c.live_bytes.load(Ordering::Relaxed),
-                live_count: c.live_count.load(Ordering::Relaxed),
-                peak_bytes: c.peak_bytes.load(Ordering::Relaxed),
-                alloc_count: c.alloc_count.load(Ordering::Relaxed),
+            .map(|(device, c)| {
+                let pool = self.pool(device).map(|p| &p.counters);
+                DeviceStats {
+                    device,
+                    live_bytes: c.live_bytes.load(Ordering::Relaxed),
+                    live_count: c.live_count.load(Ordering::Relaxed),
+                    peak_bytes: c.peak_bytes.load(Ordering::Relaxed),
+                    alloc_count: c.alloc_count.load(Ordering::Relaxed),
+                    cached_bytes: pool.map_or(0, |p| p.cached_bytes.load(Ordering::Relaxed)),
+                    pool_hits: pool.map_or(0, |p| p.hits.load(Ordering::Relaxed)),
+                    pool_misses: pool.map_or(0, |p| p.misses.load(Ordering::Relaxed)),
+                    fences: pool.map_or(0, |p| p.fences.load(Ordering::Relaxed)),
+                }
             })
             .collect()
     }

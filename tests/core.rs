@@ -6,8 +6,17 @@ use std::sync::Arc;
 use gpuptr::driver::{CallKind, Driver};
 use gpuptr::{codes, Error, Runtime, SimConfig, SimDriver};
 
+/// A simulator and a runtime without the pool, so driver-side counters
+/// show each allocation and free directly.
 fn sim(devices: usize) -> (Arc<SimDriver>, Arc<Runtime>) {
     let drv = Arc::new(SimDriver::new(SimConfig::new(devices, 1 << 20)));
+    let rt = Runtime::with_pool(drv.clone(), None).unwrap();
+    (drv, rt)
+}
+
+/// A simulator and a runtime with the default caching pool.
+fn sim_pooled(devices: usize, memory: usize) -> (Arc<SimDriver>, Arc<Runtime>) {
+    let drv = Arc::new(SimDriver::new(SimConfig::new(devices, memory)));
     let rt = Runtime::new(drv.clone()).unwrap();
     (drv, rt)
 }
@@ -455,4 +464,152 @@ fn test_managed_memory_is_device_memory_reachable_from_the_host() {
     drop(m);
     assert_eq!(drv.live_bytes(), 0);
     assert_eq!(rt.stats()[0].live_bytes, 0);
+}
+
+// --- the pool -----------------------------------------------------------------
+
+use gpuptr::{size_class, PoolConfig};
+
+#[test]
+fn test_pool_reuses_blocks_by_size_class_after_a_fence() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let cfg = PoolConfig::default();
+    // Warm up: the first `fence_count` frees are pending, so misses go to the driver.
+    let mut addrs = std::collections::HashSet::new();
+    for _ in 0..cfg.fence_count {
+        let p = ctx.alloc(1000).unwrap();
+        addrs.insert(p.address());
+    }
+    // Until a batch is due, each miss gets a fresh block from the driver.
+    assert_eq!(drv.calls(CallKind::MemAlloc), cfg.fence_count as u64);
+    assert_eq!(rt.stats()[0].fences, 0);
+    let mut held = Vec::new();
+    for _ in 0..cfg.fence_count {
+        held.push(ctx.alloc(1000).unwrap());
+    }
+    drop(held);
+    let before = drv.calls(CallKind::MemAlloc);
+    // Now a batch is pending: the next miss fences once and reuses it.
+    let events = drv.calls(CallKind::Event);
+    let again: Vec<_> = (0..cfg.fence_count)
+        .map(|_| ctx.alloc(900).unwrap())
+        .collect();
+    assert_eq!(
+        drv.calls(CallKind::MemAlloc),
+        before,
+        "served from the pool"
+    );
+    assert!(drv.calls(CallKind::Event) > events, "a fence was recorded");
+    assert!(again.iter().all(|p| p.size() == 900));
+    let s = rt.stats()[0];
+    assert!(s.pool_hits >= cfg.fence_count as u64 && s.fences >= 1);
+    assert_eq!(size_class(900), size_class(1000));
+    // Another size class does not take these blocks.
+    let other = ctx.alloc(5000).unwrap();
+    assert!(!again.iter().any(|p| p.address() == other.address()));
+    let _ = addrs;
+}
+
+#[test]
+fn test_pool_oom_releases_cache_and_retries_once() {
+    let (drv, rt) = sim_pooled(1, 8 << 20);
+    let ctx = rt.context(0).unwrap();
+    // Fill the cache with 1 MiB blocks, then ask for a size that only fits
+    // once the cache is returned to the driver.
+    let blocks: Vec<_> = (0..6).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    drop(blocks);
+    assert_eq!(rt.stats()[0].cached_bytes, 6 << 20);
+    assert_eq!(drv.live_bytes(), 6 << 20);
+    let big = ctx.alloc(5 << 20).unwrap();
+    assert_eq!(rt.stats()[0].cached_bytes, 0, "the cache was released");
+    assert_eq!(drv.live_bytes(), 5 << 20);
+    drop(big);
+    // A request that cannot fit even then is a typed OOM, and nothing leaks.
+    let err = ctx.alloc(9 << 20).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { requested, .. } if requested == 9 << 20));
+    assert_eq!(rt.stats()[0].live_bytes, 0);
+    assert_eq!(
+        rt.stats()[0].cached_bytes,
+        0,
+        "the retry released the cache"
+    );
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+#[test]
+fn test_pool_stats_return_to_zero_and_trim_frees_everything() {
+    let (drv, rt) = sim_pooled(2, 64 << 20);
+    let ctx0 = rt.context(0).unwrap();
+    let ctx1 = rt.context(1).unwrap();
+    let a: Vec<_> = (0..20)
+        .map(|i| ctx0.alloc(100 + i * 1000).unwrap())
+        .collect();
+    let b: Vec<_> = (0..5).map(|_| ctx1.alloc(4096).unwrap()).collect();
+    assert_eq!(rt.stats()[1].live_count, 5);
+    assert_eq!(rt.stats()[1].live_bytes, 5 * 4096);
+    drop(a);
+    drop(b);
+    for s in rt.stats() {
+        assert_eq!((s.live_bytes, s.live_count), (0, 0), "device {}", s.device);
+    }
+    assert!(rt.stats()[0].cached_bytes > 0);
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(rt.stats()[0].cached_bytes, 0);
+    assert!(rt.registry().is_empty());
+}
+
+#[test]
+fn test_reset_invalidates_live_pointers_and_stale_free_never_frees_a_newer_block() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let old = ctx.alloc(4096).unwrap();
+    let old_addr = old.address();
+    rt.reset(0).unwrap();
+    assert!(matches!(old.check_live(), Err(Error::InvalidPointer(_))));
+    // Simulate the driver reset that follows: the memory is gone, and the
+    // same address comes back for a new allocation.
+    drv.mem_free(ctx.raw(), old_addr).unwrap();
+    let new = ctx.alloc(4096).unwrap();
+    assert_eq!(new.address(), old_addr, "the simulator reuses the address");
+    old.free().unwrap();
+    drop(old);
+    new.view_all().memset(1, None, 0).unwrap();
+    assert_eq!(drv.live_bytes(), 4096, "the new block is intact");
+    assert_eq!(rt.stats()[0].live_count, 1);
+    drop(new);
+    // The stale block was never taken back by the pool: it holds the new one only.
+    assert_eq!(rt.pool(0).unwrap().held_blocks(), 1);
+    assert_eq!(rt.stats()[0].live_count, 0);
+}
+
+#[test]
+fn test_context_drop_returns_cached_blocks() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    drop(ctx.alloc(1 << 20).unwrap());
+    assert_eq!(drv.live_bytes(), 1 << 20);
+    drop(ctx);
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(drv.retain_count(0), 0);
+    assert_eq!(drv.live_events(), 0);
+}
+
+#[test]
+fn test_pool_fence_failure_is_typed_and_loses_no_block() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let held: Vec<_> = (0..8).map(|_| ctx.alloc(1000).unwrap()).collect();
+    drop(held);
+    drv.fail_nth(CallKind::Event, 1, codes::CUDA_ERROR_LAUNCH_FAILED);
+    let err = ctx.alloc(1000).unwrap_err();
+    assert_eq!(err.cuda_code(), Some(codes::CUDA_ERROR_LAUNCH_FAILED));
+    assert_eq!(rt.stats()[0].live_count, 0);
+    assert_eq!(rt.stats()[0].cached_bytes, 8 * size_class(1000));
+    let p = ctx.alloc(1000).unwrap();
+    assert_eq!(rt.stats()[0].live_count, 1);
+    drop(p);
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
 }

@@ -194,7 +194,7 @@ def test_wrap_own_allocation_resolves_context_and_keeps_owner(no_leaks):
 def test_wrap_past_the_allocation_is_refused(no_leaks):
     mem = gpuptr.alloc(256)
     with pytest.raises(gpuptr.InvalidPointerError):
-        gpuptr.wrap(mem.device_pointer_value + 200, 57)
+        gpuptr.wrap(mem.device_pointer_value + 200, 1 << 20)
 
 
 def test_wrap_of_host_memory_is_invalid_pointer():

@@ -38,6 +38,7 @@ from gpuptr._core import (
     register_host,
     release_contexts,
     stats,
+    trim,
     wrap,
 )
 from gpuptr._errors import (
@@ -81,5 +82,6 @@ __all__ = [
     "register_host",
     "release_contexts",
     "stats",
+    "trim",
     "wrap",
 ]

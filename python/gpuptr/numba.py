@@ -54,7 +54,7 @@ def from_cuda_array_interface_numba(desc: dict, owner: Any = None, sync: bool = 
     if not isinstance(desc, dict):
         raise InvalidArgumentError("__cuda_array_interface__ must be a dict")
     ptr, shape, strides, typestr, _itemsize, _ro, offset, stream = _core._import_cai(
-        desc, owner, sync and config.CUDA_ARRAY_INTERFACE_SYNC
+        desc, owner, bool(sync and config.CUDA_ARRAY_INTERFACE_SYNC)
     )
     attrs = dict(_array_attrs(shape, strides, typestr))
     attrs["alloc_size"] = offset + ptr.size if attrs["size"] else 0

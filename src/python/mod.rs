@@ -117,8 +117,8 @@ fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
     })
 }
 
-/// Allocation statistics per device: live bytes and count, peak, and the
-/// number of allocations made.
+/// Allocation statistics per device: live bytes and count, peak, the number
+/// of allocations made, and the pool's cached bytes, hits, misses and fences.
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let list = PyList::empty(py);
@@ -129,9 +129,30 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("live_count", s.live_count)?;
         d.set_item("peak_bytes", s.peak_bytes)?;
         d.set_item("alloc_count", s.alloc_count)?;
+        d.set_item("cached_bytes", s.cached_bytes)?;
+        d.set_item("pool_hits", s.pool_hits)?;
+        d.set_item("pool_misses", s.pool_misses)?;
+        d.set_item("fences", s.fences)?;
         list.append(d)?;
     }
     Ok(list)
+}
+
+/// Return every block the pool caches to the driver; the bytes freed
+/// (CuPy's ``free_all_blocks``).
+#[pyfunction]
+fn trim(py: Python<'_>) -> PyResult<usize> {
+    let rt = runtime()?;
+    Ok(py.detach(|| rt.trim())?)
+}
+
+/// Prepare for ``device``'s context being reset (numba's ``cuda.close()``):
+/// cached blocks go back to the driver, and every live pointer turns stale
+/// (using it raises `InvalidPointerError`; freeing it does nothing).
+#[pyfunction]
+fn _reset(py: Python<'_>, device: usize) -> PyResult<()> {
+    let rt = runtime()?;
+    Ok(py.detach(|| rt.reset(device))?)
 }
 
 /// Drop gpuptr's own hold on contexts; each is released once no pointer
@@ -224,6 +245,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(release_contexts, m)?)?;
+    m.add_function(wrap_pyfunction!(trim, m)?)?;
+    m.add_function(wrap_pyfunction!(_reset, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_fail_nth, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_clear_faults, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_live_bytes, m)?)?;

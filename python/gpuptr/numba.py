@@ -20,7 +20,7 @@ from numba.cuda.cudadrv.devicearray import DeviceNDArray
 from gpuptr import _core
 from gpuptr._errors import InvalidArgumentError
 
-__all__ = ["as_cuda_array", "from_cuda_array_interface_numba"]
+__all__ = ["MemoryManager", "as_cuda_array", "from_cuda_array_interface_numba"]
 
 
 @lru_cache(maxsize=1024)
@@ -79,3 +79,93 @@ def as_cuda_array(obj: Any, sync: bool = True) -> DeviceNDArray:
     except AttributeError:
         raise TypeError("*obj* doesn't implement the cuda array interface.") from None
     return from_cuda_array_interface_numba(desc, owner=obj, sync=sync)
+
+
+# --- the External Memory Management plugin -----------------------------------
+
+import contextlib  # noqa: E402
+
+from numba.cuda.cudadrv.driver import (  # noqa: E402
+    BaseCUDAMemoryManager,
+    GetIpcHandleMixin,
+    MemoryInfo,
+)
+
+import gpuptr as _gpuptr  # noqa: E402
+
+
+class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
+    """numba-cuda External Memory Management plugin (interface version 1)
+    over gpuptr: device memory comes from gpuptr's per-device caching pool,
+    host memory is pinned by gpuptr, and every pointer holds its real,
+    retained context.
+
+    Enable it with ``NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba`` or
+    ``numba.cuda.set_memory_manager(gpuptr.numba.MemoryManager)``.
+
+    Reuse of freed device memory follows gpuptr's pool rule: a freed block is
+    handed out again only after a fence on the legacy default stream, so work
+    the new owner queues on the default stream or any blocking stream runs
+    after all earlier work. Synchronize non-blocking streams before dropping
+    memory they use.
+
+    ``get_memory_info()`` counts the bytes the pool caches as free: they are
+    available to the next allocation.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._device = None
+
+    def initialize(self):
+        # numba calls this on every context push: after the first call it is
+        # one attribute test.
+        if self._device is None and self.context is not None:
+            self._device = self.context.device.id
+            _gpuptr.context(self._device)
+
+    def _dev(self) -> int:
+        if self._device is None:
+            self.initialize()
+        return self._device
+
+    def memalloc(self, size):
+        """Device memory from gpuptr's pool."""
+        return _gpuptr.alloc(size, device=self._dev())
+
+    def memhostalloc(self, size, mapped=False, portable=False, wc=False):
+        """Pinned host memory (mapped into the device when ``mapped``)."""
+        return _gpuptr.alloc_host(size, mapped=mapped, portable=portable, wc=wc, device=self._dev())
+
+    def mempin(self, owner, pointer, size, mapped=False):
+        """Pin ``size`` bytes of ``owner``'s memory at ``pointer`` in place."""
+        return _core.register_host_ptr(pointer, size, owner, mapped=mapped, device=self._dev())
+
+    def memallocmanaged(self, size, attach_global):
+        """Managed (unified) memory."""
+        return _gpuptr.alloc_managed(size, attach_global=attach_global, device=self._dev())
+
+    def get_memory_info(self):
+        """``MemoryInfo(free, total)``, counting pool-cached bytes as free."""
+        free, total = _gpuptr.context(self._dev()).get_memory_info()
+        cached = _gpuptr.stats()[self._dev()]["cached_bytes"]
+        return MemoryInfo(free=min(free + cached, total), total=total)
+
+    def reset(self):
+        """Give cached blocks back and turn live pointers stale: numba resets
+        the context next (``cuda.close()``), and a stale pointer's free
+        never touches memory a later allocation reuses."""
+        if self._device is not None:
+            _core._reset(self._device)
+
+    def defer_cleanup(self):
+        """gpuptr frees into its fenced pool immediately and safely, so there
+        is nothing to defer."""
+        return contextlib.nullcontext()
+
+    @property
+    def interface_version(self):
+        return 1
+
+
+_numba_memory_manager = MemoryManager

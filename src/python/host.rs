@@ -386,6 +386,45 @@ pub(crate) fn register_host(
     }
 }
 
+/// Pin ``size`` bytes of host memory at ``address`` in place (numba's
+/// ``mempin``), keeping ``owner`` alive until it is unregistered.
+#[pyfunction]
+#[pyo3(signature = (address, size, owner=None, mapped=false, portable=false, device=None))]
+pub(crate) fn register_host_ptr(
+    py: Python<'_>,
+    address: &Bound<'_, PyAny>,
+    size: isize,
+    owner: Option<Py<PyAny>>,
+    mapped: bool,
+    portable: bool,
+    device: Option<usize>,
+) -> PyResult<Py<PyAny>> {
+    let ptr = pointer_arg(address)? as usize;
+    let rt = runtime()?;
+    let ctx = rt.context(match device {
+        Some(d) => d,
+        None => rt.current_device()?,
+    })?;
+    let flags = HostFlags {
+        mapped,
+        portable,
+        write_combined: false,
+    };
+    let keep = owner
+        .as_ref()
+        .map(|o| Box::new(o.clone_ref(py)) as KeepAlive);
+    let host = HostMemory::register(&ctx, ptr, size_arg(size)?, flags, keep)?;
+    if mapped {
+        Ok(Bound::new(py, PyMappedMemory::init(host, owner, true)?)?
+            .into_any()
+            .unbind())
+    } else {
+        Ok(Bound::new(py, PyPinnedMemory::new(host, owner, true))?
+            .into_any()
+            .unbind())
+    }
+}
+
 /// Allocate ``nbytes`` of managed (unified) memory on ``device`` (default:
 /// the current one), attached globally (or to the host).
 #[pyfunction]

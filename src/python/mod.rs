@@ -235,6 +235,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<host::PyManagedMemory>()?;
     m.add_function(wrap_pyfunction!(host::alloc_host, m)?)?;
     m.add_function(wrap_pyfunction!(host::register_host, m)?)?;
+    m.add_function(wrap_pyfunction!(host::register_host_ptr, m)?)?;
     m.add_function(wrap_pyfunction!(host::alloc_managed, m)?)?;
     m.add_function(wrap_pyfunction!(context, m)?)?;
     m.add_function(wrap_pyfunction!(alloc, m)?)?;

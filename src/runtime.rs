@@ -196,6 +196,12 @@ impl Runtime {
         Ok(self.resolve(address)?.0)
     }
 
+    /// The context of `address` from the driver alone (no registry): what a
+    /// registry hit saves.
+    pub fn query_context(self: &Arc<Self>, address: DevicePtr) -> Result<Arc<Context>> {
+        Ok(self.resolve(address)?.0)
+    }
+
     /// Ask the driver about `address`: its context and allocation range.
     pub(crate) fn resolve(
         self: &Arc<Self>,

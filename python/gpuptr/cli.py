@@ -47,12 +47,25 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    """Run the side-by-side benchmark (see gpuptr.bench) with its own options."""
+    _choose_driver(sys.stderr)
+    from gpuptr.bench import main as bench_main
+
+    return bench_main(list(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # bench parses its own options (--quick, --json, --plot).
+        return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="gpuptr", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="show the driver and devices")
     p.set_defaults(func=cmd_info)
+    sub.add_parser("bench", help="time gpuptr against numba, CuPy and cuda.bindings (--quick, --json, --plot)")
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -80,6 +80,14 @@ fn context_of(py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<Py<PyConte
     py_context(py, &runtime()?.context_of(address)?)
 }
 
+/// The context of ``address`` from a driver query, bypassing the registry
+/// (the baseline the registry is measured against).
+#[pyfunction]
+fn _query_context(py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<Py<PyContext>> {
+    let address = pointer_arg(address)?;
+    py_context(py, &runtime()?.query_context(address)?)
+}
+
 /// Which driver is in use, its version and the device count.
 #[pyfunction]
 fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -241,6 +249,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(alloc, m)?)?;
     m.add_function(wrap_pyfunction!(wrap, m)?)?;
     m.add_function(wrap_pyfunction!(context_of, m)?)?;
+    m.add_function(wrap_pyfunction!(_query_context, m)?)?;
     m.add_function(wrap_pyfunction!(driver_info, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(probe_cuda, m)?)?;

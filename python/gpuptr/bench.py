@@ -1,0 +1,297 @@
+"""``python -m gpuptr bench``: gpuptr against what users would otherwise
+use, measured side by side in one run on the same GPU.
+
+Each row times a gpuptr operation and a named baseline (best of N after a
+warm-up) and reports the ratio ``baseline / gpuptr`` (above 1: gpuptr is
+faster). A baseline whose library is missing is reported as skipped. Rows
+about numba's memory manager run in child processes, because numba picks
+its manager once per process. Results print as a table and go to JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+__all__ = ["run", "main"]
+
+
+def best_ns(fn: Callable[[], object], n: int, repeat: int) -> float:
+    """Best mean time per call, in ns, over ``repeat`` runs of ``n`` calls."""
+    for _ in range(min(n, 200)):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best * 1e9
+
+
+@dataclass
+class Result:
+    row: str
+    baseline: str
+    gpuptr_ns: Optional[float] = None
+    baseline_ns: Optional[float] = None
+    ratio: Optional[float] = None
+    skipped: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+
+class Bench:
+    def __init__(self, quick: bool, out=sys.stderr):
+        self.n = 2000 if quick else 20000
+        self.repeat = 3 if quick else 7
+        self.results: list[Result] = []
+        self.out = out
+
+    def row(self, name, baseline, setup: Callable[[], tuple], scale: float = 1.0):
+        """``setup()`` returns ``(ours, theirs)`` callables, or raises
+        ImportError/RuntimeError to skip the row."""
+        print(f"  measuring: {name} vs {baseline} ...", file=self.out, flush=True)
+        try:
+            ours, theirs = setup()
+        except Exception as e:  # a missing peer or an unusable one
+            self.results.append(Result(name, baseline, skipped=f"{type(e).__name__}: {e}"))
+            return
+        n = max(10, int(self.n * scale))
+        a = best_ns(ours, n, self.repeat)
+        b = best_ns(theirs, n, self.repeat)
+        self.results.append(Result(name, baseline, round(a, 1), round(b, 1), round(b / a, 2)))
+
+    def add(self, result: Result):
+        self.results.append(result)
+
+
+def _devarray_ns(manager: Optional[str], n: int, repeat: int) -> float:
+    """numba ``device_array(1 MiB)`` alloc+free in a child process under
+    ``manager`` (a NUMBA_CUDA_MEMORY_MANAGER value; None for numba's own)."""
+    code = (
+        "import sys, numpy as np\n"
+        "from numba import cuda\n"
+        "from gpuptr.bench import best_ns\n"
+        "cuda.current_context()\n"
+        f"ns = best_ns(lambda: cuda.device_array(1 << 18, dtype=np.float32), {n}, {repeat})\n"
+        "print(ns)\n"
+    )
+    env = dict(os.environ)
+    env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
+    if manager:
+        env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False, out=sys.stderr) -> dict:
+    """Run every row; returns ``{"meta": ..., "rows": [...]}``."""
+    import gpuptr
+    from gpuptr import _core
+
+    b = Bench(quick, out)
+    info = gpuptr.driver_info()
+    on_gpu = info["driver"] == "cuda"
+    print(f"gpuptr bench on {info['driver']} ({'quick' if quick else 'full'})", file=out, flush=True)
+
+    mem = gpuptr.alloc(1 << 22)
+    addr = mem.device_pointer_value
+
+    # Rows that need only gpuptr: the registry against the driver query.
+    b.row(
+        "context of an address: registry hit",
+        "driver query (cuPointerGetAttributes)",
+        lambda: (lambda: gpuptr.context_of(addr + 64), lambda: _core._query_context(addr + 64)),
+    )
+
+    def cupy_array():
+        import cupy
+
+        return cupy.zeros(1 << 20, dtype=cupy.float32)
+
+    def wrap_setup(known: bool):
+        def setup():
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            from cuda.bindings import driver as cu
+            from numba import cuda
+            from numba.cuda.cudadrv import driver as nd
+
+            arr = cupy_array()
+            p, n = arr.data.ptr, arr.nbytes
+            cuda.current_context()
+            keep = gpuptr.wrap(p, n, owner=arr) if known else None
+            ours = lambda: gpuptr.wrap(p, n, owner=arr).context  # noqa: E731
+            theirs = lambda: nd.MemoryPointer(cuda.current_context(), cu.CUdeviceptr(p), n, owner=arr)  # noqa: E731
+            ours.keep = keep
+            return ours, theirs
+
+        return setup
+
+    b.row("wrap + .context, known range", "numba MemoryPointer(current_context())", wrap_setup(True))
+    b.row("wrap + .context, first sight", "numba MemoryPointer(current_context())", wrap_setup(False))
+
+    def ctx_setup():
+        if not on_gpu:
+            raise RuntimeError("needs the GPU")
+        from cuda.bindings import driver as cu
+
+        attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT
+        return (lambda: gpuptr.context_of(addr + 64)), (lambda: cu.cuPointerGetAttribute(attr, addr + 64))
+
+    b.row("context of an address (cached)", "cuPointerGetAttribute (cuda.bindings)", ctx_setup)
+
+    def cai_setup(sync):
+        def setup():
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            from numba import cuda
+
+            from gpuptr.numba import as_cuda_array
+
+            arr = cupy_array()
+            return (lambda: as_cuda_array(arr, sync=sync)), (lambda: cuda.as_cuda_array(arr, sync=sync))
+
+        return setup
+
+    b.row("CAI object -> numba array", "numba.cuda.as_cuda_array", cai_setup(True), scale=0.25)
+    b.row("CAI object -> numba array, sync=False", "numba.cuda.as_cuda_array(sync=False)", cai_setup(False), scale=0.25)
+
+    def alloc_pair():
+        gpuptr.alloc(1 << 20).free()
+
+    def cupy_setup():
+        if not on_gpu:
+            raise RuntimeError("needs the GPU")
+        import cupy
+
+        return alloc_pair, (lambda: cupy.cuda.alloc(1 << 20))
+
+    def async_setup():
+        if not on_gpu:
+            raise RuntimeError("needs the GPU")
+        from cuda.bindings import driver as cu
+
+        s = cu.CUstream(0)
+
+        def pair():
+            _, d = cu.cuMemAllocAsync(1 << 20, s)
+            cu.cuMemFreeAsync(d, s)
+
+        return alloc_pair, pair
+
+    def core_setup():
+        if not on_gpu:
+            raise RuntimeError("needs the GPU")
+        from cuda.core import Device
+
+        dev = Device(0)
+        dev.set_current()
+        mr = dev.memory_resource
+        stream = dev.default_stream
+
+        def pair():
+            buf = mr.allocate(1 << 20, stream=stream)
+            buf.close(stream)
+
+        return alloc_pair, pair
+
+    b.row("alloc+free 1 MiB", "cupy.cuda.alloc (CuPy pool)", cupy_setup, scale=0.5)
+    b.row("alloc+free 1 MiB", "cuMemAllocAsync+FreeAsync (cuda.bindings)", async_setup, scale=0.5)
+    b.row("alloc+free 1 MiB", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
+
+    # numba device_array under each memory manager, in child processes.
+    n_child = 500 if quick else 5000
+    for name, manager in (
+        ("numba default manager", None),
+        ("pure-Python cuda.bindings EMM", "gpuptr._bench_pyemm"),
+    ):
+        print(f"  measuring: numba device_array(1 MiB) under gpuptr vs {name} ...", file=out, flush=True)
+        try:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            ours = _devarray_ns("gpuptr.numba", n_child, b.repeat)
+            theirs = _devarray_ns(manager, n_child, b.repeat)
+            b.add(Result("numba device_array(1 MiB) alloc+free", name, round(ours, 1), round(theirs, 1),
+                         round(theirs / ours, 2)))
+        except Exception as e:
+            b.add(Result("numba device_array(1 MiB) alloc+free", name, skipped=f"{type(e).__name__}: {e}"))
+
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "driver": info["driver"],
+        "driver_version": info["version_string"],
+        "device": gpuptr.devices()[0].name,
+        "gpuptr": gpuptr.__version__,
+        "python": platform.python_version(),
+        "quick": quick,
+    }
+    for mod in ("numba_cuda", "cupy", "cuda.bindings", "cuda.core", "numpy"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            meta[mod] = getattr(m, "__version__", "?")
+        except Exception:
+            meta[mod] = None
+    return {"meta": meta, "rows": [r.__dict__ for r in b.results]}
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'row':40s} {'gpuptr':>10s}  {'baseline':44s} {'baseline':>10s} {'ratio':>7s}"]
+    for r in report["rows"]:
+        if r["skipped"]:
+            lines.append(f"{r['row']:40s} {'-':>10s}  {r['baseline']:44s} {'skipped':>10s}   ({r['skipped'][:60]})")
+        else:
+            lines.append(
+                f"{r['row']:40s} {r['gpuptr_ns']:8.0f}ns  {r['baseline']:44s} {r['baseline_ns']:8.0f}ns {r['ratio']:6.1f}x"
+            )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if not r["skipped"]]
+    labels = [f"{r['row']}\nvs {r['baseline']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(rows) + 1.5))
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color="#4a7")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("speed-up (baseline time / gpuptr time)")
+    ax.set_title(f"gpuptr on {report['meta']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="gpuptr bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--json", default="gpuptr-bench.json", help="where to write the JSON report")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
+    args = ap.parse_args(argv)
+    report = run(quick=args.quick)
+    print(format_table(report))
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""The plugin under real numba on a GPU. Each test runs in a fresh process
+with NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba, since numba picks its memory
+manager once per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+
+pytestmark = pytest.mark.gpu
+
+
+def run_plugin(code: str, timeout: int = 300) -> str:
+    """Run ``code`` as a script file (spawned children re-import it)."""
+    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
+    env["NUMBA_CUDA_MEMORY_MANAGER"] = "gpuptr.numba"
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "plugin_case.py")
+        with open(script, "w") as f:
+            f.write(textwrap.dedent(code))
+        out = subprocess.run(
+            [sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout, cwd=d
+        )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_every_hook_through_numbas_public_api():
+    out = run_plugin(
+        """
+        import numpy as np, gpuptr
+        from numba import cuda
+        from gpuptr.numba import MemoryManager
+        ctx = cuda.current_context()
+        assert isinstance(ctx.memory_manager, MemoryManager)
+        d = cuda.device_array(1000, dtype=np.float64)               # memalloc
+        assert isinstance(d.gpu_data, gpuptr.MemoryPointer)
+        t = cuda.to_device(np.arange(1000.0))                      # memalloc + copy
+        assert (t.copy_to_host() == np.arange(1000.0)).all()
+        p = cuda.pinned_array(100, dtype=np.int32)                 # memhostalloc
+        p[:] = 4
+        dp = cuda.to_device(p)
+        assert (dp.copy_to_host() == 4).all()
+        m = cuda.mapped_array(64, dtype=np.int32)                  # memhostalloc(mapped)
+        @cuda.jit
+        def inc(a):
+            i = cuda.grid(1)
+            if i < a.size:
+                a[i] += 1
+        m[:] = 1
+        inc[1, 64](m); cuda.synchronize()
+        assert (m == 2).all()
+        mm = cuda.managed_array(64, dtype=np.int32)                # memallocmanaged
+        mm[:] = 5
+        inc[1, 64](mm); cuda.synchronize()
+        assert (mm == 6).all()
+        host = np.zeros(256, dtype=np.uint8)
+        with cuda.pinned(host):                                    # mempin
+            dh = cuda.to_device(host)
+        with cuda.mapped(host) as mh:                              # mempin(mapped)
+            inc2 = cuda.jit(lambda a: None)
+        info = ctx.get_memory_info()                               # get_memory_info
+        assert 0 < info.free <= info.total
+        with ctx.defer_cleanup():                                  # defer_cleanup
+            del d
+        s = gpuptr.stats()[0]
+        print("ok", s["live_count"] > 0, s["pool_hits"] + s["pool_misses"] > 0)
+        """
+    )
+    assert out.split() == ["ok", "True", "True"]
+
+
+def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
+    # A kernel on stream s1 spins, then reads A and writes A. A is freed at
+    # once and a batch of same-size allocations is written on another
+    # blocking stream s2. If a reused block were handed out before the
+    # kernel finished, the kernel would read the new value (B would be 3)
+    # or overwrite the new owner's bytes (some block would hold 7).
+    out = run_plugin(
+        """
+        import numpy as np, gpuptr
+        from numba import cuda
+        @cuda.jit
+        def spin_then_touch(a, b, cycles):
+            start = cuda.clock64()
+            while cuda.clock64() - start < cycles:
+                pass
+            i = cuda.grid(1)
+            if i < a.size:
+                b[i] = a[i] + 1
+                a[i] = 7
+        n = 1 << 18
+        s1, s2 = cuda.stream(), cuda.stream()
+        a = cuda.to_device(np.ones(n, dtype=np.int32))
+        b = cuda.device_array(n, dtype=np.int32)
+        filler = [cuda.device_array(n, dtype=np.int32) for _ in range(8)]
+        a_addr = a.gpu_data.device_pointer_value
+        spin_then_touch[n // 256, 256, s1](a, b, 200_000_000)   # ~100 ms
+        del a, filler                                           # freed while in use
+        new = [cuda.device_array(n, dtype=np.int32) for _ in range(9)]
+        reused = [x for x in new if x.gpu_data.device_pointer_value == a_addr]
+        for x in new:
+            x.gpu_data.memset(2, stream=s2)                       # the new owners write
+        cuda.synchronize()
+        ok_b = (b.copy_to_host() == 2).all()
+        ok_new = all((x.copy_to_host().view(np.uint8) == 2).all() for x in new)
+        print(len(reused), ok_b, ok_new, gpuptr.stats()[0]["fences"] > 0)
+        """
+    )
+    reused, ok_b, ok_new, fenced = out.split()
+    assert reused == "1", "A's block was handed out again at once"
+    assert (ok_b, ok_new, fenced) == ("True", "True", "True")
+
+
+def test_ipc_handle_of_a_pooled_pointer_opens_in_a_spawned_child():
+    out = run_plugin(
+        """
+        import multiprocessing as mp, numpy as np, gpuptr
+        from numba import cuda
+
+        def child(handle, q):
+            from numba import cuda
+            with handle as arr:
+                q.put(arr.copy_to_host().tolist())
+
+        if __name__ == "__main__":
+            big = cuda.device_array(1 << 20, dtype=np.uint8)        # a pool block
+            arr = big[4096:4096 + 16]                               # offset into it
+            arr.copy_to_device(np.arange(16, dtype=np.uint8))
+            h = arr.get_ipc_handle()
+            assert h.offset == 4096
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(h, q))
+            p.start(); got = q.get(timeout=120); p.join(120)
+            print(got == list(range(16)), p.exitcode)
+        """
+    )
+    assert out.split() == ["True", "0"]
+
+
+def test_cuda_close_then_allocate_again():
+    out = run_plugin(
+        """
+        import numpy as np, gpuptr
+        from numba import cuda
+        a = cuda.to_device(np.arange(100))
+        ptr = a.gpu_data
+        cuda.close()
+        try:
+            ptr.memset(0)
+            print("no error")
+        except gpuptr.InvalidPointerError:
+            print("stale")
+        del a, ptr                                  # stale free: a no-op
+        b = cuda.to_device(np.arange(50))
+        print(int(b.copy_to_host().sum()), gpuptr.stats()[0]["live_count"])
+        """
+    )
+    assert out.split() == ["stale", "1225", "1"]

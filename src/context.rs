@@ -142,7 +142,9 @@ impl Drop for Context {
         // deinitialised, and there is nobody to report to. Every allocation
         // holds its context, so only cached pool blocks are left: give them
         // back before the retain that keeps them valid goes.
-        if let Some(pool) = self.runtime.pool(self.device) {
+        // A context detached by a reset no longer owns the pool (its
+        // successor does), and its memory is gone with the reset.
+        if let (Some(pool), 0) = (self.runtime.pool(self.device), self.generation()) {
             let _ = pool.trim(self);
             pool.close(self);
         }

@@ -335,10 +335,14 @@ impl View {
     }
 
     /// The sub-view `[start, stop)` of this view (`stop` defaults to the
-    /// end). Out of range or reversed bounds are [`Error::InvalidPointer`].
+    /// end). Reversed bounds, and non-empty ranges past the end, are
+    /// [`Error::InvalidPointer`]. An empty view may start past the end, as
+    /// numba's own `view` allows (its slicing asks for such views); it
+    /// covers no byte, so nothing can reach memory through it.
     pub fn view(&self, start: usize, stop: Option<usize>) -> Result<View> {
         let stop = stop.unwrap_or(self.size);
-        if start > stop || stop > self.size {
+        let empty = start == stop;
+        if start > stop || (stop > self.size && !empty) {
             return Err(Error::InvalidPointer(format!(
                 "view [{start}, {stop}) is out of range for {} bytes",
                 self.size

@@ -107,9 +107,14 @@ impl Runtime {
         };
         let trimmed = self.pool(device).map(|p| p.trim(&ctx));
         if let Some(pool) = self.pool(device) {
+            pool.close(&ctx);
             pool.forget(&ctx);
         }
         ctx.invalidate();
+        // After the reset the old CUcontext is dead: the next use retains the
+        // primary context afresh. Holders of the old Context (stale
+        // pointers) release their retain when they go.
+        self.contexts.lock().unwrap_or_else(|p| p.into_inner())[device] = Weak::new();
         let c = &self.counters[device];
         c.live_bytes.store(0, Ordering::Relaxed);
         c.live_count.store(0, Ordering::Relaxed);

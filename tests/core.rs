@@ -613,3 +613,33 @@ fn test_pool_fence_failure_is_typed_and_loses_no_block() {
     rt.trim().unwrap();
     assert_eq!(drv.live_bytes(), 0);
 }
+
+#[test]
+fn test_reset_detaches_the_context_so_the_next_use_retains_afresh() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let old = rt.context(0).unwrap();
+    let p = old.alloc(4096).unwrap();
+    rt.reset(0).unwrap();
+    let new = rt.context(0).unwrap();
+    assert!(!Arc::ptr_eq(&old, &new), "a fresh Context after the reset");
+    assert_eq!(drv.retain_count(0), 2, "the old one still holds its retain");
+    drop(p);
+    drop(old);
+    assert_eq!(drv.retain_count(0), 1, "and releases it when it goes");
+    let q = new.alloc(4096).unwrap();
+    q.view_all().memset(3, None, 0).unwrap();
+}
+
+#[test]
+fn test_empty_views_may_start_past_the_end_like_numbas() {
+    let (_drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(96).unwrap();
+    let v = mem.view_all().view(104, Some(104)).unwrap();
+    assert_eq!(v.size(), 0);
+    assert_eq!(v.address(), mem.address() + 104);
+    v.memset(1, None, 0).unwrap(); // nothing to do
+    assert!(matches!(
+        mem.view_all().view(104, Some(105)),
+        Err(Error::InvalidPointer(_))
+    ));
+}

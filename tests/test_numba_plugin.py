@@ -63,6 +63,15 @@ def test_set_memory_manager_accepts_the_plugin():
         driver._memory_manager = saved
 
 
+def test_initialize_accepts_a_bare_cudevice_for_attached_contexts():
+    class Attached:
+        device = 0  # numba's third-party contexts carry a CUdevice (int())
+
+    m = plugin.MemoryManager(context=Attached())
+    m.initialize()
+    assert m._device == 0
+
+
 def test_initialize_is_idempotent_and_cheap(mm):
     for _ in range(3):
         mm.initialize()
@@ -147,6 +156,7 @@ def test_reset_turns_live_pointers_stale_and_their_free_is_a_no_op(mm):
     mem.free()  # no-op: the memory belongs to the reset context
     assert gpuptr.stats()[0]["live_count"] == 0
     assert gpuptr.stats()[0]["cached_bytes"] == 0
+    assert gpuptr.context(0) is not mem.context, "the reset context is detached"
     fresh = mm.memalloc(4096)  # allocation works again afterwards
     fresh.memset(1)
     assert fresh.copy_to_host()[:2] == b"\x01\x01"

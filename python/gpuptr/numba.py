@@ -121,7 +121,10 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
         # numba calls this on every context push: after the first call it is
         # one attribute test.
         if self._device is None and self.context is not None:
-            self._device = self.context.device.id
+            dev = self.context.device
+            # numba's own contexts have a Device (.id); contexts it attaches
+            # to from a third party carry a bare CUdevice (int()).
+            self._device = dev.id if hasattr(dev, "id") else int(dev)
             _gpuptr.context(self._device)
 
     def _dev(self) -> int:

@@ -84,7 +84,7 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
     # or overwrite the new owner's bytes (some block would hold 7).
     out = run_plugin(
         """
-        import numpy as np, gpuptr
+        import gc, numpy as np, gpuptr
         from numba import cuda
         @cuda.jit
         def spin_then_touch(a, b, naps):
@@ -102,6 +102,7 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
         a_addr = a.gpu_data.device_pointer_value
         spin_then_touch[n // 256, 256, s1](a, b, 100_000)       # >= 100 ms
         del a, filler                                           # freed while in use
+        gc.collect()                            # numba may hold launch args in a cycle
         new = [cuda.device_array(n, dtype=np.int32) for _ in range(9)]
         reused = [x for x in new if x.gpu_data.device_pointer_value == a_addr]
         for x in new:

@@ -1,8 +1,14 @@
 """The ``gpuptr`` command line.
 
-``python -m gpuptr info`` prints the driver in use (cuda or sim), its
-version, and each device with its memory. With no ``GPUPTR_DRIVER`` set and
-no usable CUDA driver, it runs on the simulator and says so.
+- ``python -m gpuptr check``: exercise the whole stack (driver, contexts,
+  alloc, views, pool, host memory, numba plugin, CAI import, IPC) and print
+  a pass/fail table; non-zero exit on any failure.
+- ``python -m gpuptr info``: the driver in use (cuda or sim), its version,
+  and each device with its memory.
+- ``python -m gpuptr bench``: gpuptr against numba, CuPy and cuda.bindings.
+
+With no ``GPUPTR_DRIVER`` set and no usable CUDA driver, they run on the
+simulator and say so.
 """
 
 from __future__ import annotations
@@ -47,6 +53,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Exercise the whole stack and print a pass/fail table."""
+    _choose_driver(sys.stdout)
+    from gpuptr.check import run
+
+    return 1 if run() else 0
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     """Run the side-by-side benchmark (see gpuptr.bench) with its own options."""
     _choose_driver(sys.stderr)
@@ -63,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="gpuptr", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("check", help="exercise the whole stack and print a pass/fail table")
+    p.set_defaults(func=cmd_check)
     p = sub.add_parser("info", help="show the driver and devices")
     p.set_defaults(func=cmd_info)
     sub.add_parser("bench", help="time gpuptr against numba, CuPy and cuda.bindings (--quick, --json, --plot)")

@@ -1,0 +1,247 @@
+"""``python -m gpuptr check``: exercise the whole stack on whatever is here
+and print a pass/fail table. Without a GPU it runs on the simulator and says
+so; checks whose library (numba-cuda, CuPy, torch) is missing are skipped
+by name. The exit status is non-zero if any check fails."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import traceback
+from typing import Callable, List, Tuple
+
+PASS, FAIL, SKIP = "pass", "FAIL", "skip"
+
+
+class Skip(Exception):
+    """A check that cannot run here (says why)."""
+
+
+def _on_gpu() -> bool:
+    import gpuptr
+
+    return gpuptr.driver_info()["driver"] == "cuda"
+
+
+def check_driver() -> str:
+    import gpuptr
+
+    info = gpuptr.driver_info()
+    where = "the CUDA driver" if info["driver"] == "cuda" else "gpuptr's simulator (no usable CUDA driver)"
+    return f"{where}, CUDA {info['version_string']}, {info['device_count']} device(s)"
+
+
+def check_contexts() -> str:
+    import gpuptr
+
+    for dev in gpuptr.devices():
+        ctx = gpuptr.context(dev.id)
+        assert ctx is gpuptr.context(dev.id), "one Context object per device"
+        assert ctx.device.id == dev.id
+        assert ctx.handle.value == int(ctx.handle) != 0
+    return f"{len(gpuptr.devices())} primary context(s) retained, handles consistent"
+
+
+def check_alloc() -> str:
+    import gpuptr
+
+    gc.collect()
+    before = gpuptr.stats()[0]["live_bytes"]
+    mem = gpuptr.alloc(1 << 20)
+    data = bytes(range(256)) * 4096
+    mem.copy_from_host(data)
+    assert mem.copy_to_host() == data, "copy round trip"
+    mem.memset(0x5A, count=16)
+    assert mem.copy_to_host()[:17] == b"\x5a" * 16 + bytes([16]), "memset of a prefix"
+    mem.free()
+    mem.free()
+    del mem
+    gc.collect()
+    assert gpuptr.stats()[0]["live_bytes"] == before, "live bytes back to start"
+    return "1 MiB alloc, copy round trip, memset, double free"
+
+
+def check_views() -> str:
+    import gpuptr
+
+    mem = gpuptr.alloc(4096)
+    v = mem.view(1024, 2048)
+    assert v.device_pointer_value == mem.device_pointer_value + 1024 and v.size == 1024
+    del mem
+    gc.collect()
+    v.memset(1)
+    assert v.copy_to_host() == b"\x01" * 1024, "a view keeps its allocation alive"
+    try:
+        v.view(0, 4096)
+    except gpuptr.InvalidPointerError:
+        pass
+    else:
+        raise AssertionError("out-of-range view accepted")
+    return "offsets, lifetime, bounds"
+
+
+def check_pool() -> str:
+    import gpuptr
+
+    s0 = gpuptr.stats()[0]
+    for _ in range(64):
+        gpuptr.alloc(1 << 16).free()
+    s1 = gpuptr.stats()[0]
+    hits = s1["pool_hits"] - s0["pool_hits"]
+    assert hits > 0, "freed blocks are reused"
+    return f"{hits}/64 allocations from the cache, {s1['fences'] - s0['fences']} fence(s)"
+
+
+def check_host() -> str:
+    import gpuptr
+
+    mapped = gpuptr.alloc_host(4096, mapped=True)
+    mapped.memset(7)
+    assert bytes(memoryview(mapped))[:4] == b"\x07" * 4
+    managed = gpuptr.alloc_managed(4096)
+    managed.memset(3)
+    gpuptr.context(0).synchronize()
+    assert bytes(memoryview(managed))[:4] == b"\x03" * 4
+    return "pinned+mapped and managed memory, buffer protocol"
+
+
+def check_numba_plugin() -> str:
+    try:
+        import numba.cuda  # noqa: F401
+    except Exception as e:
+        raise Skip(f"numba-cuda not importable ({type(e).__name__})")
+    if not _on_gpu():
+        from gpuptr.numba import MemoryManager
+
+        class _Ctx:
+            class device:
+                id = 0
+
+        mm = MemoryManager(context=_Ctx())
+        mm.initialize()
+        mem = mm.memalloc(1 << 20)
+        assert mm.interface_version == 1 and mem.size == 1 << 20
+        return "hooks on the simulator (numba's own contexts need a GPU)"
+    code = textwrap.dedent(
+        """
+        import numpy as np
+        from numba import cuda
+        from gpuptr.numba import MemoryManager
+        assert isinstance(cuda.current_context().memory_manager, MemoryManager)
+        @cuda.jit
+        def inc(a):
+            i = cuda.grid(1)
+            if i < a.size:
+                a[i] += 1
+        d = cuda.to_device(np.arange(1000, dtype=np.int32))
+        inc[4, 256](d)
+        assert (d.copy_to_host() == np.arange(1, 1001)).all()
+        print("ok")
+        """
+    )
+    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.stderr or out.stdout).strip()[-300:]
+    return "NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba: to_device + kernel"
+
+
+def check_cai_import() -> str:
+    import gpuptr
+
+    if not _on_gpu():
+        mem = gpuptr.alloc(64)
+        desc = {"version": 3, "shape": (16,), "typestr": "<f4", "data": (mem.device_pointer_value, False)}
+        v = gpuptr.from_cuda_array_interface(desc)
+        assert v.context is gpuptr.context(0) and v.pointer.size == 64
+        return "CAI v3 descriptor on the simulator (CuPy/torch need a GPU)"
+    for name in ("cupy", "torch"):
+        try:
+            mod = __import__(name)
+        except Exception:
+            continue
+        if name == "cupy":
+            arr = mod.arange(256, dtype=mod.uint8)
+        else:
+            arr = mod.arange(256, dtype=mod.uint8, device="cuda")
+        v = gpuptr.from_cuda_array_interface(arr)
+        assert v.pointer.copy_to_host() == bytes(range(256))
+        assert v.context.device.id == 0
+        return f"{name} array: bytes and context"
+    raise Skip("neither CuPy nor torch is installed")
+
+
+def check_ipc() -> str:
+    if not _on_gpu():
+        raise Skip("IPC needs the GPU")
+    try:
+        import numba.cuda  # noqa: F401
+    except Exception as e:
+        raise Skip(f"numba-cuda not importable ({type(e).__name__})")
+    code = textwrap.dedent(
+        """
+        import multiprocessing as mp, numpy as np
+
+        def child(h, q):
+            with h as arr:
+                q.put(arr.copy_to_host().tolist())
+
+        if __name__ == "__main__":
+            from numba import cuda
+            arr = cuda.to_device(np.arange(8, dtype=np.int64))
+            h = arr.get_ipc_handle()
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(h, q))
+            p.start()
+            print(q.get(timeout=120) == list(range(8)))
+            p.join(60)
+        """
+    )
+    import tempfile
+
+    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "gpuptr_ipc_check.py")
+        with open(path, "w") as f:
+            f.write(code)
+        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0 and out.stdout.strip() == "True", (out.stderr or out.stdout).strip()[-300:]
+    return "pooled pointer opened in a spawned process"
+
+
+CHECKS: List[Tuple[str, Callable[[], str]]] = [
+    ("driver", check_driver),
+    ("contexts", check_contexts),
+    ("alloc", check_alloc),
+    ("views", check_views),
+    ("pool", check_pool),
+    ("host memory", check_host),
+    ("numba plugin", check_numba_plugin),
+    ("CAI import", check_cai_import),
+    ("IPC", check_ipc),
+]
+
+
+def run(out=sys.stdout) -> int:
+    """Run every check, print the table; returns the number of failures."""
+    failures = 0
+    rows = []
+    for name, fn in CHECKS:
+        try:
+            rows.append((name, PASS, fn()))
+        except Skip as s:
+            rows.append((name, SKIP, str(s)))
+        except Exception as e:
+            failures += 1
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            detail = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} at: {where.line}"
+            rows.append((name, FAIL, detail))
+    width = max(len(r[0]) for r in rows)
+    for name, status, detail in rows:
+        print(f"{name:<{width}}  {status:<4}  {detail}", file=out)
+    summary = f"{sum(r[1] == PASS for r in rows)} passed, {failures} failed, {sum(r[1] == SKIP for r in rows)} skipped"
+    print(summary, file=out)
+    return failures

@@ -1,0 +1,50 @@
+"""The command line: ``check`` and ``bench`` (run as a user would, in a
+subprocess with the session's driver)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gpuptr
+
+
+def _run(*args, timeout=900):
+    return subprocess.run(
+        [sys.executable, "-m", "gpuptr", *args], env=dict(os.environ), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_check_passes_and_prints_a_table():
+    out = _run("check")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    for name in ("driver", "contexts", "alloc", "views", "pool", "host memory", "numba plugin", "CAI import", "IPC"):
+        assert any(line.startswith(name) for line in lines), name
+    assert "0 failed" in lines[-1]
+    if gpuptr.driver_info()["driver"] == "sim":
+        assert "simulator" in out.stdout
+
+
+def test_bench_quick_writes_json_with_positive_ratios(tmp_path):
+    path = tmp_path / "bench.json"
+    out = _run("bench", "--quick", "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "measuring:" in out.stderr, "progress is shown"
+    report = json.loads(path.read_text())
+    assert {"date", "driver", "device", "gpuptr"} <= set(report["meta"])
+    rows = report["rows"]
+    assert len(rows) >= 10
+    measured = [r for r in rows if not r["skipped"]]
+    assert measured, "at least one row runs here"
+    for r in rows:
+        assert r["row"] and r["baseline"]
+        if r["skipped"]:
+            assert r["ratio"] is None and r["skipped"]
+        else:
+            assert r["gpuptr_ns"] > 0 and r["baseline_ns"] > 0 and r["ratio"] > 0
+    # the table names each baseline
+    for r in rows:
+        assert r["baseline"] in out.stdout

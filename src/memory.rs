@@ -348,9 +348,18 @@ impl View {
                 self.size
             )));
         }
+        // An empty view may lie past the end: keep its address arithmetic
+        // from overflowing.
+        let offset = self
+            .offset
+            .checked_add(start)
+            .filter(|o| self.parent.address.checked_add(*o as u64).is_some())
+            .ok_or_else(|| {
+                Error::InvalidPointer(format!("view offset {start} overflows the address space"))
+            })?;
         Ok(View {
             parent: self.parent.clone(),
-            offset: self.offset + start,
+            offset,
             size: stop - start,
         })
     }

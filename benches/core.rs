@@ -26,8 +26,27 @@ fn bench(c: &mut Criterion) {
         c.bench_function(&format!("{name}/context_clone_drop"), |b| {
             b.iter(|| black_box(ctx.clone()))
         });
-        c.bench_function(&format!("{name}/alloc_free_4KiB"), |b| {
-            b.iter(|| black_box(ctx.alloc(4096).unwrap()))
+        for (label, size) in [("512B", 512usize), ("64KiB", 64 << 10), ("1MiB", 1 << 20)] {
+            c.bench_function(&format!("{name}/pool_alloc_free_{label}"), |b| {
+                b.iter(|| black_box(ctx.alloc(size).unwrap()))
+            });
+        }
+        c.bench_function(&format!("{name}/pool_alloc_free_1MiB_4_threads"), |b| {
+            b.iter_custom(|iters| {
+                let start = std::time::Instant::now();
+                std::thread::scope(|s| {
+                    for _ in 0..4 {
+                        let ctx = ctx.clone();
+                        s.spawn(move || {
+                            for _ in 0..iters {
+                                black_box(ctx.alloc(1 << 20).unwrap());
+                            }
+                        });
+                    }
+                });
+                // time per alloc+free pair, with four threads contending
+                start.elapsed() / 4
+            })
         });
         let mem = ctx.alloc(1 << 20).unwrap();
         let all = mem.view_all();

@@ -95,11 +95,14 @@ impl DevicePointer {
         managed: bool,
         registration: Option<Registration>,
     ) -> Arc<Self> {
-        let c = context.runtime().counters(context.device());
-        c.alloc_count.fetch_add(1, Ordering::Relaxed);
-        c.live_count.fetch_add(1, Ordering::Relaxed);
-        let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
-        c.peak_bytes.fetch_max(live, Ordering::Relaxed);
+        // The pool counts its own allocations under its lock.
+        if !matches!(origin, Origin::Pool(_)) {
+            let c = context.runtime().counters(context.device());
+            c.alloc_count.fetch_add(1, Ordering::Relaxed);
+            c.live_count.fetch_add(1, Ordering::Relaxed);
+            let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
+            c.peak_bytes.fetch_max(live, Ordering::Relaxed);
+        }
         Arc::new(DevicePointer {
             context: context.clone(),
             address,
@@ -257,7 +260,7 @@ impl DevicePointer {
             }
             Origin::Pool(class) if !stale => {
                 if let Some(pool) = self.context.runtime().pool(self.context.device()) {
-                    pool.release(self.address, class);
+                    pool.release(self.address, class, self.size);
                 }
             }
             _ => {}
@@ -265,8 +268,9 @@ impl DevicePointer {
         if let Some(reg) = self.registration {
             self.context.runtime().registry().remove(reg);
         }
-        // A reset already zeroed the counters for stale allocations.
-        if self.origin != Origin::Foreign && !stale {
+        // A reset already zeroed the counters for stale allocations, and the
+        // pool keeps its own.
+        if matches!(self.origin, Origin::Driver) && !stale {
             let c = self.context.runtime().counters(self.context.device());
             c.live_count.fetch_sub(1, Ordering::Relaxed);
             c.live_bytes.fetch_sub(self.size, Ordering::Relaxed);

@@ -21,7 +21,6 @@
 //! (`cuIpcGetMemHandle` on the block) works for pooled pointers.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::context::Context;
@@ -41,7 +40,9 @@ pub struct PoolConfig {
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
-            fence_count: 8,
+            // One ~0.4 us event record per 32 frees; the byte cap bounds how
+            // much memory waits for a fence.
+            fence_count: 32,
             fence_bytes: 64 << 20,
         }
     }
@@ -63,31 +64,68 @@ pub fn size_class(size: usize) -> usize {
     size.div_ceil(step) * step
 }
 
+/// Size classes and addresses are already well spread integers: hash them
+/// as they are (SipHash costs more than the rest of an allocation).
+#[derive(Default)]
+struct IdentityHasher(u64);
+
+impl std::hash::Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        // Classes are multiples of 512: drop the always-zero bits.
+        self.0 >> 9 ^ self.0.rotate_left(29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = n as u64;
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>>;
+
 #[derive(Default)]
 struct State {
-    ready: HashMap<usize, Vec<DevicePtr>>,
+    ready: FastMap<usize, Vec<DevicePtr>>,
     pending: Vec<(DevicePtr, usize)>,
     pending_bytes: usize,
     ready_bytes: usize,
     /// Registry entries of the blocks this pool holds from the driver.
-    blocks: HashMap<DevicePtr, (usize, Registration)>,
+    blocks: FastMap<DevicePtr, (usize, Registration)>,
     event: Option<RawEvent>,
+    // Statistics, kept under the lock the allocation takes anyway (atomics
+    // would cost more than the rest of the fast path).
+    live_bytes: usize,
+    live_count: usize,
+    peak_bytes: usize,
+    alloc_count: u64,
+    hits: u64,
+    misses: u64,
+    fences: u64,
 }
 
-/// Counters of one pool.
-#[derive(Default, Debug)]
-pub(crate) struct PoolCounters {
-    pub hits: AtomicU64,
-    pub misses: AtomicU64,
-    pub fences: AtomicU64,
-    pub cached_bytes: AtomicUsize,
+/// A snapshot of one pool's statistics.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PoolStats {
+    pub live_bytes: usize,
+    pub live_count: usize,
+    pub peak_bytes: usize,
+    pub alloc_count: u64,
+    pub cached_bytes: usize,
+    pub hits: u64,
+    pub misses: u64,
+    pub fences: u64,
 }
 
 /// A device's caching pool. Use it through [`Context::alloc`].
 pub struct Pool {
     config: PoolConfig,
     state: Mutex<State>,
-    pub(crate) counters: PoolCounters,
 }
 
 impl std::fmt::Debug for Pool {
@@ -103,7 +141,6 @@ impl Pool {
         Pool {
             config,
             state: Mutex::new(State::default()),
-            counters: PoolCounters::default(),
         }
     }
 
@@ -111,10 +148,30 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn sync_cached(&self, st: &State) {
-        self.counters
-            .cached_bytes
-            .store(st.ready_bytes + st.pending_bytes, Ordering::Relaxed);
+    fn handed_out(st: &mut State, size: usize, hit: bool) {
+        st.live_bytes += size;
+        st.live_count += 1;
+        st.peak_bytes = st.peak_bytes.max(st.live_bytes);
+        st.alloc_count += 1;
+        if hit {
+            st.hits += 1;
+        } else {
+            st.misses += 1;
+        }
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        let st = self.lock();
+        PoolStats {
+            live_bytes: st.live_bytes,
+            live_count: st.live_count,
+            peak_bytes: st.peak_bytes,
+            alloc_count: st.alloc_count,
+            cached_bytes: st.ready_bytes + st.pending_bytes,
+            hits: st.hits,
+            misses: st.misses,
+            fences: st.fences,
+        }
     }
 
     /// Record the fence and make every pending block ready.
@@ -137,7 +194,7 @@ impl Pool {
         }
         st.ready_bytes += st.pending_bytes;
         st.pending_bytes = 0;
-        self.counters.fences.fetch_add(1, Ordering::Relaxed);
+        st.fences += 1;
         Ok(())
     }
 
@@ -157,8 +214,7 @@ impl Pool {
         {
             let mut st = self.lock();
             if let Some(p) = self.take_ready(&mut st, class) {
-                self.sync_cached(&st);
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                Self::handed_out(&mut st, size, true);
                 return Ok((p, class));
             }
             let due = st.pending.len() >= self.config.fence_count
@@ -166,21 +222,19 @@ impl Pool {
             if due {
                 self.fence(ctx, &mut st)?;
                 if let Some(p) = self.take_ready(&mut st, class) {
-                    self.sync_cached(&st);
-                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    Self::handed_out(&mut st, size, true);
                     return Ok((p, class));
                 }
             }
         }
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
-        match self.alloc_new(ctx, class) {
+        let got = match self.alloc_new(ctx, class) {
             Err(e) if e.is_oom() => {
                 // Out of memory: reclaim what the pool caches, then retry once.
                 {
                     let mut st = self.lock();
                     self.fence(ctx, &mut st)?;
                     if let Some(p) = self.take_ready(&mut st, class) {
-                        self.sync_cached(&st);
+                        Self::handed_out(&mut st, size, true);
                         return Ok((p, class));
                     }
                 }
@@ -189,7 +243,9 @@ impl Pool {
             }
             other => other,
         }
-        .map_err(|e| e.oom_on(ctx.device(), size))
+        .map_err(|e| e.oom_on(ctx.device(), size))?;
+        Self::handed_out(&mut self.lock(), size, false);
+        Ok(got)
     }
 
     fn alloc_new(&self, ctx: &std::sync::Arc<Context>, class: usize) -> Result<(DevicePtr, usize)> {
@@ -199,15 +255,17 @@ impl Pool {
         Ok((p, class))
     }
 
-    /// Take back a block handed out by [`Pool::alloc`]. No driver call.
-    pub(crate) fn release(&self, ptr: DevicePtr, class: usize) {
+    /// Take back a block of `size` requested bytes handed out by
+    /// [`Pool::alloc`]. No driver call.
+    pub(crate) fn release(&self, ptr: DevicePtr, class: usize, size: usize) {
         let mut st = self.lock();
         if !st.blocks.contains_key(&ptr) {
             return; // forgotten by a reset: not ours any more
         }
+        st.live_bytes -= size;
+        st.live_count -= 1;
         st.pending.push((ptr, class));
         st.pending_bytes += class;
-        self.sync_cached(&st);
     }
 
     /// Return every cached block to the driver (`cuMemFree`). Blocks still
@@ -229,7 +287,6 @@ impl Pool {
             }
             st.pending_bytes = 0;
             st.ready_bytes = 0;
-            self.sync_cached(&st);
             out
         };
         let mut freed = 0;
@@ -247,7 +304,6 @@ impl Pool {
                     st.blocks.insert(ptr, (class, reg));
                     st.ready.entry(class).or_default().push(ptr);
                     st.ready_bytes += class;
-                    self.sync_cached(&st);
                     first_err.get_or_insert(e);
                 }
             }
@@ -270,12 +326,14 @@ impl Pool {
         st.pending_bytes = 0;
         st.ready_bytes = 0;
         st.event = None;
-        self.sync_cached(&st);
+        st.live_bytes = 0;
+        st.live_count = 0;
     }
 
     /// Bytes the pool holds for reuse (pending and ready).
     pub fn cached_bytes(&self) -> usize {
-        self.counters.cached_bytes.load(Ordering::Relaxed)
+        let st = self.lock();
+        st.ready_bytes + st.pending_bytes
     }
 
     /// Number of blocks the pool holds from the driver (cached or handed out).

@@ -326,17 +326,18 @@ impl Runtime {
             .iter()
             .enumerate()
             .map(|(device, c)| {
-                let pool = self.pool(device).map(|p| &p.counters);
+                let p = self.pool(device).map(Pool::stats).unwrap_or_default();
                 DeviceStats {
                     device,
-                    live_bytes: c.live_bytes.load(Ordering::Relaxed),
-                    live_count: c.live_count.load(Ordering::Relaxed),
-                    peak_bytes: c.peak_bytes.load(Ordering::Relaxed),
-                    alloc_count: c.alloc_count.load(Ordering::Relaxed),
-                    cached_bytes: pool.map_or(0, |p| p.cached_bytes.load(Ordering::Relaxed)),
-                    pool_hits: pool.map_or(0, |p| p.hits.load(Ordering::Relaxed)),
-                    pool_misses: pool.map_or(0, |p| p.misses.load(Ordering::Relaxed)),
-                    fences: pool.map_or(0, |p| p.fences.load(Ordering::Relaxed)),
+                    live_bytes: c.live_bytes.load(Ordering::Relaxed) + p.live_bytes,
+                    live_count: c.live_count.load(Ordering::Relaxed) + p.live_count,
+                    // Peaks of the two kinds may not coincide: report the larger.
+                    peak_bytes: c.peak_bytes.load(Ordering::Relaxed).max(p.peak_bytes),
+                    alloc_count: c.alloc_count.load(Ordering::Relaxed) + p.alloc_count,
+                    cached_bytes: p.cached_bytes,
+                    pool_hits: p.hits,
+                    pool_misses: p.misses,
+                    fences: p.fences,
                 }
             })
             .collect()

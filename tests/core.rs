@@ -600,13 +600,14 @@ fn test_context_drop_returns_cached_blocks() {
 fn test_pool_fence_failure_is_typed_and_loses_no_block() {
     let (drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();
-    let held: Vec<_> = (0..8).map(|_| ctx.alloc(1000).unwrap()).collect();
+    let n = PoolConfig::default().fence_count;
+    let held: Vec<_> = (0..n).map(|_| ctx.alloc(1000).unwrap()).collect();
     drop(held);
     drv.fail_nth(CallKind::Event, 1, codes::CUDA_ERROR_LAUNCH_FAILED);
     let err = ctx.alloc(1000).unwrap_err();
     assert_eq!(err.cuda_code(), Some(codes::CUDA_ERROR_LAUNCH_FAILED));
     assert_eq!(rt.stats()[0].live_count, 0);
-    assert_eq!(rt.stats()[0].cached_bytes, 8 * size_class(1000));
+    assert_eq!(rt.stats()[0].cached_bytes, n * size_class(1000));
     let p = ctx.alloc(1000).unwrap();
     assert_eq!(rt.stats()[0].live_count, 1);
     drop(p);

@@ -98,12 +98,14 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
         s1, s2 = cuda.stream(), cuda.stream()
         a = cuda.to_device(np.ones(n, dtype=np.int32))
         b = cuda.device_array(n, dtype=np.int32)
-        filler = [cuda.device_array(n, dtype=np.int32) for _ in range(8)]
+        # More frees than one fence batch (32 blocks or 64 MiB), so the next
+        # allocations are served from the pool right away.
+        filler = [cuda.device_array(n, dtype=np.int32) for _ in range(63)]
         a_addr = a.gpu_data.device_pointer_value
         spin_then_touch[n // 256, 256, s1](a, b, 100_000)       # >= 100 ms
         del a, filler                                           # freed while in use
         gc.collect()                            # numba may hold launch args in a cycle
-        new = [cuda.device_array(n, dtype=np.int32) for _ in range(9)]
+        new = [cuda.device_array(n, dtype=np.int32) for _ in range(64)]
         reused = [x for x in new if x.gpu_data.device_pointer_value == a_addr]
         for x in new:
             x.gpu_data.memset(2, stream=s2)                       # the new owners write

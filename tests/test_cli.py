@@ -48,3 +48,14 @@ def test_bench_quick_writes_json_with_positive_ratios(tmp_path):
     # the table names each baseline
     for r in rows:
         assert r["baseline"] in out.stdout
+
+
+def test_bench_plot_draws_a_png(tmp_path):
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "ratios.png"
+    out = _run("bench", "--quick", "--json", str(tmp_path / "b.json"), "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000

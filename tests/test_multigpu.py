@@ -74,3 +74,72 @@ def test_context_of_each_device_by_address():
     assert gpuptr.context_of(a.device_pointer_value).device.id == 0
     gpuptr.context(0).push()
     assert gpuptr.context_of(b.device_pointer_value).device.id == 1
+
+
+def _run_plugin(code: str) -> str:
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+
+    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
+    env["NUMBA_CUDA_MEMORY_MANAGER"] = "gpuptr.numba"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "multigpu_case.py")
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(code))
+        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_plugin_allocations_under_gpus_1_come_from_device_1_and_return_there_from_another_thread():
+    out = _run_plugin(
+        """
+        import threading, gc, numpy as np, gpuptr
+        from numba import cuda
+        with cuda.gpus[1]:
+            arrs = [cuda.device_array(1 << 18, dtype=np.float32) for _ in range(4)]
+        assert all(a.gpu_data.context.device.id == 1 for a in arrs)
+        s0, s1 = gpuptr.stats()[0], gpuptr.stats()[1]
+        assert s1["live_bytes"] >= 4 << 20, s1
+        def free_from_device_0():
+            cuda.select_device(0)
+            gpuptr.context(0).push()
+            arrs.clear(); gc.collect()
+        t = threading.Thread(target=free_from_device_0); t.start(); t.join()
+        a0, a1 = gpuptr.stats()[0], gpuptr.stats()[1]
+        print(a1["live_bytes"] == s1["live_bytes"] - (4 << 20),
+              a1["cached_bytes"] >= s1["cached_bytes"] + (4 << 20),
+              a0["cached_bytes"] == s0["cached_bytes"])
+        """
+    )
+    assert out.split() == ["True", "True", "True"]
+
+
+def test_ipc_of_a_device_1_pointer_opens_in_a_spawned_child():
+    out = _run_plugin(
+        """
+        import multiprocessing as mp, numpy as np
+
+        def child(h, q):
+            from numba import cuda
+            with cuda.gpus[1]:
+                with h as arr:
+                    q.put(arr.copy_to_host().tolist())
+
+        if __name__ == "__main__":
+            from numba import cuda
+            with cuda.gpus[1]:
+                arr = cuda.to_device(np.arange(32, dtype=np.int32))
+                assert arr.gpu_data.context.device.id == 1
+                h = arr.get_ipc_handle()
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(h, q))
+            p.start(); got = q.get(timeout=120); p.join(120)
+            print(got == list(range(32)), p.exitcode)
+        """
+    )
+    assert out.split() == ["True", "0"]

@@ -264,10 +264,17 @@ def plot(report: dict, path: str) -> None:
     rows = [r for r in report["rows"] if not r["skipped"]]
     labels = [f"{r['row']}\nvs {r['baseline']}" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(rows) + 1.5))
-    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color="#4a7")
+    from matplotlib.ticker import FuncFormatter
+
+    ratios = [r["ratio"] for r in rows]
+    ax.barh(range(len(rows)), ratios, color=["#4a7" if x >= 1 else "#c54" for x in ratios])
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    for i, x in enumerate(ratios):
+        ax.text(x, i, f" {x:.1f}×", va="center", fontsize=7)
     ax.set_xlabel("speed-up (baseline time / gpuptr time)")
     ax.set_title(f"gpuptr on {report['meta']['device']}")
     fig.tight_layout()

@@ -11,8 +11,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::pointer::{context_arg, pointer_arg, PyFinalizer, PyMemoryPointer};
-use super::py_context::{py_context, PyContext};
-use super::{runtime, size_arg};
+use super::py_context::{lazy_context, py_context, PyContext};
+use super::{device_context, size_arg};
 use crate::{Error, HostFlags, HostMemory, KeepAlive};
 
 /// Fill a `Py_buffer` over `[ptr, ptr+len)`, exported by `owner`.
@@ -39,6 +39,39 @@ unsafe fn fill_buffer(
     Ok(())
 }
 
+/// Export `host`'s bytes from `owner`'s `__getbuffer__`.
+///
+/// # Safety
+/// As [`fill_buffer`].
+unsafe fn export_host(
+    owner: &Bound<'_, PyAny>,
+    host: &HostMemory,
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+) -> PyResult<()> {
+    host.check_live()?;
+    fill_buffer(owner, view, host.host_ptr(), host.size(), flags)
+}
+
+/// The Python object for pinned memory: `MappedMemory` when mapped into
+/// the device, else `PinnedMemory`. It manages (releases) the memory.
+fn host_object(
+    py: Python<'_>,
+    host: Arc<HostMemory>,
+    owned: Option<Py<PyAny>>,
+    mapped: bool,
+) -> PyResult<Py<PyAny>> {
+    if mapped {
+        Ok(Bound::new(py, PyMappedMemory::init(host, owned, true)?)?
+            .into_any()
+            .unbind())
+    } else {
+        Ok(Bound::new(py, PyPinnedMemory::new(host, owned, true))?
+            .into_any()
+            .unbind())
+    }
+}
+
 fn keep_finalizer(finalizer: Option<Py<PyAny>>) -> Option<KeepAlive> {
     finalizer.map(|f| Box::new(PyFinalizer::new(f)) as KeepAlive)
 }
@@ -46,10 +79,7 @@ fn keep_finalizer(finalizer: Option<Py<PyAny>>) -> Option<KeepAlive> {
 fn host_context(context: &Bound<'_, PyAny>) -> PyResult<Arc<crate::Context>> {
     match context_arg(context)? {
         Some(c) => Ok(c),
-        None => {
-            let rt = runtime()?;
-            Ok(rt.context(rt.current_device()?)?)
-        }
+        None => device_context(None),
     }
 }
 
@@ -101,11 +131,7 @@ impl PyPinnedMemory {
     /// The context the memory is pinned in.
     #[getter]
     fn context(&self, py: Python<'_>) -> PyResult<Py<PyContext>> {
-        if let Some(c) = self.context.get() {
-            return Ok(c.clone_ref(py));
-        }
-        let c = py_context(py, self.host.context())?;
-        Ok(self.context.get_or_init(|| c).clone_ref(py))
+        lazy_context(&self.context, py, self.host.context())
     }
 
     /// The host address (an int).
@@ -156,15 +182,7 @@ impl PyPinnedMemory {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        let me = slf.get();
-        me.host.check_live()?;
-        fill_buffer(
-            slf.as_any(),
-            view,
-            me.host.host_ptr(),
-            me.host.size(),
-            flags,
-        )
+        export_host(slf.as_any(), &slf.get().host, view, flags)
     }
 
     fn __repr__(&self) -> String {
@@ -253,15 +271,7 @@ impl PyMappedMemory {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        let me = slf.get();
-        me.host.check_live()?;
-        fill_buffer(
-            slf.as_any(),
-            view,
-            me.host.host_ptr(),
-            me.host.size(),
-            flags,
-        )
+        export_host(slf.as_any(), &slf.get().host, view, flags)
     }
 }
 
@@ -321,26 +331,14 @@ pub(crate) fn alloc_host(
     wc: bool,
     device: Option<usize>,
 ) -> PyResult<Py<PyAny>> {
-    let rt = runtime()?;
-    let ctx = rt.context(match device {
-        Some(d) => d,
-        None => rt.current_device()?,
-    })?;
+    let ctx = device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
         write_combined: wc,
     };
     let host = HostMemory::alloc(&ctx, size_arg(nbytes)?, flags)?;
-    if mapped {
-        Ok(Bound::new(py, PyMappedMemory::init(host, None, true)?)?
-            .into_any()
-            .unbind())
-    } else {
-        Ok(Bound::new(py, PyPinnedMemory::new(host, None, true))?
-            .into_any()
-            .unbind())
-    }
+    host_object(py, host, None, mapped)
 }
 
 /// Pin the memory of ``obj`` (any writable or read-only C-contiguous
@@ -362,11 +360,7 @@ pub(crate) fn register_host(
         );
     }
     let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
-    let rt = runtime()?;
-    let ctx = rt.context(match device {
-        Some(d) => d,
-        None => rt.current_device()?,
-    })?;
+    let ctx = device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -375,15 +369,7 @@ pub(crate) fn register_host(
     // Holding the buffer keeps obj alive and its memory from moving.
     let host = HostMemory::register(&ctx, ptr, len, flags, Some(Box::new(buf)))?;
     let owned = Some(obj.clone().unbind());
-    if mapped {
-        Ok(Bound::new(py, PyMappedMemory::init(host, owned, true)?)?
-            .into_any()
-            .unbind())
-    } else {
-        Ok(Bound::new(py, PyPinnedMemory::new(host, owned, true))?
-            .into_any()
-            .unbind())
-    }
+    host_object(py, host, owned, mapped)
 }
 
 /// Pin ``size`` bytes of host memory at ``address`` in place (numba's
@@ -400,11 +386,7 @@ pub(crate) fn register_host_ptr(
     device: Option<usize>,
 ) -> PyResult<Py<PyAny>> {
     let ptr = pointer_arg(address)? as usize;
-    let rt = runtime()?;
-    let ctx = rt.context(match device {
-        Some(d) => d,
-        None => rt.current_device()?,
-    })?;
+    let ctx = device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -414,15 +396,7 @@ pub(crate) fn register_host_ptr(
         .as_ref()
         .map(|o| Box::new(o.clone_ref(py)) as KeepAlive);
     let host = HostMemory::register(&ctx, ptr, size_arg(size)?, flags, keep)?;
-    if mapped {
-        Ok(Bound::new(py, PyMappedMemory::init(host, owner, true)?)?
-            .into_any()
-            .unbind())
-    } else {
-        Ok(Bound::new(py, PyPinnedMemory::new(host, owner, true))?
-            .into_any()
-            .unbind())
-    }
+    host_object(py, host, owner, mapped)
 }
 
 /// Allocate ``nbytes`` of managed (unified) memory on ``device`` (default:
@@ -435,11 +409,7 @@ pub(crate) fn alloc_managed(
     attach_global: bool,
     device: Option<usize>,
 ) -> PyResult<Py<PyManagedMemory>> {
-    let rt = runtime()?;
-    let ctx = rt.context(match device {
-        Some(d) => d,
-        None => rt.current_device()?,
-    })?;
+    let ctx = device_context(device)?;
     let mem = ctx.alloc_managed(size_arg(nbytes)?, attach_global)?;
     let pyctx = py_context(py, &ctx)?;
     Py::new(

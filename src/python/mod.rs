@@ -23,6 +23,16 @@ pub(crate) fn runtime() -> PyResult<&'static Arc<Runtime>> {
     Ok(Runtime::global()?)
 }
 
+/// The context of `device`, or of the current device when `None`.
+pub(crate) fn device_context(device: Option<usize>) -> PyResult<Arc<crate::Context>> {
+    let rt = runtime()?;
+    let d = match device {
+        Some(d) => d,
+        None => rt.current_device()?,
+    };
+    Ok(rt.context(d)?)
+}
+
 /// A byte count: negative is an `InvalidArgumentError`.
 pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
     usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
@@ -43,13 +53,13 @@ fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
 #[pyo3(signature = (nbytes, device=None))]
 fn alloc(py: Python<'_>, nbytes: isize, device: Option<isize>) -> PyResult<PyMemoryPointer> {
     let size = size_arg(nbytes)?;
-    let rt = runtime()?;
-    let device = match device {
-        Some(d) => usize::try_from(d)
-            .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")))?,
-        None => rt.current_device()?,
-    };
-    let ctx = rt.context(device)?;
+    let device = device
+        .map(|d| {
+            usize::try_from(d)
+                .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")))
+        })
+        .transpose()?;
+    let ctx = device_context(device)?;
     let pyctx = py_context(py, &ctx)?;
     Ok(PyMemoryPointer::owning(ctx.alloc(size)?, Some(pyctx)))
 }

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyAny, PyBytes};
 
-use super::py_context::{py_context, PyContext};
+use super::py_context::{lazy_context, PyContext};
 use super::{runtime, size_arg};
 use crate::driver::{DevicePtr, RawStream};
 use crate::{Context, DevicePointer, Error, View};
@@ -230,11 +230,7 @@ impl PyMemoryPointer {
     /// The context the memory lives in: a real, retained gpuptr `Context`.
     #[getter]
     fn context(&self, py: Python<'_>) -> PyResult<Py<PyContext>> {
-        if let Some(c) = self.context.get() {
-            return Ok(c.clone_ref(py));
-        }
-        let c = py_context(py, self.view.context())?;
-        Ok(self.context.get_or_init(|| c).clone_ref(py))
+        lazy_context(&self.context, py, self.view.context())
     }
 
     /// The address as an int, or None for a null pointer.

@@ -260,6 +260,19 @@ pub(crate) fn py_context(py: Python<'_>, ctx: &Arc<Context>) -> PyResult<Py<PyCo
     }
 }
 
+/// A pointer's context object, made on first use and kept in `cell`.
+pub(crate) fn lazy_context(
+    cell: &std::sync::OnceLock<Py<PyContext>>,
+    py: Python<'_>,
+    ctx: &Arc<Context>,
+) -> PyResult<Py<PyContext>> {
+    if let Some(c) = cell.get() {
+        return Ok(c.clone_ref(py));
+    }
+    let c = py_context(py, ctx)?;
+    Ok(cell.get_or_init(|| c).clone_ref(py))
+}
+
 /// Drop gpuptr's own hold on every context: a context is then released
 /// once no pointer or other object holds it.
 pub(crate) fn release_contexts() {

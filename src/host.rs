@@ -10,7 +10,7 @@ use crate::driver::{
     DevicePtr, HostPtr, HOST_ALLOC_DEVICEMAP, HOST_ALLOC_PORTABLE, HOST_ALLOC_WRITECOMBINED,
 };
 use crate::error::{Error, Result};
-use crate::memory::{DevicePointer, KeepAlive, View};
+use crate::memory::{release_keepalive, DevicePointer, KeepAlive, View};
 
 /// How the host memory came to be pinned.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -244,12 +244,7 @@ impl HostMemory {
                 return Err(e);
             }
         }
-        let keep = self
-            .keepalive
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        drop(keep);
+        release_keepalive(&self.keepalive);
         Ok(true)
     }
 }

@@ -14,6 +14,12 @@ use crate::registry::Registration;
 /// foreign owner, a finalizer object). Dropped when the pointer is freed.
 pub type KeepAlive = Box<dyn Any + Send + Sync>;
 
+/// Drop whatever `slot` keeps alive (outside the lock: a finalizer may run).
+pub(crate) fn release_keepalive(slot: &Mutex<Option<KeepAlive>>) {
+    let keep = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(keep);
+}
+
 /// Who frees the memory.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Origin {
@@ -276,12 +282,7 @@ impl DevicePointer {
             c.live_bytes.fetch_sub(self.size, Ordering::Relaxed);
         }
         if self.has_keepalive {
-            let keep = self
-                .keepalive
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take();
-            drop(keep);
+            release_keepalive(&self.keepalive);
         }
         Ok(true)
     }

@@ -4,6 +4,7 @@ address, never from the current device."""
 from __future__ import annotations
 
 import pytest
+from helpers import run_plugin
 
 import gpuptr
 
@@ -76,26 +77,8 @@ def test_context_of_each_device_by_address():
     assert gpuptr.context_of(b.device_pointer_value).device.id == 1
 
 
-def _run_plugin(code: str) -> str:
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    import textwrap
-
-    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
-    env["NUMBA_CUDA_MEMORY_MANAGER"] = "gpuptr.numba"
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "multigpu_case.py")
-        with open(path, "w") as f:
-            f.write(textwrap.dedent(code))
-        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=300, cwd=d)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
-
-
 def test_plugin_allocations_under_gpus_1_come_from_device_1_and_return_there_from_another_thread():
-    out = _run_plugin(
+    out = run_plugin(
         """
         import threading, gc, numpy as np, gpuptr
         from numba import cuda
@@ -119,7 +102,7 @@ def test_plugin_allocations_under_gpus_1_come_from_device_1_and_return_there_fro
 
 
 def test_ipc_of_a_device_1_pointer_opens_in_a_spawned_child():
-    out = _run_plugin(
+    out = run_plugin(
         """
         import multiprocessing as mp, numpy as np
 

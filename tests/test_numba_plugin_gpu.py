@@ -4,31 +4,10 @@ manager once per process."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-import textwrap
-
 import pytest
-
+from helpers import run_plugin
 
 pytestmark = pytest.mark.gpu
-
-
-def run_plugin(code: str, timeout: int = 300) -> str:
-    """Run ``code`` as a script file (spawned children re-import it)."""
-    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
-    env["NUMBA_CUDA_MEMORY_MANAGER"] = "gpuptr.numba"
-    with tempfile.TemporaryDirectory() as d:
-        script = os.path.join(d, "plugin_case.py")
-        with open(script, "w") as f:
-            f.write(textwrap.dedent(code))
-        out = subprocess.run(
-            [sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout, cwd=d
-        )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 def test_every_hook_through_numbas_public_api():

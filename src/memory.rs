@@ -43,6 +43,8 @@ pub struct DevicePointer {
     managed: bool,
     generation: u64,
     registration: Option<Registration>,
+    /// The pool shard a pooled block goes back to.
+    pool_shard: u32,
     freed: AtomicBool,
     /// Set once at construction: most pointers keep nothing, and then
     /// releasing them takes no lock.
@@ -68,14 +70,15 @@ impl DevicePointer {
     pub fn alloc(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
         match context.runtime().pool(context.device()) {
             Some(pool) if size != 0 => {
-                let (address, class) = pool.alloc(context, size)?;
+                let block = pool.alloc(context, size)?;
                 Ok(DevicePointer::counted(
                     context,
-                    address,
+                    block.address,
                     size,
-                    Origin::Pool(class),
+                    Origin::Pool(block.class),
                     false,
                     None,
+                    block.shard,
                 ))
             }
             _ => DevicePointer::alloc_uncached(context, size),
@@ -100,8 +103,9 @@ impl DevicePointer {
         origin: Origin,
         managed: bool,
         registration: Option<Registration>,
+        pool_shard: u32,
     ) -> Arc<Self> {
-        // The pool counts its own allocations under its lock.
+        // The pool counts its own allocations under its shard lock.
         if !matches!(origin, Origin::Pool(_)) {
             let c = context.runtime().counters(context.device());
             c.alloc_count.fetch_add(1, Ordering::Relaxed);
@@ -117,6 +121,7 @@ impl DevicePointer {
             managed,
             generation: context.generation(),
             registration,
+            pool_shard,
             freed: AtomicBool::new(false),
             has_keepalive: false,
             keepalive: Mutex::new(None),
@@ -146,6 +151,7 @@ impl DevicePointer {
             Origin::Driver,
             managed,
             registration,
+            0,
         ))
     }
 
@@ -167,6 +173,7 @@ impl DevicePointer {
             managed: false,
             generation,
             registration,
+            pool_shard: 0,
             freed: AtomicBool::new(false),
             has_keepalive: keepalive.is_some(),
             keepalive: Mutex::new(keepalive),
@@ -251,6 +258,11 @@ impl DevicePointer {
         if self.freed.swap(true, Ordering::AcqRel) {
             return Ok(false);
         }
+        self.release().map(|()| true)
+    }
+
+    /// Release the memory; the caller has just claimed `freed`.
+    fn release(&self) -> Result<()> {
         let stale = self.is_stale();
         match self.origin {
             Origin::Driver if self.address != 0 && !stale => {
@@ -266,7 +278,12 @@ impl DevicePointer {
             }
             Origin::Pool(class) if !stale => {
                 if let Some(pool) = self.context.runtime().pool(self.context.device()) {
-                    pool.release(self.address, class, self.size);
+                    let block = crate::pool::Block {
+                        address: self.address,
+                        class,
+                        shard: self.pool_shard,
+                    };
+                    pool.release(&self.context, self.generation, block, self.size);
                 }
             }
             _ => {}
@@ -284,14 +301,20 @@ impl DevicePointer {
         if self.has_keepalive {
             release_keepalive(&self.keepalive);
         }
-        Ok(true)
+        Ok(())
     }
 }
 
 impl Drop for DevicePointer {
     fn drop(&mut self) {
-        // Deleters never fail; a driver error here has no one to go to.
-        let _ = self.free();
+        // The last holder: no other thread can free it now, so no atomic
+        // swap is needed to claim it.
+        let freed = self.freed.get_mut();
+        if !*freed {
+            *freed = true;
+            // Deleters never fail; a driver error here has no one to go to.
+            let _ = self.release();
+        }
     }
 }
 

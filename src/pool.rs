@@ -19,22 +19,36 @@
 //!
 //! Blocks are whole `cuMemAlloc` allocations, never carved, so IPC
 //! (`cuIpcGetMemHandle` on the block) works for pooled pointers.
+//!
+//! **Shards.** The cache is split into shards, each behind its own lock, so
+//! threads do not queue on one mutex. A thread allocates from its own shard
+//! (threads are dealt out to shards round-robin), and a block returns to the
+//! shard it was handed out from, even when another thread frees it: the
+//! allocating thread's next miss fences it, so producer/consumer patterns do
+//! not strand memory. Each shard fences its own pending blocks, so the reuse
+//! rule holds per shard. A miss looks in the other shards' ready blocks before
+//! it calls the driver, and out of memory fences and searches every shard.
 
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use crate::context::Context;
 use crate::driver::{DevicePtr, RawEvent};
 use crate::error::Result;
 use crate::registry::Registration;
 
-/// How a pool batches fences and rounds sizes.
+/// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// Fence once this many blocks are pending.
+    /// Fence once this many blocks are pending (per shard).
     pub fence_count: usize,
-    /// Fence once this many bytes are pending.
+    /// Fence once this many bytes are pending (per shard).
     pub fence_bytes: usize,
+    /// Number of shards, rounded up to a power of two. The default is the
+    /// number of CPUs, at most 16.
+    pub shards: usize,
 }
 
 impl Default for PoolConfig {
@@ -44,17 +58,21 @@ impl Default for PoolConfig {
             // much memory waits for a fence.
             fence_count: 32,
             fence_bytes: 64 << 20,
+            shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
         }
     }
 }
 
+const MIN_CLASS: usize = 512;
+const LARGE: usize = 256 << 20;
+/// Classes up to [`LARGE`]: 512, then four per power of two.
+const SMALL_CLASSES: usize = 1 + 4 * (LARGE.trailing_zeros() - MIN_CLASS.trailing_zeros()) as usize;
+
 /// The size class of a request: at least 512 bytes; up to 256 MiB, four
 /// classes per power of two (waste under 25%); above, a multiple of 2 MiB.
 pub fn size_class(size: usize) -> usize {
-    const MIN: usize = 512;
-    const LARGE: usize = 256 << 20;
-    if size <= MIN {
-        return MIN;
+    if size <= MIN_CLASS {
+        return MIN_CLASS;
     }
     if size > LARGE {
         return size.div_ceil(2 << 20) * (2 << 20);
@@ -64,14 +82,28 @@ pub fn size_class(size: usize) -> usize {
     size.div_ceil(step) * step
 }
 
-/// Size classes and addresses are already well spread integers: hash them
-/// as they are (SipHash costs more than the rest of an allocation).
+/// The slot of a class up to 256 MiB in a shard's `ready` table.
+fn class_index(class: usize) -> Option<usize> {
+    if class > LARGE {
+        return None;
+    }
+    if class <= MIN_CLASS {
+        return Some(0);
+    }
+    // class = k * 2^(pow-2) with 2^pow < class <= 2^(pow+1), k in 5..=8.
+    let pow = (usize::BITS - 1 - (class - 1).leading_zeros()) as usize;
+    let k = class >> (pow - 2);
+    Some(1 + 4 * (pow - MIN_CLASS.trailing_zeros() as usize) + (k - 5))
+}
+
+/// Addresses are already well spread integers: hash them as they are
+/// (SipHash costs more than the rest of an allocation).
 #[derive(Default)]
 struct IdentityHasher(u64);
 
 impl std::hash::Hasher for IdentityHasher {
     fn finish(&self) -> u64 {
-        // Classes are multiples of 512: drop the always-zero bits.
+        // Classes and blocks are multiples of 512: drop the always-zero bits.
         self.0 >> 9 ^ self.0.rotate_left(29)
     }
     fn write(&mut self, bytes: &[u8]) {
@@ -89,17 +121,19 @@ impl std::hash::Hasher for IdentityHasher {
 
 type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>>;
 
-#[derive(Default)]
-struct State {
-    ready: FastMap<usize, Vec<DevicePtr>>,
+/// One shard's cache and statistics.
+struct Shard {
+    /// Ready blocks by class index; classes above 256 MiB live in `large`.
+    ready: Vec<Vec<DevicePtr>>,
+    large: FastMap<usize, Vec<DevicePtr>>,
     pending: Vec<(DevicePtr, usize)>,
     pending_bytes: usize,
     ready_bytes: usize,
-    /// Registry entries of the blocks this pool holds from the driver.
-    blocks: FastMap<DevicePtr, (usize, Registration)>,
     event: Option<RawEvent>,
-    // Statistics, kept under the lock the allocation takes anyway (atomics
-    // would cost more than the rest of the fast path).
+    // Statistics, kept under the lock the allocation takes anyway (an atomic
+    // counter shared by all threads would cost more than the rest of the
+    // fast path). A block comes back to the shard that handed it out, so
+    // each shard's live counts stay exact.
     live_bytes: usize,
     live_count: usize,
     peak_bytes: usize,
@@ -109,11 +143,131 @@ struct State {
     fences: u64,
 }
 
+impl Default for Shard {
+    fn default() -> Self {
+        Shard {
+            ready: vec![Vec::new(); SMALL_CLASSES],
+            large: FastMap::default(),
+            pending: Vec::new(),
+            pending_bytes: 0,
+            ready_bytes: 0,
+            event: None,
+            live_bytes: 0,
+            live_count: 0,
+            peak_bytes: 0,
+            alloc_count: 0,
+            hits: 0,
+            misses: 0,
+            fences: 0,
+        }
+    }
+}
+
+impl Shard {
+    fn take_ready(&mut self, class: usize) -> Option<DevicePtr> {
+        let p = match class_index(class) {
+            Some(i) => self.ready[i].pop()?,
+            None => self.large.get_mut(&class)?.pop()?,
+        };
+        self.ready_bytes -= class;
+        Some(p)
+    }
+
+    fn put_ready(&mut self, ptr: DevicePtr, class: usize) {
+        match class_index(class) {
+            Some(i) => self.ready[i].push(ptr),
+            None => self.large.entry(class).or_default().push(ptr),
+        }
+        self.ready_bytes += class;
+    }
+
+    fn fence_due(&self, config: &PoolConfig) -> bool {
+        self.pending.len() >= config.fence_count || self.pending_bytes >= config.fence_bytes
+    }
+
+    /// Record the fence and make every pending block ready.
+    fn fence(&mut self, ctx: &Context) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let drv = ctx.driver();
+        let event = match self.event {
+            Some(e) => e,
+            None => {
+                let e = drv.event_create(ctx.raw())?;
+                self.event = Some(e);
+                e
+            }
+        };
+        drv.event_record(ctx.raw(), event, 0)?;
+        for (ptr, class) in std::mem::take(&mut self.pending) {
+            match class_index(class) {
+                Some(i) => self.ready[i].push(ptr),
+                None => self.large.entry(class).or_default().push(ptr),
+            }
+        }
+        self.ready_bytes += self.pending_bytes;
+        self.pending_bytes = 0;
+        self.fences += 1;
+        Ok(())
+    }
+
+    /// Empty the cache: every pending and ready block, with its class.
+    fn drain(&mut self) -> Vec<(DevicePtr, usize)> {
+        let mut out = std::mem::take(&mut self.pending);
+        for (i, v) in self.ready.iter_mut().enumerate() {
+            let class = class_of_index(i);
+            out.extend(v.drain(..).map(|p| (p, class)));
+        }
+        for (class, v) in self.large.drain() {
+            out.extend(v.into_iter().map(|p| (p, class)));
+        }
+        self.pending_bytes = 0;
+        self.ready_bytes = 0;
+        out
+    }
+}
+
+/// The class stored at `index` of a shard's `ready` table.
+fn class_of_index(index: usize) -> usize {
+    if index == 0 {
+        return MIN_CLASS;
+    }
+    let pow = (index - 1) / 4 + MIN_CLASS.trailing_zeros() as usize;
+    let k = (index - 1) % 4 + 5;
+    k << (pow - 2)
+}
+
+/// A shard on its own cache lines, so threads on neighbouring shards do not
+/// slow each other down.
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
+
+thread_local! {
+    /// This thread's ticket; its shard in a pool of `n` is `ticket % n`
+    /// (`n` is a power of two).
+    static TICKET: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+fn ticket() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    TICKET.with(|t| {
+        let mut v = t.get();
+        if v == usize::MAX {
+            v = NEXT.fetch_add(1, Ordering::Relaxed);
+            t.set(v);
+        }
+        v
+    })
+}
+
 /// A snapshot of one pool's statistics.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PoolStats {
     pub live_bytes: usize,
     pub live_count: usize,
+    /// The sum of the shards' peaks: the peak of `live_bytes` when one
+    /// thread allocates, an upper bound of it when several do.
     pub peak_bytes: usize,
     pub alloc_count: u64,
     pub cached_bytes: usize,
@@ -122,10 +276,21 @@ pub(crate) struct PoolStats {
     pub fences: u64,
 }
 
+/// A block handed out by [`Pool::alloc`]: where it is and where it goes back.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Block {
+    pub address: DevicePtr,
+    pub class: usize,
+    pub shard: u32,
+}
+
 /// A device's caching pool. Use it through [`Context::alloc`].
 pub struct Pool {
     config: PoolConfig,
-    state: Mutex<State>,
+    shards: Box<[Padded]>,
+    /// Registry entries of the blocks this pool holds from the driver
+    /// (cached or handed out). Touched on misses, trims and resets only.
+    blocks: Mutex<FastMap<DevicePtr, (usize, Registration)>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -136,107 +301,110 @@ impl std::fmt::Debug for Pool {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Pool {
     pub(crate) fn new(config: PoolConfig) -> Self {
+        let n = config.shards.clamp(1, 1 << 10).next_power_of_two();
         Pool {
-            config,
-            state: Mutex::new(State::default()),
+            config: PoolConfig {
+                shards: n,
+                ..config
+            },
+            shards: (0..n)
+                .map(|_| Padded(Mutex::new(Shard::default())))
+                .collect(),
+            blocks: Mutex::new(FastMap::default()),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn shard(&self, i: usize) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[i].0)
     }
 
-    fn handed_out(st: &mut State, size: usize, hit: bool) {
-        st.live_bytes += size;
-        st.live_count += 1;
-        st.peak_bytes = st.peak_bytes.max(st.live_bytes);
-        st.alloc_count += 1;
-        if hit {
-            st.hits += 1;
+    /// The shard the calling thread allocates from.
+    #[inline]
+    fn own_shard(&self) -> usize {
+        if self.shards.len() == 1 {
+            0
         } else {
-            st.misses += 1;
+            ticket() & (self.shards.len() - 1)
         }
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        let st = self.lock();
-        PoolStats {
-            live_bytes: st.live_bytes,
-            live_count: st.live_count,
-            peak_bytes: st.peak_bytes,
-            alloc_count: st.alloc_count,
-            cached_bytes: st.ready_bytes + st.pending_bytes,
-            hits: st.hits,
-            misses: st.misses,
-            fences: st.fences,
+        let mut s = PoolStats::default();
+        for i in 0..self.shards.len() {
+            let sh = self.shard(i);
+            s.live_bytes += sh.live_bytes;
+            s.live_count += sh.live_count;
+            s.peak_bytes += sh.peak_bytes;
+            s.alloc_count += sh.alloc_count;
+            s.cached_bytes += sh.ready_bytes + sh.pending_bytes;
+            s.hits += sh.hits;
+            s.misses += sh.misses;
+            s.fences += sh.fences;
+        }
+        s
+    }
+
+    fn handed_out(sh: &mut Shard, size: usize, hit: bool) {
+        sh.live_bytes += size;
+        sh.peak_bytes = sh.peak_bytes.max(sh.live_bytes);
+        sh.live_count += 1;
+        sh.alloc_count += 1;
+        if hit {
+            sh.hits += 1;
+        } else {
+            sh.misses += 1;
         }
     }
 
-    /// Record the fence and make every pending block ready.
-    fn fence(&self, ctx: &Context, st: &mut State) -> Result<()> {
-        if st.pending.is_empty() {
-            return Ok(());
-        }
-        let drv = ctx.driver();
-        let event = match st.event {
-            Some(e) => e,
-            None => {
-                let e = drv.event_create(ctx.raw())?;
-                st.event = Some(e);
-                e
-            }
-        };
-        drv.event_record(ctx.raw(), event, 0)?;
-        for (ptr, class) in std::mem::take(&mut st.pending) {
-            st.ready.entry(class).or_default().push(ptr);
-        }
-        st.ready_bytes += st.pending_bytes;
-        st.pending_bytes = 0;
-        st.fences += 1;
-        Ok(())
+    /// A ready block of `class` from any shard but `own`, which becomes its
+    /// new home. Busy shards are skipped rather than waited for.
+    fn steal(&self, own: usize, class: usize) -> Option<DevicePtr> {
+        let n = self.shards.len();
+        (1..n).find_map(|d| {
+            let mut sh = self.shards[(own + d) % n].0.try_lock().ok()?;
+            sh.take_ready(class)
+        })
     }
 
-    fn take_ready(&self, st: &mut State, class: usize) -> Option<DevicePtr> {
-        let p = st.ready.get_mut(&class)?.pop()?;
-        st.ready_bytes -= class;
-        Some(p)
-    }
-
-    /// A block of at least `size` bytes: `(address, class)`.
-    pub(crate) fn alloc(
-        &self,
-        ctx: &std::sync::Arc<Context>,
-        size: usize,
-    ) -> Result<(DevicePtr, usize)> {
+    /// A block of at least `size` bytes.
+    pub(crate) fn alloc(&self, ctx: &std::sync::Arc<Context>, size: usize) -> Result<Block> {
         let class = size_class(size);
+        let own = self.own_shard();
+        let block = |address| Block {
+            address,
+            class,
+            shard: own as u32,
+        };
         {
-            let mut st = self.lock();
-            if let Some(p) = self.take_ready(&mut st, class) {
-                Self::handed_out(&mut st, size, true);
-                return Ok((p, class));
+            let mut sh = self.shard(own);
+            if let Some(p) = sh.take_ready(class) {
+                Self::handed_out(&mut sh, size, true);
+                return Ok(block(p));
             }
-            let due = st.pending.len() >= self.config.fence_count
-                || st.pending_bytes >= self.config.fence_bytes;
-            if due {
-                self.fence(ctx, &mut st)?;
-                if let Some(p) = self.take_ready(&mut st, class) {
-                    Self::handed_out(&mut st, size, true);
-                    return Ok((p, class));
+            if sh.fence_due(&self.config) {
+                sh.fence(ctx)?;
+                if let Some(p) = sh.take_ready(class) {
+                    Self::handed_out(&mut sh, size, true);
+                    return Ok(block(p));
                 }
             }
         }
+        if let Some(p) = self.steal(own, class) {
+            Self::handed_out(&mut self.shard(own), size, true);
+            return Ok(block(p));
+        }
         let got = match self.alloc_new(ctx, class) {
             Err(e) if e.is_oom() => {
-                // Out of memory: reclaim what the pool caches, then retry once.
-                {
-                    let mut st = self.lock();
-                    self.fence(ctx, &mut st)?;
-                    if let Some(p) = self.take_ready(&mut st, class) {
-                        Self::handed_out(&mut st, size, true);
-                        return Ok((p, class));
-                    }
+                // Out of memory: reclaim what every shard caches, then retry once.
+                if let Some(p) = self.fence_all_and_take(ctx, own, class)? {
+                    Self::handed_out(&mut self.shard(own), size, true);
+                    return Ok(block(p));
                 }
                 self.trim(ctx)?;
                 self.alloc_new(ctx, class)
@@ -244,50 +412,63 @@ impl Pool {
             other => other,
         }
         .map_err(|e| e.oom_on(ctx.device(), size))?;
-        Self::handed_out(&mut self.lock(), size, false);
-        Ok(got)
+        Self::handed_out(&mut self.shard(own), size, false);
+        Ok(block(got))
     }
 
-    fn alloc_new(&self, ctx: &std::sync::Arc<Context>, class: usize) -> Result<(DevicePtr, usize)> {
+    /// Fence every shard, then take a ready block of `class` from any.
+    fn fence_all_and_take(
+        &self,
+        ctx: &Context,
+        own: usize,
+        class: usize,
+    ) -> Result<Option<DevicePtr>> {
+        let n = self.shards.len();
+        for d in 0..n {
+            let mut sh = self.shard((own + d) % n);
+            sh.fence(ctx)?;
+            if let Some(p) = sh.take_ready(class) {
+                return Ok(Some(p));
+            }
+        }
+        Ok(None)
+    }
+
+    fn alloc_new(&self, ctx: &std::sync::Arc<Context>, class: usize) -> Result<DevicePtr> {
         let p = ctx.driver().mem_alloc(ctx.raw(), class)?;
         let reg = ctx.runtime().registry().insert(p, class, ctx);
-        self.lock().blocks.insert(p, (class, reg));
-        Ok((p, class))
+        lock(&self.blocks).insert(p, (class, reg));
+        Ok(p)
     }
 
-    /// Take back a block of `size` requested bytes handed out by
-    /// [`Pool::alloc`]. No driver call.
-    pub(crate) fn release(&self, ptr: DevicePtr, class: usize, size: usize) {
-        let mut st = self.lock();
-        if !st.blocks.contains_key(&ptr) {
-            return; // forgotten by a reset: not ours any more
+    /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes to
+    /// a pointer of `ctx` made at `generation`. No driver call. A block of a
+    /// context reset since is refused: its memory is gone (the check is
+    /// under the shard lock, which a reset's [`Pool::forget`] takes too).
+    pub(crate) fn release(&self, ctx: &Context, generation: u64, block: Block, size: usize) {
+        let mut sh = self.shard(block.shard as usize & (self.shards.len() - 1));
+        if ctx.generation() != generation {
+            return;
         }
-        st.live_bytes -= size;
-        st.live_count -= 1;
-        st.pending.push((ptr, class));
-        st.pending_bytes += class;
+        sh.live_bytes -= size;
+        sh.live_count -= 1;
+        sh.pending.push((block.address, block.class));
+        sh.pending_bytes += block.class;
     }
 
     /// Return every cached block to the driver (`cuMemFree`). Blocks still
     /// handed out are kept.
     pub fn trim(&self, ctx: &Context) -> Result<usize> {
+        let mut cached = Vec::new();
+        for i in 0..self.shards.len() {
+            cached.extend(self.shard(i).drain());
+        }
         let blocks: Vec<(DevicePtr, usize, Registration)> = {
-            let mut st = self.lock();
-            let mut out = Vec::new();
-            let pending = std::mem::take(&mut st.pending);
-            let ready = std::mem::take(&mut st.ready);
-            for (ptr, class) in pending.into_iter().chain(
-                ready
-                    .into_iter()
-                    .flat_map(|(c, v)| v.into_iter().map(move |p| (p, c))),
-            ) {
-                if let Some((_, reg)) = st.blocks.remove(&ptr) {
-                    out.push((ptr, class, reg));
-                }
-            }
-            st.pending_bytes = 0;
-            st.ready_bytes = 0;
-            out
+            let mut held = lock(&self.blocks);
+            cached
+                .into_iter()
+                .filter_map(|(ptr, class)| held.remove(&ptr).map(|(_, reg)| (ptr, class, reg)))
+                .collect()
         };
         let mut freed = 0;
         let mut first_err = None;
@@ -300,10 +481,8 @@ impl Pool {
                 }
                 Err(e) => {
                     // Still allocated: keep it cached, so nothing is lost.
-                    let mut st = self.lock();
-                    st.blocks.insert(ptr, (class, reg));
-                    st.ready.entry(class).or_default().push(ptr);
-                    st.ready_bytes += class;
+                    lock(&self.blocks).insert(ptr, (class, reg));
+                    self.shard(0).put_ready(ptr, class);
                     first_err.get_or_insert(e);
                 }
             }
@@ -315,45 +494,60 @@ impl Pool {
     }
 
     /// Forget every block without freeing it: the context was reset and the
-    /// memory is gone. Blocks handed out before are refused on release.
+    /// memory is gone. Call after [`Context::invalidate`]: blocks handed out
+    /// before are then refused on release.
     pub(crate) fn forget(&self, ctx: &Context) {
-        let mut st = self.lock();
-        for (_, (_, reg)) in st.blocks.drain() {
+        for i in 0..self.shards.len() {
+            let mut sh = self.shard(i);
+            sh.drain();
+            sh.event = None;
+            sh.live_bytes = 0;
+            sh.live_count = 0;
+        }
+        for (_, (_, reg)) in lock(&self.blocks).drain() {
             ctx.runtime().registry().remove(reg);
         }
-        st.ready.clear();
-        st.pending.clear();
-        st.pending_bytes = 0;
-        st.ready_bytes = 0;
-        st.event = None;
-        st.live_bytes = 0;
-        st.live_count = 0;
     }
 
     /// Bytes the pool holds for reuse (pending and ready).
     pub fn cached_bytes(&self) -> usize {
-        let st = self.lock();
-        st.ready_bytes + st.pending_bytes
+        self.stats().cached_bytes
     }
 
     /// Number of blocks the pool holds from the driver (cached or handed out).
     pub fn held_blocks(&self) -> usize {
-        self.lock().blocks.len()
+        lock(&self.blocks).len()
     }
-}
 
-impl Pool {
-    /// Destroy the pool's event (at context teardown).
+    /// Destroy the shards' events (at context teardown).
     pub(crate) fn close(&self, ctx: &Context) {
-        if let Some(e) = self.lock().event.take() {
-            let _ = ctx.driver().event_destroy(ctx.raw(), e);
+        for i in 0..self.shards.len() {
+            if let Some(e) = self.shard(i).event.take() {
+                let _ = ctx.driver().event_destroy(ctx.raw(), e);
+            }
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::size_class;
+    use super::*;
+
+    #[test]
+    fn class_indexes_are_dense_and_round_trip() {
+        let mut seen = std::collections::HashSet::new();
+        let mut size = 1;
+        while size <= LARGE {
+            let c = size_class(size);
+            let i = class_index(c).unwrap();
+            assert!(i < SMALL_CLASSES, "{c} -> {i}");
+            assert_eq!(class_of_index(i), c);
+            seen.insert(i);
+            size += size / 9 + 1;
+        }
+        assert_eq!(seen.len(), SMALL_CLASSES, "every slot is used");
+        assert_eq!(class_index(size_class(LARGE + 1)), None);
+    }
 
     #[test]
     fn size_classes_round_up_with_bounded_waste() {

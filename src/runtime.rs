@@ -106,11 +106,13 @@ impl Runtime {
             return Ok(());
         };
         let trimmed = self.pool(device).map(|p| p.trim(&ctx));
+        // Invalidate first: the pool then refuses blocks of this context,
+        // and forgets the ones it has under the same locks.
+        ctx.invalidate();
         if let Some(pool) = self.pool(device) {
             pool.close(&ctx);
             pool.forget(&ctx);
         }
-        ctx.invalidate();
         // After the reset the old CUcontext is dead: the next use retains the
         // primary context afresh. Holders of the old Context (stale
         // pointers) release their retain when they go.

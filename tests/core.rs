@@ -644,3 +644,142 @@ fn test_empty_views_may_start_past_the_end_like_numbas() {
         Err(Error::InvalidPointer(_))
     ));
 }
+
+// --- pool shards ----------------------------------------------------------------
+
+/// A pool with so many shards that two threads started one after the other
+/// always land in different ones.
+fn sim_sharded(memory: usize) -> (Arc<SimDriver>, Arc<Runtime>) {
+    let drv = Arc::new(SimDriver::new(SimConfig::new(1, memory)));
+    let cfg = PoolConfig {
+        shards: 1024,
+        ..PoolConfig::default()
+    };
+    let rt = Runtime::with_pool(drv.clone(), Some(cfg)).unwrap();
+    (drv, rt)
+}
+
+#[test]
+fn test_blocks_freed_by_another_thread_go_home_and_are_reused_there() {
+    let (drv, rt) = sim_sharded(256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let n = PoolConfig::default().fence_count;
+    let (to_consumer, from_producer) =
+        std::sync::mpsc::channel::<Vec<Arc<gpuptr::DevicePointer>>>();
+    let consumer = std::thread::spawn(move || drop(from_producer.recv().unwrap()));
+    let producer = {
+        let ctx = ctx.clone();
+        let drv = drv.clone();
+        std::thread::spawn(move || {
+            let batch: Vec<_> = (0..n).map(|_| ctx.alloc(4096).unwrap()).collect();
+            let first: std::collections::HashSet<_> = batch.iter().map(|p| p.address()).collect();
+            to_consumer.send(batch).unwrap();
+            consumer.join().unwrap();
+            // The consumer's frees went back to this thread's shard: the next
+            // miss fences them and the same blocks come back, no new memory.
+            let again: Vec<_> = (0..n).map(|_| ctx.alloc(4096).unwrap()).collect();
+            assert_eq!(drv.calls(CallKind::MemAlloc), n as u64);
+            assert!(again.iter().all(|p| first.contains(&p.address())));
+        })
+    };
+    producer.join().unwrap();
+    let s = rt.stats()[0];
+    assert_eq!((s.live_count, s.live_bytes), (0, 0));
+    assert_eq!(s.cached_bytes, n * 4096);
+    assert_eq!(s.fences, 1);
+}
+
+#[test]
+fn test_a_miss_takes_ready_blocks_from_another_shard_before_the_driver() {
+    let (drv, rt) = sim_sharded(256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let n = PoolConfig::default().fence_count;
+    {
+        let ctx = ctx.clone();
+        std::thread::spawn(move || {
+            drop(
+                (0..=n)
+                    .map(|_| ctx.alloc(1 << 16).unwrap())
+                    .collect::<Vec<_>>(),
+            );
+            drop(ctx.alloc(1 << 16).unwrap()); // fences: n blocks stay ready there
+        })
+        .join()
+        .unwrap();
+    }
+    let allocs = drv.calls(CallKind::MemAlloc);
+    let held: Vec<_> = (0..n).map(|_| ctx.alloc(1 << 16).unwrap()).collect();
+    assert_eq!(
+        drv.calls(CallKind::MemAlloc),
+        allocs,
+        "all taken from the other shard"
+    );
+    assert_eq!(rt.stats()[0].pool_hits as usize, 1 + n);
+    // That shard has nothing ready now (its last free is pending): the driver.
+    let extra = ctx.alloc(1 << 16).unwrap();
+    assert_eq!(drv.calls(CallKind::MemAlloc), allocs + 1);
+    drop(extra);
+    drop(held);
+    assert_eq!(rt.stats()[0].cached_bytes, (n + 2) * (1 << 16));
+}
+
+#[test]
+fn test_out_of_memory_fences_and_reclaims_every_shard() {
+    let (drv, rt) = sim_sharded(8 << 20);
+    let ctx = rt.context(0).unwrap();
+    {
+        // Another thread's shard holds 6 MiB, pending (never fenced).
+        let ctx = ctx.clone();
+        std::thread::spawn(move || {
+            drop(
+                (0..6)
+                    .map(|_| ctx.alloc(1 << 20).unwrap())
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .join()
+        .unwrap();
+    }
+    assert_eq!(drv.live_bytes(), 6 << 20);
+    // A 1 MiB block is there to reuse once fenced; 4 MiB needs the trim.
+    let small = ctx.alloc(1 << 20).unwrap();
+    let big = ctx.alloc(4 << 20).unwrap();
+    assert_eq!(drv.live_bytes(), 5 << 20, "cache returned, no leak");
+    assert_eq!(rt.stats()[0].live_bytes, 5 << 20);
+    drop((small, big));
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+#[test]
+fn test_sixteen_threads_on_a_sharded_pool_balance_the_books() {
+    let (drv, rt) = sim_pooled(1, 512 << 20);
+    let ctx = rt.context(0).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<Arc<gpuptr::DevicePointer>>();
+    let rx = Arc::new(std::sync::Mutex::new(rx));
+    std::thread::scope(|s| {
+        for t in 0..16 {
+            let (ctx, tx, rx) = (ctx.clone(), tx.clone(), rx.clone());
+            s.spawn(move || {
+                for i in 0..2000 {
+                    let p = ctx.alloc(512 + (t * 977 + i * 131) % 200_000).unwrap();
+                    if i % 3 == 0 {
+                        tx.send(p).unwrap(); // freed by whichever thread takes it
+                    }
+                    if let Ok(q) = rx.lock().unwrap().try_recv() {
+                        drop(q);
+                    }
+                }
+            });
+        }
+    });
+    drop(tx);
+    drop(rx);
+    let s = rt.stats()[0];
+    assert_eq!((s.live_count, s.live_bytes), (0, 0));
+    assert_eq!(s.alloc_count, 16 * 2000);
+    assert_eq!(s.pool_hits + s.pool_misses, 16 * 2000);
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+    assert!(rt.registry().is_empty());
+}

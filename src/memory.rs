@@ -242,11 +242,7 @@ impl DevicePointer {
 
     /// A view of the whole allocation.
     pub fn view_all(self: &Arc<Self>) -> View {
-        View {
-            parent: self.clone(),
-            offset: 0,
-            size: self.size,
-        }
+        View::from(self.clone())
     }
 
     /// Release the memory now. Returns `Ok(true)` if this call freed it and
@@ -325,6 +321,18 @@ pub struct View {
     parent: Arc<DevicePointer>,
     offset: usize,
     size: usize,
+}
+
+impl From<Arc<DevicePointer>> for View {
+    /// A view of the whole allocation, taking over the caller's reference.
+    fn from(parent: Arc<DevicePointer>) -> Self {
+        let size = parent.size;
+        View {
+            parent,
+            offset: 0,
+            size,
+        }
+    }
 }
 
 impl View {

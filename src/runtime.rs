@@ -304,7 +304,7 @@ impl Runtime {
     ) -> Result<crate::View> {
         if layout.span == 0 {
             let ctx = self.context(self.current_device()?)?;
-            return Ok(self.wrap(0, 0, Some(ctx), keepalive)?.view_all());
+            return Ok(crate::View::from(self.wrap(0, 0, Some(ctx), keepalive)?));
         }
         if address == 0 {
             return Err(Error::InvalidPointer(
@@ -315,7 +315,7 @@ impl Runtime {
             Error::InvalidPointer("negative strides reach below address 0".into())
         })?;
         let mem = self.wrap(start, layout.span, None, keepalive)?;
-        mem.view_all().view((-layout.lo) as usize, None)
+        crate::View::from(mem).view((-layout.lo) as usize, None)
     }
 
     pub(crate) fn counters(&self, device: usize) -> &DeviceCounters {

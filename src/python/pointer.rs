@@ -66,7 +66,7 @@ impl PyMemoryPointer {
             let _ = ctx.set(c);
         }
         PyMemoryPointer {
-            view: mem.view_all(),
+            view: View::from(mem),
             managed: true,
             owner: None,
             context: ctx,
@@ -81,7 +81,7 @@ impl PyMemoryPointer {
         managed: bool,
     ) -> Self {
         PyMemoryPointer {
-            view: mem.view_all(),
+            view: View::from(mem),
             managed,
             owner,
             context: OnceLock::new(),

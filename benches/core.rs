@@ -31,23 +31,28 @@ fn bench(c: &mut Criterion) {
                 b.iter(|| black_box(ctx.alloc(size).unwrap()))
             });
         }
-        c.bench_function(&format!("{name}/pool_alloc_free_1MiB_4_threads"), |b| {
-            b.iter_custom(|iters| {
-                let start = std::time::Instant::now();
-                std::thread::scope(|s| {
-                    for _ in 0..4 {
-                        let ctx = ctx.clone();
-                        s.spawn(move || {
-                            for _ in 0..iters {
-                                black_box(ctx.alloc(1 << 20).unwrap());
+        for threads in [4u32, 16] {
+            c.bench_function(
+                &format!("{name}/pool_alloc_free_1MiB_{threads}_threads"),
+                |b| {
+                    b.iter_custom(|iters| {
+                        let start = std::time::Instant::now();
+                        std::thread::scope(|s| {
+                            for _ in 0..threads {
+                                let ctx = ctx.clone();
+                                s.spawn(move || {
+                                    for _ in 0..iters {
+                                        black_box(ctx.alloc(1 << 20).unwrap());
+                                    }
+                                });
                             }
                         });
-                    }
-                });
-                // time per alloc+free pair, with four threads contending
-                start.elapsed() / 4
-            })
-        });
+                        // wall time per alloc+free pair, all threads contending
+                        start.elapsed() / threads
+                    })
+                },
+            );
+        }
         let mem = ctx.alloc(1 << 20).unwrap();
         let all = mem.view_all();
         c.bench_function(&format!("{name}/view"), |b| {

@@ -31,6 +31,22 @@ fn bench(c: &mut Criterion) {
                 b.iter(|| black_box(ctx.alloc(size).unwrap()))
             });
         }
+        c.bench_function(&format!("{name}/context_clone_drop_4_threads"), |b| {
+            b.iter_custom(|iters| {
+                let start = std::time::Instant::now();
+                std::thread::scope(|s| {
+                    for _ in 0..4 {
+                        let ctx = &ctx;
+                        s.spawn(move || {
+                            for _ in 0..iters {
+                                black_box(ctx.clone());
+                            }
+                        });
+                    }
+                });
+                start.elapsed() / 4
+            })
+        });
         for threads in [4u32, 16] {
             c.bench_function(
                 &format!("{name}/pool_alloc_free_1MiB_{threads}_threads"),

@@ -13,6 +13,10 @@ use crate::runtime::Runtime;
 /// for a device calls `cuDevicePrimaryCtxRetain`, and dropping the last one
 /// calls `cuDevicePrimaryCtxRelease`. [`Runtime::context`] hands out one live
 /// `Context` per device.
+// Aligned so that the fields every pointer reads (runtime, device, raw,
+// generation) do not share a cache line with the `Arc` counts that every
+// pointer writes: threads allocating at once then only contend on the count.
+#[repr(align(128))]
 pub struct Context {
     runtime: Arc<Runtime>,
     device: usize,

@@ -1,16 +1,55 @@
 """Type stubs for gpuptr's native module."""
 
-from typing import Any, Optional
+from typing import Any, Optional, final
 
 from gpuptr._types import MemoryInfo
 
+__all__ = [
+    "Context",
+    "ContextHandle",
+    "Device",
+    "MemoryPointer",
+    "PinnedMemory",
+    "MappedMemory",
+    "ManagedMemory",
+    "alloc_host",
+    "register_host",
+    "register_host_ptr",
+    "alloc_managed",
+    "context",
+    "alloc",
+    "wrap",
+    "context_of",
+    "_query_context",
+    "driver_info",
+    "devices",
+    "probe_cuda",
+    "stats",
+    "release_contexts",
+    "trim",
+    "_reset",
+    "_sim_fail_nth",
+    "_sim_clear_faults",
+    "_sim_live_bytes",
+    "_sim_retain_count",
+    "_sim_live_host_bytes",
+    "_sim_live_registrations",
+    "_sim_calls",
+    "_primary_context_state",
+    "_dlpack_describe",
+    "_import_cai",
+    "_import_strided",
+    "__version__",
+]
+
 __version__: str
 
+@final
 class Device:
     """A device; ``id`` is its ordinal."""
 
     id: int
-    def __init__(self, id: int) -> None: ...
+    def __new__(cls, id: int) -> Device: ...
     @property
     def name(self) -> str: ...
     @property
@@ -18,6 +57,8 @@ class Device:
     def __int__(self) -> int: ...
     def __index__(self) -> int: ...
 
+@final
+@final
 class ContextHandle:
     """A ``CUcontext``: ``.value`` and ``int()`` give its address."""
 
@@ -25,6 +66,7 @@ class ContextHandle:
     def __int__(self) -> int: ...
     def __index__(self) -> int: ...
 
+@final
 class Context:
     """A device's retained primary context."""
 
@@ -40,14 +82,14 @@ class MemoryPointer:
     """Device memory with numba-cuda's MemoryPointer protocol."""
 
     __cuda_memory__: bool
-    def __init__(
-        self,
+    def __new__(
+        cls,
         context: Optional[Any],
         pointer: Any,
         size: int,
         owner: Optional[Any] = None,
         finalizer: Optional[Any] = None,
-    ) -> None: ...
+    ) -> MemoryPointer: ...
     @property
     def context(self) -> Context: ...
     @property
@@ -97,10 +139,15 @@ def _sim_retain_count(device: int) -> int: ...
 def _sim_calls(kind: str) -> int: ...
 def _primary_context_state(device: int) -> tuple[int, bool]: ...
 
+@final
 class PinnedMemory:
     """Page-locked host memory; exports its bytes (buffer protocol)."""
 
-    def __init__(self, context: Optional[Any], pointer: Any, size: int, owner: Any = None, finalizer: Any = None) -> None: ...
+    def __new__(
+        cls, context: Optional[Any], pointer: Any, size: int, owner: Any = None, finalizer: Any = None
+    ) -> PinnedMemory: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     @property
     def context(self) -> Context: ...
     @property
@@ -116,16 +163,29 @@ class PinnedMemory:
     def own(self) -> PinnedMemory: ...
     def free(self) -> None: ...
 
+@final
 class MappedMemory(MemoryPointer):
     """Host memory mapped into the device; exports its host bytes."""
 
+    def __new__(
+        cls, context: Optional[Any], pointer: Any, size: int, owner: Any = None, finalizer: Any = None
+    ) -> MappedMemory: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     @property
     def host_pointer(self) -> int: ...
     @property
     def owned(self) -> Any: ...
 
+@final
 class ManagedMemory(MemoryPointer):
     """Managed (unified) memory; exports its bytes."""
+
+    def __new__(
+        cls, context: Optional[Any], pointer: Any, size: int, owner: Any = None, finalizer: Any = None
+    ) -> ManagedMemory: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 def alloc_host(nbytes: int, mapped: bool = False, portable: bool = False, wc: bool = False, device: Optional[int] = None) -> Any: ...
 def register_host(obj: Any, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any: ...

@@ -104,6 +104,7 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
 
     mem = gpuptr.alloc(1 << 22)
     addr = mem.device_pointer_value
+    assert addr is not None
 
     # Rows that need only gpuptr: the registry against the driver query.
     b.row(

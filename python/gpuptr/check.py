@@ -69,7 +69,9 @@ def check_views() -> str:
 
     mem = gpuptr.alloc(4096)
     v = mem.view(1024, 2048)
-    assert v.device_pointer_value == mem.device_pointer_value + 1024 and v.size == 1024
+    base = mem.device_pointer_value
+    assert base is not None
+    assert v.device_pointer_value == base + 1024 and v.size == 1024
     del mem
     gc.collect()
     v.memset(1)

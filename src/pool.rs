@@ -26,8 +26,9 @@
 //! shard it was handed out from, even when another thread frees it: the
 //! allocating thread's next miss fences it, so producer/consumer patterns do
 //! not strand memory. Each shard fences its own pending blocks, so the reuse
-//! rule holds per shard. A miss looks in the other shards' ready blocks before
-//! it calls the driver, and out of memory fences and searches every shard.
+//! rule holds per shard. A miss looks in the other shards before it calls
+//! the driver (fencing one whose batch is due), and out of memory fences and
+//! searches every shard.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -363,12 +364,21 @@ impl Pool {
     }
 
     /// A ready block of `class` from any shard but `own`, which becomes its
-    /// new home. Busy shards are skipped rather than waited for.
-    fn steal(&self, own: usize, class: usize) -> Option<DevicePtr> {
+    /// new home. A shard whose batch of pending blocks is due is fenced
+    /// first (its own thread may never allocate again). Busy shards are
+    /// skipped rather than waited for; a failed fence leaves the blocks
+    /// pending for their own shard's next miss.
+    fn steal(&self, ctx: &Context, own: usize, class: usize) -> Option<DevicePtr> {
         let n = self.shards.len();
         (1..n).find_map(|d| {
             let mut sh = self.shards[(own + d) % n].0.try_lock().ok()?;
-            sh.take_ready(class)
+            if let Some(p) = sh.take_ready(class) {
+                return Some(p);
+            }
+            if sh.fence_due(&self.config) && sh.fence(ctx).is_ok() {
+                return sh.take_ready(class);
+            }
+            None
         })
     }
 
@@ -395,7 +405,7 @@ impl Pool {
                 }
             }
         }
-        if let Some(p) = self.steal(own, class) {
+        if let Some(p) = self.steal(ctx, own, class) {
             Self::handed_out(&mut self.shard(own), size, true);
             return Ok(block(p));
         }

@@ -783,3 +783,28 @@ fn test_sixteen_threads_on_a_sharded_pool_balance_the_books() {
     assert_eq!(drv.live_bytes(), 0);
     assert!(rt.registry().is_empty());
 }
+
+#[test]
+fn test_a_miss_fences_a_due_batch_in_another_shard_and_takes_from_it() {
+    let (drv, rt) = sim_sharded(256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let n = PoolConfig::default().fence_count;
+    // This thread's shard gets a due batch of pending blocks (freed by another
+    // thread) and never allocates again.
+    let blocks: Vec<_> = (0..n).map(|_| ctx.alloc(4096).unwrap()).collect();
+    std::thread::spawn(move || drop(blocks)).join().unwrap();
+    assert_eq!(rt.stats()[0].fences, 0);
+    let allocs = drv.calls(CallKind::MemAlloc);
+    let worker = {
+        let ctx = ctx.clone();
+        std::thread::spawn(move || (0..n).map(|_| ctx.alloc(4096).unwrap()).collect::<Vec<_>>())
+    };
+    let held = worker.join().unwrap();
+    assert_eq!(
+        drv.calls(CallKind::MemAlloc),
+        allocs,
+        "reused, not allocated"
+    );
+    assert_eq!(rt.stats()[0].fences, 1);
+    drop(held);
+}

@@ -460,8 +460,10 @@ impl Pool {
         if ctx.generation() != generation {
             return;
         }
-        sh.live_bytes -= size;
-        sh.live_count -= 1;
+        // Saturating: a reset racing an allocation on another thread may have
+        // zeroed the counts after this block was counted (no panic in a deleter).
+        sh.live_bytes = sh.live_bytes.saturating_sub(size);
+        sh.live_count = sh.live_count.saturating_sub(1);
         sh.pending.push((block.address, block.class));
         sh.pending_bytes += block.class;
     }

@@ -290,3 +290,49 @@ def test_devices_and_driver_info():
     devs = gpuptr.devices()
     assert len(devs) == info["device_count"] >= 1
     assert devs[0].id == 0 and devs[0].total_memory > 0 and devs[0].name
+
+
+@pytest.mark.parametrize("direction", ["to_host", "to_host_new", "from_host"])
+def test_other_threads_run_during_a_host_copy(direction, no_leaks):
+    """Copies between host and device let go of the GIL, as numba's do. With
+    forced GIL switches off, a thread that sleeps between steps can only take
+    a step while the copy has let go."""
+    import sys
+    import threading
+    import time
+
+    import numpy as np
+
+    n = 64 << 20
+    mem = gpuptr.alloc(n)
+    host = np.ones(n, dtype=np.uint8)
+    copy = {
+        "to_host": lambda: mem.copy_to_host(host),
+        "to_host_new": lambda: mem.copy_to_host(),
+        "from_host": lambda: mem.copy_from_host(host),
+    }[direction]
+    steps = 0
+    stop = False
+
+    def stepper():
+        nonlocal steps
+        while not stop:
+            steps += 1
+            time.sleep(0)  # lets go of the GIL; taking it back needs the main thread to let go
+
+    interval = sys.getswitchinterval()
+    t = threading.Thread(target=stepper)
+    t.start()
+    sys.setswitchinterval(1000)  # no forced switches: the main thread keeps the GIL unless it lets go
+    try:
+        during = 0
+        for _ in range(5):
+            before = steps
+            copy()
+            during += steps - before
+    finally:
+        sys.setswitchinterval(interval)
+        stop = True
+        t.join()
+        mem.free()
+    assert during > 0

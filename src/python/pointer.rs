@@ -375,18 +375,21 @@ impl PyMemoryPointer {
     }
 
     /// Copy a C-contiguous host buffer (bytes, numpy array, ...) to the
-    /// start of this memory.
-    fn copy_from_host(&self, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// start of this memory. Other Python threads run during the copy, as
+    /// they do during numba's.
+    fn copy_from_host(&self, py: Python<'_>, src: &Bound<'_, PyAny>) -> PyResult<()> {
         let buf = PyUntypedBuffer::get(src)?;
         contiguous(&buf)?;
-        // SAFETY: the buffer is held (and so valid) until `buf` drops.
+        // SAFETY: the buffer is held (and so valid, and not resized) until
+        // `buf` drops, after the copy.
         let bytes =
             unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-        Ok(self.view.copy_from_host(bytes)?)
+        Ok(py.detach(|| self.view.copy_from_host(bytes))?)
     }
 
     /// Copy this memory to the host: into the writable buffer ``dst`` if
-    /// given (its length bytes), else into new ``bytes`` of ``size``.
+    /// given (its length bytes), else into new ``bytes`` of ``size``. Other
+    /// Python threads run during the copy.
     #[pyo3(signature = (dst=None))]
     fn copy_to_host<'py>(
         &self,
@@ -395,7 +398,7 @@ impl PyMemoryPointer {
     ) -> PyResult<Bound<'py, PyAny>> {
         match dst {
             None => {
-                let v = self.view.to_vec()?;
+                let v = py.detach(|| self.view.to_vec())?;
                 Ok(PyBytes::new(py, &v).into_any())
             }
             Some(dst) => {
@@ -410,7 +413,7 @@ impl PyMemoryPointer {
                 let bytes = unsafe {
                     std::slice::from_raw_parts_mut(buf.buf_ptr() as *mut u8, buf.len_bytes())
                 };
-                self.view.copy_to_host(bytes)?;
+                py.detach(|| self.view.copy_to_host(bytes))?;
                 Ok(dst.clone())
             }
         }

@@ -170,9 +170,9 @@ impl PyPinnedMemory {
     }
 
     /// Release (free or unregister) now; a second call does nothing.
-    fn free(&self) -> PyResult<()> {
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
         if self.managed {
-            self.host.free()?;
+            py.detach(|| self.host.free())?;
         }
         Ok(())
     }
@@ -260,8 +260,11 @@ impl PyMappedMemory {
     fn free(slf: &Bound<'_, Self>) -> PyResult<()> {
         let base = slf.as_super().get();
         if base.is_managed() {
-            base.view.parent().free()?;
-            slf.get().host.free()?;
+            let host = &slf.get().host;
+            slf.py().detach(|| {
+                base.view.parent().free()?;
+                host.free()
+            })?;
         }
         Ok(())
     }
@@ -337,7 +340,9 @@ pub(crate) fn alloc_host(
         portable,
         write_combined: wc,
     };
-    let host = HostMemory::alloc(&ctx, size_arg(nbytes)?, flags)?;
+    let size = size_arg(nbytes)?;
+    // Pinning takes a while for large sizes: let other threads run.
+    let host = py.detach(|| HostMemory::alloc(&ctx, size, flags))?;
     host_object(py, host, None, mapped)
 }
 
@@ -367,7 +372,8 @@ pub(crate) fn register_host(
         write_combined: false,
     };
     // Holding the buffer keeps obj alive and its memory from moving.
-    let host = HostMemory::register(&ctx, ptr, len, flags, Some(Box::new(buf)))?;
+    let keep: KeepAlive = Box::new(buf);
+    let host = py.detach(|| HostMemory::register(&ctx, ptr, len, flags, Some(keep)))?;
     let owned = Some(obj.clone().unbind());
     host_object(py, host, owned, mapped)
 }
@@ -395,7 +401,8 @@ pub(crate) fn register_host_ptr(
     let keep = owner
         .as_ref()
         .map(|o| Box::new(o.clone_ref(py)) as KeepAlive);
-    let host = HostMemory::register(&ctx, ptr, size_arg(size)?, flags, keep)?;
+    let size = size_arg(size)?;
+    let host = py.detach(|| HostMemory::register(&ctx, ptr, size, flags, keep))?;
     host_object(py, host, owner, mapped)
 }
 
@@ -410,7 +417,8 @@ pub(crate) fn alloc_managed(
     device: Option<usize>,
 ) -> PyResult<Py<PyManagedMemory>> {
     let ctx = device_context(device)?;
-    let mem = ctx.alloc_managed(size_arg(nbytes)?, attach_global)?;
+    let size = size_arg(nbytes)?;
+    let mem = py.detach(|| ctx.alloc_managed(size, attach_global))?;
     let pyctx = py_context(py, &ctx)?;
     Py::new(
         py,

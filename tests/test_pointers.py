@@ -336,3 +336,20 @@ def test_other_threads_run_during_a_host_copy(direction, no_leaks):
         t.join()
         mem.free()
     assert during > 0
+
+
+def test_reprs_name_the_class_address_size_and_state(no_leaks):
+    mem = gpuptr.alloc(1000)
+    r = repr(mem)
+    assert r.startswith("<gpuptr.MemoryPointer ") and f"{mem.device_pointer_value:#x}" in r and "size=1000" in r
+    assert repr(mem.view(10, 20)).endswith("size=10 device=0>")
+    mapped = gpuptr.alloc_host(64, mapped=True)
+    managed = gpuptr.alloc_managed(64)
+    assert repr(mapped).startswith("<gpuptr.MappedMemory ")
+    assert repr(managed).startswith("<gpuptr.ManagedMemory ")
+    assert repr(gpuptr.alloc_host(64)).startswith("<gpuptr.PinnedMemory ")
+    assert repr(mem.context) == f"<gpuptr.Context device=0 handle={int(mem.context.handle):#x}>"
+    mem.free()
+    assert repr(mem).endswith(" freed>")
+    mapped.free()
+    managed.free()

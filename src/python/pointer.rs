@@ -433,17 +433,20 @@ impl PyMemoryPointer {
         Ok(py.detach(|| self.view.copy_from_device(src, count))?)
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "<gpuptr.MemoryPointer {:#x} size={} device={}{}>",
-            self.address(),
-            self.view.size(),
-            self.view.context().device(),
-            if self.view.parent().is_freed() {
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        // The class's own name: MappedMemory and ManagedMemory share this.
+        let name = slf.get_type().name()?;
+        let me = slf.get();
+        Ok(format!(
+            "<gpuptr.{name} {:#x} size={} device={}{}>",
+            me.address(),
+            me.view.size(),
+            me.view.context().device(),
+            if me.view.parent().is_freed() {
                 " freed"
             } else {
                 ""
             }
-        )
+        ))
     }
 }

@@ -15,14 +15,19 @@ use super::{
     PrimaryContextState, RawContext, RawEvent, RawStream, HOST_ALLOC_DEVICEMAP,
 };
 use crate::error::{
-    cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE,
-    CUDA_ERROR_OUT_OF_MEMORY,
+    cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY,
 };
 
 // Below where Linux puts the heap and mmaps, so simulated device addresses
 // never collide with the real host addresses of simulated pinned memory.
 const SPACE_BASE: u64 = 0x2000_0000_0000;
 const SPACE_PER_DEVICE: u64 = 1 << 40;
+
+/// The error a failed driver call `call` returns with `code`.
+fn err(call: &'static str, code: i32) -> Error {
+    Error::cuda(call, code, cuda_error_name(code))
+}
 const ALIGN: u64 = 512;
 const CONTEXT_BASE: RawContext = 0x5100_0000;
 
@@ -175,7 +180,7 @@ impl State {
         let n = *n;
         if let Some(i) = self.faults.iter().position(|f| f.kind == kind && f.at == n) {
             let code = self.faults.remove(i).code;
-            return Err(Error::cuda(call, code, cuda_error_name(code)));
+            return Err(err(call, code));
         }
         Ok(())
     }
@@ -201,7 +206,7 @@ impl State {
     /// The bytes `[ptr, ptr+count)`, which must lie in one device-accessible
     /// block (device, managed, or mapped host memory).
     fn span_mut(&mut self, ptr: DevicePtr, count: usize, call: &'static str) -> Result<&mut [u8]> {
-        let invalid = || Error::cuda(call, CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE");
+        let invalid = || err(call, CUDA_ERROR_INVALID_VALUE);
         let start = self.find(ptr).map(|(s, _)| s).ok_or_else(invalid)?;
         let block = self.blocks.get_mut(&start).ok_or_else(invalid)?;
         let reachable = match block.kind {
@@ -263,15 +268,43 @@ impl SimDriver {
         CONTEXT_BASE + device * 0x1000
     }
 
+    /// Start a call on a context: take the state, count the call (failing
+    /// it if a fault is due) and check the context is live. Returns the
+    /// state and the context's device.
+    fn begin(
+        &self,
+        kind: CallKind,
+        call: &'static str,
+        context: RawContext,
+    ) -> Result<(std::sync::MutexGuard<'_, State>, usize)> {
+        let mut st = self.lock();
+        st.enter(kind, call)?;
+        let device = self.device_of(&st, context, call)?;
+        Ok((st, device))
+    }
+
+    /// Free the block starting at `ptr` if `is_kind` accepts it.
+    fn free_block(
+        &self,
+        kind: CallKind,
+        call: &'static str,
+        context: RawContext,
+        ptr: DevicePtr,
+        is_kind: impl Fn(&Block) -> bool,
+    ) -> Result<()> {
+        let (mut st, _) = self.begin(kind, call, context)?;
+        match st.blocks.get(&ptr) {
+            Some(b) if is_kind(b) => {
+                st.remove(ptr);
+                Ok(())
+            }
+            _ => Err(err(call, CUDA_ERROR_INVALID_VALUE)),
+        }
+    }
+
     /// The device whose primary context is `context`, if it is live.
     fn device_of(&self, st: &State, context: RawContext, call: &'static str) -> Result<usize> {
-        let invalid = || {
-            Error::cuda(
-                call,
-                CUDA_ERROR_INVALID_CONTEXT,
-                "CUDA_ERROR_INVALID_CONTEXT",
-            )
-        };
+        let invalid = || err(call, CUDA_ERROR_INVALID_CONTEXT);
         let off = context.checked_sub(CONTEXT_BASE).ok_or_else(invalid)?;
         if off % 0x1000 != 0 {
             return Err(invalid());
@@ -284,15 +317,9 @@ impl SimDriver {
     }
 
     fn event_op(&self, context: RawContext, event: RawEvent, call: &'static str) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::Event, call)?;
-        self.device_of(&st, context, call)?;
+        let (st, _) = self.begin(CallKind::Event, call, context)?;
         if !st.events.contains_key(&event) {
-            return Err(Error::cuda(
-                call,
-                crate::error::CUDA_ERROR_INVALID_HANDLE,
-                "CUDA_ERROR_INVALID_HANDLE",
-            ));
+            return Err(err(call, CUDA_ERROR_INVALID_HANDLE));
         }
         Ok(())
     }
@@ -408,11 +435,7 @@ impl Driver for SimDriver {
         let mut st = self.lock();
         st.enter(CallKind::ContextRelease, "cuDevicePrimaryCtxRelease")?;
         if st.retains[device] == 0 {
-            return Err(Error::cuda(
-                "cuDevicePrimaryCtxRelease",
-                CUDA_ERROR_INVALID_CONTEXT,
-                "CUDA_ERROR_INVALID_CONTEXT",
-            ));
+            return Err(err("cuDevicePrimaryCtxRelease", CUDA_ERROR_INVALID_CONTEXT));
         }
         st.retains[device] -= 1;
         if st.retains[device] == 0 {
@@ -467,42 +490,28 @@ impl Driver for SimDriver {
     }
 
     fn synchronize(&self, context: RawContext) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::Synchronize, "cuCtxSynchronize")?;
-        self.device_of(&st, context, "cuCtxSynchronize").map(|_| ())
+        self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)
+            .map(|_| ())
     }
 
     fn stream_synchronize(&self, context: RawContext, _stream: RawStream) -> Result<()> {
         // The simulator runs everything synchronously.
-        let mut st = self.lock();
-        st.enter(CallKind::Synchronize, "cuStreamSynchronize")?;
-        self.device_of(&st, context, "cuStreamSynchronize")
+        self.begin(CallKind::Synchronize, "cuStreamSynchronize", context)
             .map(|_| ())
     }
 
     fn stream_query(&self, context: RawContext, _stream: RawStream) -> Result<bool> {
-        let mut st = self.lock();
-        st.enter(CallKind::Synchronize, "cuStreamQuery")?;
-        self.device_of(&st, context, "cuStreamQuery").map(|_| true)
+        self.begin(CallKind::Synchronize, "cuStreamQuery", context)
+            .map(|_| true)
     }
 
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
-        let mut st = self.lock();
-        st.enter(CallKind::MemAlloc, "cuMemAlloc")?;
-        let device = self.device_of(&st, context, "cuMemAlloc")?;
+        let (mut st, device) = self.begin(CallKind::MemAlloc, "cuMemAlloc", context)?;
         if size == 0 {
-            return Err(Error::cuda(
-                "cuMemAlloc",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(err("cuMemAlloc", CUDA_ERROR_INVALID_VALUE));
         }
         if st.used[device].saturating_add(size) > self.config.memory_per_device {
-            return Err(Error::cuda(
-                "cuMemAlloc",
-                CUDA_ERROR_OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            ));
+            return Err(err("cuMemAlloc", CUDA_ERROR_OUT_OF_MEMORY));
         }
         // First fit from the bottom of this device's slice.
         let lo = SPACE_BASE + device as u64 * SPACE_PER_DEVICE;
@@ -516,11 +525,7 @@ impl Driver for SimDriver {
             at = (*start + block.len as u64).div_ceil(ALIGN) * ALIGN;
         }
         if at + span > hi {
-            return Err(Error::cuda(
-                "cuMemAlloc",
-                CUDA_ERROR_OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            ));
+            return Err(err("cuMemAlloc", CUDA_ERROR_OUT_OF_MEMORY));
         }
         st.blocks.insert(
             at,
@@ -554,9 +559,7 @@ impl Driver for SimDriver {
     }
 
     fn event_create(&self, context: RawContext) -> Result<RawEvent> {
-        let mut st = self.lock();
-        st.enter(CallKind::Event, "cuEventCreate")?;
-        let device = self.device_of(&st, context, "cuEventCreate")?;
+        let (mut st, device) = self.begin(CallKind::Event, "cuEventCreate", context)?;
         st.next_event += 1;
         let e = 0xE000_0000 + st.next_event;
         st.events.insert(e, device);
@@ -587,22 +590,11 @@ impl Driver for SimDriver {
         size: usize,
         _flags: u32,
     ) -> Result<DevicePtr> {
-        let mut st = self.lock();
-        st.enter(CallKind::MemAllocManaged, "cuMemAllocManaged")?;
-        let device = self.device_of(&st, context, "cuMemAllocManaged")?;
-        let oom = || {
-            Error::cuda(
-                "cuMemAllocManaged",
-                CUDA_ERROR_OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            )
-        };
+        let (mut st, device) =
+            self.begin(CallKind::MemAllocManaged, "cuMemAllocManaged", context)?;
+        let oom = || err("cuMemAllocManaged", CUDA_ERROR_OUT_OF_MEMORY);
         if size == 0 {
-            return Err(Error::cuda(
-                "cuMemAllocManaged",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(err("cuMemAllocManaged", CUDA_ERROR_INVALID_VALUE));
         }
         if st.used[device].saturating_add(size) > self.config.memory_per_device {
             return Err(oom());
@@ -624,23 +616,12 @@ impl Driver for SimDriver {
     }
 
     fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr> {
-        let mut st = self.lock();
-        st.enter(CallKind::HostAlloc, "cuMemHostAlloc")?;
-        let device = self.device_of(&st, context, "cuMemHostAlloc")?;
+        let (mut st, device) = self.begin(CallKind::HostAlloc, "cuMemHostAlloc", context)?;
         if size == 0 {
-            return Err(Error::cuda(
-                "cuMemHostAlloc",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(err("cuMemHostAlloc", CUDA_ERROR_INVALID_VALUE));
         }
-        let buf = HostBuf::new(size).ok_or_else(|| {
-            Error::cuda(
-                "cuMemHostAlloc",
-                CUDA_ERROR_OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            )
-        })?;
+        let buf =
+            HostBuf::new(size).ok_or_else(|| err("cuMemHostAlloc", CUDA_ERROR_OUT_OF_MEMORY))?;
         let at = buf.ptr as HostPtr;
         let mapped = flags & HOST_ALLOC_DEVICEMAP != 0;
         st.blocks.insert(
@@ -657,20 +638,13 @@ impl Driver for SimDriver {
     }
 
     fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::HostFree, "cuMemFreeHost")?;
-        self.device_of(&st, context, "cuMemFreeHost")?;
-        match st.blocks.get(&(ptr as DevicePtr)) {
-            Some(b) if matches!(b.kind, Kind::Pinned { .. }) => {
-                st.remove(ptr as DevicePtr);
-                Ok(())
-            }
-            _ => Err(Error::cuda(
-                "cuMemFreeHost",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            )),
-        }
+        self.free_block(
+            CallKind::HostFree,
+            "cuMemFreeHost",
+            context,
+            ptr as DevicePtr,
+            |b| matches!(b.kind, Kind::Pinned { .. }),
+        )
     }
 
     fn host_register(
@@ -680,9 +654,7 @@ impl Driver for SimDriver {
         size: usize,
         flags: u32,
     ) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::HostRegister, "cuMemHostRegister")?;
-        let device = self.device_of(&st, context, "cuMemHostRegister")?;
+        let (mut st, device) = self.begin(CallKind::HostRegister, "cuMemHostRegister", context)?;
         let start = ptr as DevicePtr;
         let overlaps = st
             .blocks
@@ -691,11 +663,7 @@ impl Driver for SimDriver {
             .is_some_and(|(s, b)| *s + b.len as u64 > start);
         if size == 0 || ptr == 0 || overlaps {
             // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED is 712; the sim keeps it simple.
-            return Err(Error::cuda(
-                "cuMemHostRegister",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(err("cuMemHostRegister", CUDA_ERROR_INVALID_VALUE));
         }
         let mapped = flags & HOST_ALLOC_DEVICEMAP != 0;
         st.blocks.insert(
@@ -711,33 +679,22 @@ impl Driver for SimDriver {
     }
 
     fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::HostUnregister, "cuMemHostUnregister")?;
-        self.device_of(&st, context, "cuMemHostUnregister")?;
-        match st.blocks.get(&(ptr as DevicePtr)) {
-            Some(b) if matches!(b.kind, Kind::Registered { .. }) => {
-                st.remove(ptr as DevicePtr);
-                Ok(())
-            }
-            _ => Err(Error::cuda(
-                "cuMemHostUnregister",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            )),
-        }
+        self.free_block(
+            CallKind::HostUnregister,
+            "cuMemHostUnregister",
+            context,
+            ptr as DevicePtr,
+            |b| matches!(b.kind, Kind::Registered { .. }),
+        )
     }
 
     fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr> {
-        let mut st = self.lock();
-        st.enter(CallKind::HostDevicePointer, "cuMemHostGetDevicePointer")?;
-        self.device_of(&st, context, "cuMemHostGetDevicePointer")?;
-        let invalid = || {
-            Error::cuda(
-                "cuMemHostGetDevicePointer",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            )
-        };
+        let (st, _) = self.begin(
+            CallKind::HostDevicePointer,
+            "cuMemHostGetDevicePointer",
+            context,
+        )?;
+        let invalid = || err("cuMemHostGetDevicePointer", CUDA_ERROR_INVALID_VALUE);
         let (_, block) = st.find(ptr as DevicePtr).ok_or_else(invalid)?;
         match block.kind {
             // Unified addressing: the device sees mapped host memory at its host address.
@@ -749,26 +706,17 @@ impl Driver for SimDriver {
     }
 
     fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::MemFree, "cuMemFree")?;
-        self.device_of(&st, context, "cuMemFree")?;
-        match st.blocks.get(&ptr) {
-            Some(b) if b.counts_as_device() => {
-                st.remove(ptr);
-                Ok(())
-            }
-            _ => Err(Error::cuda(
-                "cuMemFree",
-                CUDA_ERROR_INVALID_VALUE,
-                "CUDA_ERROR_INVALID_VALUE",
-            )),
-        }
+        self.free_block(
+            CallKind::MemFree,
+            "cuMemFree",
+            context,
+            ptr,
+            Block::counts_as_device,
+        )
     }
 
     fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
-        let mut st = self.lock();
-        st.enter(CallKind::MemGetInfo, "cuMemGetInfo")?;
-        let device = self.device_of(&st, context, "cuMemGetInfo")?;
+        let (st, device) = self.begin(CallKind::MemGetInfo, "cuMemGetInfo", context)?;
         let total = self.config.memory_per_device;
         Ok((total - st.used[device], total))
     }
@@ -781,9 +729,7 @@ impl Driver for SimDriver {
         count: usize,
         _stream: RawStream,
     ) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::Memset, "cuMemsetD8")?;
-        self.device_of(&st, context, "cuMemsetD8")?;
+        let (mut st, _) = self.begin(CallKind::Memset, "cuMemsetD8", context)?;
         if count == 0 {
             return Ok(());
         }
@@ -792,9 +738,7 @@ impl Driver for SimDriver {
     }
 
     fn memcpy_htod(&self, context: RawContext, dst: DevicePtr, src: &[u8]) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::Memcpy, "cuMemcpyHtoD")?;
-        self.device_of(&st, context, "cuMemcpyHtoD")?;
+        let (mut st, _) = self.begin(CallKind::Memcpy, "cuMemcpyHtoD", context)?;
         if src.is_empty() {
             return Ok(());
         }
@@ -804,9 +748,7 @@ impl Driver for SimDriver {
     }
 
     fn memcpy_dtoh(&self, context: RawContext, dst: &mut [u8], src: DevicePtr) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::Memcpy, "cuMemcpyDtoH")?;
-        self.device_of(&st, context, "cuMemcpyDtoH")?;
+        let (mut st, _) = self.begin(CallKind::Memcpy, "cuMemcpyDtoH", context)?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -822,9 +764,7 @@ impl Driver for SimDriver {
         src: DevicePtr,
         count: usize,
     ) -> Result<()> {
-        let mut st = self.lock();
-        st.enter(CallKind::Memcpy, "cuMemcpy")?;
-        self.device_of(&st, context, "cuMemcpy")?;
+        let (mut st, _) = self.begin(CallKind::Memcpy, "cuMemcpy", context)?;
         if count == 0 {
             return Ok(());
         }

@@ -40,6 +40,15 @@ fn cuda_error(call: &'static str, e: DriverError) -> Error {
     Error::cuda(call, e.0 as i32, format!("{:?}", e.0))
 }
 
+/// A query's answer: `CUDA_ERROR_NOT_READY` means "not done yet", not failure.
+fn done(r: Result<()>) -> Result<bool> {
+    match r {
+        Ok(()) => Ok(true),
+        Err(Error::Cuda { code, .. }) if code == crate::error::CUDA_ERROR_NOT_READY => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Run one FFI call; a panic inside it is caught and returned as an error.
 #[inline]
 fn guard<T>(call: &'static str, f: impl FnOnce() -> Result<T, DriverError>) -> Result<T> {
@@ -218,16 +227,9 @@ impl Driver for CudaDriver {
 
     fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool> {
         self.enter(context)?;
-        let r = guard("cuStreamQuery", || unsafe {
+        done(guard("cuStreamQuery", || unsafe {
             sys::cuStreamQuery(stream as sys::CUstream).result()
-        });
-        match r {
-            Ok(()) => Ok(true),
-            Err(Error::Cuda { code, .. }) if code == crate::error::CUDA_ERROR_NOT_READY => {
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
+        }))
     }
 
     fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
@@ -276,15 +278,9 @@ impl Driver for CudaDriver {
 
     fn event_query(&self, context: RawContext, event: RawEvent) -> Result<bool> {
         self.enter(context)?;
-        match guard("cuEventQuery", || unsafe {
+        done(guard("cuEventQuery", || unsafe {
             result::event::query(event as sys::CUevent)
-        }) {
-            Ok(()) => Ok(true),
-            Err(Error::Cuda { code, .. }) if code == crate::error::CUDA_ERROR_NOT_READY => {
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
+        }))
     }
 
     fn event_synchronize(&self, context: RawContext, event: RawEvent) -> Result<()> {

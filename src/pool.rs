@@ -202,15 +202,29 @@ impl Shard {
         };
         drv.event_record(ctx.raw(), event, 0)?;
         for (ptr, class) in std::mem::take(&mut self.pending) {
-            match class_index(class) {
-                Some(i) => self.ready[i].push(ptr),
-                None => self.large.entry(class).or_default().push(ptr),
-            }
+            self.put_ready(ptr, class);
         }
-        self.ready_bytes += self.pending_bytes;
         self.pending_bytes = 0;
         self.fences += 1;
         Ok(())
+    }
+
+    /// A ready block of `class`; failing that, if a batch is due, fence it
+    /// and try again.
+    fn take_or_fence(
+        &mut self,
+        ctx: &Context,
+        config: &PoolConfig,
+        class: usize,
+    ) -> Result<Option<DevicePtr>> {
+        if let Some(p) = self.take_ready(class) {
+            return Ok(Some(p));
+        }
+        if !self.fence_due(config) {
+            return Ok(None);
+        }
+        self.fence(ctx)?;
+        Ok(self.take_ready(class))
     }
 
     /// Empty the cache: every pending and ready block, with its class.
@@ -372,13 +386,7 @@ impl Pool {
         let n = self.shards.len();
         (1..n).find_map(|d| {
             let mut sh = self.shards[(own + d) % n].0.try_lock().ok()?;
-            if let Some(p) = sh.take_ready(class) {
-                return Some(p);
-            }
-            if sh.fence_due(&self.config) && sh.fence(ctx).is_ok() {
-                return sh.take_ready(class);
-            }
-            None
+            sh.take_or_fence(ctx, &self.config, class).ok().flatten()
         })
     }
 
@@ -392,38 +400,45 @@ impl Pool {
             shard: own as u32,
         };
         {
+            // The fast path: one lock, the thread's own shard.
             let mut sh = self.shard(own);
-            if let Some(p) = sh.take_ready(class) {
+            if let Some(p) = sh.take_or_fence(ctx, &self.config, class)? {
                 Self::handed_out(&mut sh, size, true);
                 return Ok(block(p));
             }
-            if sh.fence_due(&self.config) {
-                sh.fence(ctx)?;
-                if let Some(p) = sh.take_ready(class) {
-                    Self::handed_out(&mut sh, size, true);
-                    return Ok(block(p));
-                }
-            }
         }
-        if let Some(p) = self.steal(ctx, own, class) {
-            Self::handed_out(&mut self.shard(own), size, true);
-            return Ok(block(p));
-        }
-        let got = match self.alloc_new(ctx, class) {
+        let (p, hit) = match self.steal(ctx, own, class) {
+            Some(p) => (p, true),
+            None => self.alloc_new_or_reclaim(ctx, own, class, size)?,
+        };
+        Self::handed_out(&mut self.shard(own), size, hit);
+        Ok(block(p))
+    }
+
+    /// A fresh block from the driver; out of memory, what every shard caches
+    /// is reclaimed and the driver asked once more. Returns the block and
+    /// whether it came from the cache.
+    fn alloc_new_or_reclaim(
+        &self,
+        ctx: &std::sync::Arc<Context>,
+        own: usize,
+        class: usize,
+        size: usize,
+    ) -> Result<(DevicePtr, bool)> {
+        let typed = |e: crate::Error| e.oom_on(ctx.device(), size);
+        match self.alloc_new(ctx, class) {
+            Ok(p) => Ok((p, false)),
             Err(e) if e.is_oom() => {
-                // Out of memory: reclaim what every shard caches, then retry once.
                 if let Some(p) = self.fence_all_and_take(ctx, own, class)? {
-                    Self::handed_out(&mut self.shard(own), size, true);
-                    return Ok(block(p));
+                    return Ok((p, true));
                 }
                 self.trim(ctx)?;
                 self.alloc_new(ctx, class)
+                    .map(|p| (p, false))
+                    .map_err(typed)
             }
-            other => other,
+            Err(e) => Err(typed(e)),
         }
-        .map_err(|e| e.oom_on(ctx.device(), size))?;
-        Self::handed_out(&mut self.shard(own), size, false);
-        Ok(block(got))
     }
 
     /// Fence every shard, then take a ready block of `class` from any.

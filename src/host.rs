@@ -10,7 +10,7 @@ use crate::driver::{
     DevicePtr, HostPtr, HOST_ALLOC_DEVICEMAP, HOST_ALLOC_PORTABLE, HOST_ALLOC_WRITECOMBINED,
 };
 use crate::error::{Error, Result};
-use crate::memory::{release_keepalive, DevicePointer, KeepAlive, View};
+use crate::memory::{check_live, release_keepalive, DevicePointer, KeepAlive, View};
 
 /// How the host memory came to be pinned.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -199,19 +199,8 @@ impl HostMemory {
 
     /// `Ok` while the memory may be used.
     pub fn check_live(&self) -> Result<()> {
-        if self.is_freed() {
-            Err(Error::InvalidPointer(format!(
-                "host memory at {:#x} was freed",
-                self.ptr
-            )))
-        } else if self.generation != self.context.generation() {
-            Err(Error::InvalidPointer(format!(
-                "host memory at {:#x} belongs to a context that was reset",
-                self.ptr
-            )))
-        } else {
-            Ok(())
-        }
+        let stale = self.generation != self.context.generation();
+        check_live("host memory", self.ptr as u64, self.is_freed(), stale)
     }
 
     /// A device view of mapped memory; it keeps this host memory alive.

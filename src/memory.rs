@@ -20,6 +20,22 @@ pub(crate) fn release_keepalive(slot: &Mutex<Option<KeepAlive>>) {
     drop(keep);
 }
 
+/// `Ok` for usable memory; else why `what` at `address` is not: freed, or
+/// made in a context that was reset since (`stale`).
+pub(crate) fn check_live(what: &str, address: u64, freed: bool, stale: bool) -> Result<()> {
+    if freed {
+        Err(Error::InvalidPointer(format!(
+            "{what} at {address:#x} was freed"
+        )))
+    } else if stale {
+        Err(Error::InvalidPointer(format!(
+            "{what} at {address:#x} belongs to a context that was reset"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
 /// Who frees the memory.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Origin {
@@ -225,19 +241,7 @@ impl DevicePointer {
     /// `Ok` if the memory may be used now, else [`Error::InvalidPointer`].
     #[inline]
     pub fn check_live(&self) -> Result<()> {
-        if self.is_freed() {
-            Err(Error::InvalidPointer(format!(
-                "memory at {:#x} was freed",
-                self.address
-            )))
-        } else if self.is_stale() {
-            Err(Error::InvalidPointer(format!(
-                "memory at {:#x} belongs to a context that was reset",
-                self.address
-            )))
-        } else {
-            Ok(())
-        }
+        check_live("memory", self.address, self.is_freed(), self.is_stale())
     }
 
     /// A view of the whole allocation.

@@ -156,7 +156,8 @@ impl Runtime {
         self.counters.len()
     }
 
-    fn check_device(&self, device: usize) -> Result<()> {
+    /// `Ok` if `device` exists, else [`Error::InvalidArgument`].
+    pub fn check_device(&self, device: usize) -> Result<()> {
         if device >= self.device_count() {
             return Err(Error::InvalidArgument(format!(
                 "device {device} does not exist ({} device(s) present)",

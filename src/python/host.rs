@@ -10,7 +10,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::pointer::{context_arg, pointer_arg, PyFinalizer, PyMemoryPointer};
+use super::pointer::{context_arg, keep_finalizer, pointer_arg, PyMemoryPointer};
 use super::py_context::{lazy_context, py_context, PyContext};
 use super::{device_context, size_arg};
 use crate::{Error, HostFlags, HostMemory, KeepAlive};
@@ -72,15 +72,28 @@ fn host_object(
     }
 }
 
-fn keep_finalizer(finalizer: Option<Py<PyAny>>) -> Option<KeepAlive> {
-    finalizer.map(|f| Box::new(PyFinalizer::new(f)) as KeepAlive)
-}
-
-fn host_context(context: &Bound<'_, PyAny>) -> PyResult<Arc<crate::Context>> {
-    match context_arg(context)? {
-        Some(c) => Ok(c),
-        None => device_context(None),
-    }
+/// Host memory someone else pinned, from the numba constructor shape
+/// ``(context, pointer, size, finalizer)``; managed when a finalizer is given.
+fn wrap_pinned(
+    context: &Bound<'_, PyAny>,
+    pointer: &Bound<'_, PyAny>,
+    size: isize,
+    finalizer: Option<Py<PyAny>>,
+    mapped: bool,
+) -> PyResult<(Arc<HostMemory>, bool)> {
+    let ctx = match context_arg(context)? {
+        Some(c) => c,
+        None => device_context(None)?,
+    };
+    let managed = finalizer.is_some();
+    let host = HostMemory::wrap(
+        &ctx,
+        pointer_arg(pointer)? as usize,
+        size_arg(size)?,
+        mapped,
+        keep_finalizer(finalizer),
+    )?;
+    Ok((host, managed))
 }
 
 /// Page-locked host memory (numba's ``PinnedMemory``). Its bytes are
@@ -116,15 +129,7 @@ impl PyPinnedMemory {
         owner: Option<Py<PyAny>>,
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let ctx = host_context(context)?;
-        let managed = finalizer.is_some();
-        let host = HostMemory::wrap(
-            &ctx,
-            pointer_arg(pointer)? as usize,
-            size_arg(size)?,
-            false,
-            keep_finalizer(finalizer),
-        )?;
+        let (host, managed) = wrap_pinned(context, pointer, size, finalizer, false)?;
         Ok(PyPinnedMemory::new(host, owner, managed))
     }
 
@@ -226,15 +231,7 @@ impl PyMappedMemory {
         owner: Option<Py<PyAny>>,
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let ctx = host_context(context)?;
-        let managed = finalizer.is_some();
-        let host = HostMemory::wrap(
-            &ctx,
-            pointer_arg(pointer)? as usize,
-            size_arg(size)?,
-            true,
-            keep_finalizer(finalizer),
-        )?;
+        let (host, managed) = wrap_pinned(context, pointer, size, finalizer, true)?;
         PyMappedMemory::init(host, owner, managed)
     }
 

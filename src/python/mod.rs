@@ -38,13 +38,17 @@ pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
     usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
 }
 
+/// A device ordinal: negative is an `InvalidArgumentError`.
+fn device_arg(d: isize) -> PyResult<usize> {
+    usize::try_from(d)
+        .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")).into())
+}
+
 /// The context of `device` (default 0): one object per device.
 #[pyfunction]
 #[pyo3(signature = (device=0))]
 fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
-    let device = usize::try_from(device)
-        .map_err(|_| Error::InvalidArgument(format!("device {device} does not exist")))?;
-    py_context(py, &runtime()?.context(device)?)
+    py_context(py, &runtime()?.context(device_arg(device)?)?)
 }
 
 /// Allocate ``nbytes`` of device memory on ``device`` (default: the current
@@ -53,13 +57,7 @@ fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
 #[pyo3(signature = (nbytes, device=None))]
 fn alloc(py: Python<'_>, nbytes: isize, device: Option<isize>) -> PyResult<PyMemoryPointer> {
     let size = size_arg(nbytes)?;
-    let device = device
-        .map(|d| {
-            usize::try_from(d)
-                .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")))
-        })
-        .transpose()?;
-    let ctx = device_context(device)?;
+    let ctx = device_context(device.map(device_arg).transpose()?)?;
     let pyctx = py_context(py, &ctx)?;
     Ok(PyMemoryPointer::owning(ctx.alloc(size)?, Some(pyctx)))
 }
@@ -189,10 +187,13 @@ fn sim() -> PyResult<&'static SimDriver> {
 /// Simulator: fail the ``nth`` next call of ``kind`` with CUresult ``code``.
 #[pyfunction]
 fn _sim_fail_nth(kind: &str, nth: u64, code: i32) -> PyResult<()> {
-    let kind = CallKind::from_name(kind)
-        .ok_or_else(|| Error::InvalidArgument(format!("unknown call kind {kind:?}")))?;
-    sim()?.fail_nth(kind, nth, code);
+    sim()?.fail_nth(call_kind(kind)?, nth, code);
     Ok(())
+}
+
+fn call_kind(name: &str) -> PyResult<CallKind> {
+    CallKind::from_name(name)
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown call kind {name:?}")).into())
 }
 
 /// Simulator: drop every armed fault.
@@ -229,9 +230,7 @@ fn _sim_retain_count(device: usize) -> PyResult<u32> {
 /// Simulator: how many calls of ``kind`` were made.
 #[pyfunction]
 fn _sim_calls(kind: &str) -> PyResult<u64> {
-    let kind = CallKind::from_name(kind)
-        .ok_or_else(|| Error::InvalidArgument(format!("unknown call kind {kind:?}")))?;
-    Ok(sim()?.calls(kind))
+    Ok(sim()?.calls(call_kind(kind)?))
 }
 
 /// `cuDevicePrimaryCtxGetState(device)`: ``(flags, active)``.

@@ -16,10 +16,9 @@ use crate::{Context, DevicePointer, Error, View};
 /// Never raises; skipped while the interpreter shuts down.
 pub(crate) struct PyFinalizer(Option<Py<PyAny>>);
 
-impl PyFinalizer {
-    pub(crate) fn new(f: Py<PyAny>) -> Self {
-        PyFinalizer(Some(f))
-    }
+/// What a constructor's ``finalizer`` argument keeps until release.
+pub(crate) fn keep_finalizer(finalizer: Option<Py<PyAny>>) -> Option<crate::KeepAlive> {
+    finalizer.map(|f| Box::new(PyFinalizer(Some(f))) as crate::KeepAlive)
 }
 
 impl Drop for PyFinalizer {
@@ -59,19 +58,24 @@ pub struct PyMemoryPointer {
 }
 
 impl PyMemoryPointer {
-    /// A pointer that owns (and frees) `mem`.
-    pub(crate) fn owning(mem: Arc<DevicePointer>, context: Option<Py<PyContext>>) -> Self {
-        let ctx = OnceLock::new();
-        if let Some(c) = context {
-            let _ = ctx.set(c);
-        }
+    fn new(
+        view: View,
+        managed: bool,
+        owner: Option<Py<PyAny>>,
+        context: Option<Py<PyContext>>,
+    ) -> Self {
         PyMemoryPointer {
-            view: View::from(mem),
-            managed: true,
-            owner: None,
-            context: ctx,
+            view,
+            managed,
+            owner,
+            context: context.map(OnceLock::from).unwrap_or_default(),
             device_pointer: OnceLock::new(),
         }
+    }
+
+    /// A pointer that owns (and frees) `mem`.
+    pub(crate) fn owning(mem: Arc<DevicePointer>, context: Option<Py<PyContext>>) -> Self {
+        Self::new(View::from(mem), true, None, context)
     }
 
     /// A non-owning pointer over `mem` that keeps `owner` alive.
@@ -80,24 +84,12 @@ impl PyMemoryPointer {
         owner: Option<Py<PyAny>>,
         managed: bool,
     ) -> Self {
-        PyMemoryPointer {
-            view: View::from(mem),
-            managed,
-            owner,
-            context: OnceLock::new(),
-            device_pointer: OnceLock::new(),
-        }
+        Self::new(View::from(mem), managed, owner, None)
     }
 
     /// A non-owning pointer over an existing view.
     pub(crate) fn over(view: View, owner: Option<Py<PyAny>>) -> Self {
-        PyMemoryPointer {
-            view,
-            managed: false,
-            owner,
-            context: OnceLock::new(),
-            device_pointer: OnceLock::new(),
-        }
+        Self::new(view, false, owner, None)
     }
 
     /// The same pointer, managing (freeing) its memory or not.
@@ -106,18 +98,10 @@ impl PyMemoryPointer {
         self
     }
 
+    /// A pointer over `view` that shares this one's context object.
     fn sibling(&self, view: View, managed: bool, owner: Option<Py<PyAny>>, py: Python<'_>) -> Self {
-        let ctx = OnceLock::new();
-        if let Some(c) = self.context.get() {
-            let _ = ctx.set(c.clone_ref(py));
-        }
-        PyMemoryPointer {
-            view,
-            managed,
-            owner,
-            context: ctx,
-            device_pointer: OnceLock::new(),
-        }
+        let context = self.context.get().map(|c| c.clone_ref(py));
+        Self::new(view, managed, owner, context)
     }
 
     #[inline]
@@ -216,8 +200,7 @@ impl PyMemoryPointer {
         let address = pointer_arg(pointer)?;
         let ctx = context_arg(context)?;
         let managed = finalizer.is_some();
-        let keep = finalizer.map(|f| Box::new(PyFinalizer::new(f)) as crate::KeepAlive);
-        let mem = runtime()?.wrap(address, size, ctx, keep)?;
+        let mem = runtime()?.wrap(address, size, ctx, keep_finalizer(finalizer))?;
         Ok(PyMemoryPointer::wrapping(mem, owner, managed))
     }
 

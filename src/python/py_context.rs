@@ -30,14 +30,7 @@ impl PyDevice {
 impl PyDevice {
     #[new]
     fn new(id: usize) -> PyResult<Self> {
-        let rt = runtime()?;
-        if id >= rt.device_count() {
-            return Err(crate::Error::InvalidArgument(format!(
-                "device {id} does not exist ({} device(s) present)",
-                rt.device_count()
-            ))
-            .into());
-        }
+        runtime()?.check_device(id)?;
         Ok(PyDevice { id })
     }
 
@@ -78,6 +71,13 @@ impl PyDevice {
     }
 }
 
+/// An int, or what `__int__` gives (numba's and cuda-bindings' handles).
+fn int_like(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    obj.extract()
+        .ok()
+        .or_else(|| obj.call_method0("__int__").ok()?.extract().ok())
+}
+
 fn compare<T: PartialEq>(pair: Option<(T, T)>, op: CompareOp) -> Option<bool> {
     // None is NotImplemented, so Python tries the reflected comparison.
     let (a, b) = pair?;
@@ -116,10 +116,7 @@ impl PyContextHandle {
     fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> Option<bool> {
         let other = match other.cast::<PyContextHandle>() {
             Ok(h) => Some(h.get().value),
-            Err(_) => other
-                .extract::<usize>()
-                .ok()
-                .or_else(|| other.call_method0("__int__").ok()?.extract().ok()),
+            Err(_) => int_like(other),
         };
         compare(other.map(|o| (self.value, o)), op)
     }
@@ -195,11 +192,7 @@ impl PyContext {
                     .ok()?
                     .extract()
                     .ok()?;
-                let handle = other.getattr("handle").ok()?;
-                let raw: usize = handle
-                    .extract()
-                    .ok()
-                    .or_else(|| handle.call_method0("__int__").ok()?.extract().ok())?;
+                let raw = int_like(&other.getattr("handle").ok()?)?;
                 Some((id, raw))
             })(),
         };

@@ -110,8 +110,6 @@ def from_cuda_array_interface(obj_or_desc: Any, *, owner: Any = None, sync: bool
             ) from None
         if owner is None:
             owner = obj_or_desc
-        if not isinstance(desc, dict):
-            raise InvalidArgumentError("__cuda_array_interface__ must be a dict")
     return ArrayView(*_core._import_cai(desc, owner, sync))
 
 
@@ -132,9 +130,6 @@ def from_dlpack(obj: Any) -> ArrayView:
     except TypeError:
         capsule = obj.__dlpack__()
     address, _type, _dev, shape, strides, typestr, byte_offset = _core._dlpack_describe(capsule)
-    if strides is not None:
-        itemsize = int(typestr[2:])
-        strides = tuple(s * itemsize for s in strides)
     # The capsule is the owner: its destructor frees the tensor when the last
     # pointer over it goes.
     return ArrayView(*_core._import_strided(address + byte_offset, shape, strides, typestr, capsule))

@@ -18,7 +18,6 @@ from numba.cuda.cudadrv import dummyarray
 from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
 from gpuptr import _core
-from gpuptr._errors import InvalidArgumentError
 
 __all__ = ["MemoryManager", "as_cuda_array", "from_cuda_array_interface_numba"]
 
@@ -51,8 +50,7 @@ def from_cuda_array_interface_numba(desc: dict, owner: Any = None, sync: bool = 
     """``numba.cuda.from_cuda_array_interface`` over a gpuptr pointer: the
     DeviceNDArray that ``DeviceNDArray(shape, strides, dtype, stream,
     gpu_data)`` would build, without re-deriving what is already known."""
-    if not isinstance(desc, dict):
-        raise InvalidArgumentError("__cuda_array_interface__ must be a dict")
+    # _import_cai checks every field, and that desc is a dict.
     ptr, shape, strides, typestr, _itemsize, _ro, offset, stream = _core._import_cai(
         desc, owner, bool(sync and config.CUDA_ARRAY_INTERFACE_SYNC)
     )

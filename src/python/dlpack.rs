@@ -59,7 +59,7 @@ fn typestr(dt: &DLDataType) -> PyResult<String> {
 }
 
 /// Read a `"dltensor"` capsule: ``(data, device_type, device_id, shape,
-/// strides_in_elements_or_None, typestr, byte_offset)``.
+/// strides_in_bytes_or_None, typestr, byte_offset)``.
 #[pyfunction]
 pub(crate) fn _dlpack_describe<'py>(capsule: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
     let py = capsule.py();
@@ -87,15 +87,26 @@ pub(crate) fn _dlpack_describe<'py>(capsule: &Bound<'py, PyAny>) -> PyResult<Bou
     }
     let ndim = t.ndim as usize;
     let shape: Vec<i64> = (0..ndim).map(|i| unsafe { *t.shape.add(i) }).collect();
-    let strides: Option<Vec<i64>> =
-        (!t.strides.is_null()).then(|| (0..ndim).map(|i| unsafe { *t.strides.add(i) }).collect());
+    let typestr = typestr(&t.dtype)?;
+    // DLPack counts strides in elements; the array interface, in bytes.
+    let itemsize = i64::from(t.dtype.bits / 8);
+    let strides: Option<Vec<i64>> = if t.strides.is_null() {
+        None
+    } else {
+        let bytes = (0..ndim).map(|i| unsafe { *t.strides.add(i) }.checked_mul(itemsize));
+        Some(
+            bytes
+                .collect::<Option<_>>()
+                .ok_or_else(|| Error::InvalidArgument("DLPack strides overflow in bytes".into()))?,
+        )
+    };
     (
         t.data as usize as u64,
         t.device.device_type,
         t.device.device_id,
         PyTuple::new(py, shape)?,
         strides.map(|s| PyTuple::new(py, s)).transpose()?,
-        typestr(&t.dtype)?,
+        typestr,
         t.byte_offset,
     )
         .into_pyobject(py)

@@ -26,6 +26,29 @@ def _on_gpu() -> bool:
     return gpuptr.driver_info()["driver"] == "cuda"
 
 
+def _need_numba() -> None:
+    try:
+        import numba.cuda  # noqa: F401
+    except Exception as e:
+        raise Skip(f"numba-cuda not importable ({type(e).__name__})")
+
+
+def _run_under_plugin(code: str) -> str:
+    """Run ``code`` as a script under ``NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba``
+    (from a file, so spawned children can re-import it); its stdout. A
+    failure raises with the end of its output."""
+    import tempfile
+
+    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "gpuptr_check.py")
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(code))
+        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, (out.stderr or out.stdout).strip()[-300:]
+    return out.stdout.strip()
+
+
 def check_driver() -> str:
     import gpuptr
 
@@ -111,10 +134,7 @@ def check_host() -> str:
 
 
 def check_numba_plugin() -> str:
-    try:
-        import numba.cuda  # noqa: F401
-    except Exception as e:
-        raise Skip(f"numba-cuda not importable ({type(e).__name__})")
+    _need_numba()
     if not _on_gpu():
         from gpuptr.numba import MemoryManager
 
@@ -127,7 +147,7 @@ def check_numba_plugin() -> str:
         mem = mm.memalloc(1 << 20)
         assert mm.interface_version == 1 and mem.size == 1 << 20
         return "hooks on the simulator (numba's own contexts need a GPU)"
-    code = textwrap.dedent(
+    out = _run_under_plugin(
         """
         import numpy as np
         from numba import cuda
@@ -144,9 +164,7 @@ def check_numba_plugin() -> str:
         print("ok")
         """
     )
-    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.stderr or out.stdout).strip()[-300:]
+    assert out == "ok", out[-300:]
     return "NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba: to_device + kernel"
 
 
@@ -178,11 +196,8 @@ def check_cai_import() -> str:
 def check_ipc() -> str:
     if not _on_gpu():
         raise Skip("IPC needs the GPU")
-    try:
-        import numba.cuda  # noqa: F401
-    except Exception as e:
-        raise Skip(f"numba-cuda not importable ({type(e).__name__})")
-    code = textwrap.dedent(
+    _need_numba()
+    out = _run_under_plugin(
         """
         import multiprocessing as mp, numpy as np
 
@@ -202,15 +217,7 @@ def check_ipc() -> str:
             p.join(60)
         """
     )
-    import tempfile
-
-    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "gpuptr_ipc_check.py")
-        with open(path, "w") as f:
-            f.write(code)
-        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=300, cwd=d)
-    assert out.returncode == 0 and out.stdout.strip() == "True", (out.stderr or out.stdout).strip()[-300:]
+    assert out == "True", out[-300:]
     return "pooled pointer opened in a spawned process"
 
 

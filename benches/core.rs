@@ -75,11 +75,8 @@ fn bench(c: &mut Criterion) {
             b.iter(|| black_box(all.view(black_box(64), Some(4096)).unwrap()))
         });
         let inside = mem.address() + 1000;
-        c.bench_function(&format!("{name}/registry_lookup_hit"), |b| {
-            b.iter(|| black_box(rt.registry().lookup(black_box(inside))))
-        });
-        c.bench_function(&format!("{name}/registry_lookup_miss"), |b| {
-            b.iter(|| black_box(rt.registry().lookup(black_box(0x10))))
+        c.bench_function(&format!("{name}/context_of_registered"), |b| {
+            b.iter(|| black_box(rt.context_of(black_box(inside)).unwrap()))
         });
         c.bench_function(&format!("{name}/wrap_known_range"), |b| {
             b.iter(|| black_box(rt.wrap(inside, 64, None, None).unwrap()))
@@ -87,36 +84,28 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-/// The raw driver calls a pool design chooses between (CUDA only).
+/// The driver calls the pool's design weighs (CUDA only): the fence
+/// thread's `cuCtxSynchronize` on an idle device, and what a miss costs.
 fn driver_calls(c: &mut Criterion) {
     let Ok(drv) = driver::open(DriverChoice::Cuda) else {
         return;
     };
     let rt = Runtime::new(drv.clone()).unwrap();
     let ctx = rt.context(0).unwrap();
-    let raw = ctx.raw();
-    c.bench_function("cuda/driver/mem_alloc_async+free_async_1MiB", |b| {
+    c.bench_function("cuda/driver/ctx_synchronize_idle", |b| {
+        b.iter(|| ctx.synchronize().unwrap())
+    });
+    c.bench_function("cuda/driver/mem_alloc+free_1MiB", |b| {
         b.iter(|| {
-            let p = drv.mem_alloc_async(raw, 1 << 20, 0).unwrap();
-            drv.mem_free_async(raw, p, 0).unwrap();
+            drop(black_box(
+                gpuptr::DevicePointer::alloc_uncached(&ctx, 1 << 20).unwrap(),
+            ))
         })
-    });
-    let ev = drv.event_create(raw).unwrap();
-    c.bench_function("cuda/driver/event_record", |b| {
-        b.iter(|| drv.event_record(raw, ev, 0).unwrap())
-    });
-    drv.event_synchronize(raw, ev).unwrap();
-    c.bench_function("cuda/driver/event_query_done", |b| {
-        b.iter(|| black_box(drv.event_query(raw, ev).unwrap()))
-    });
-    c.bench_function("cuda/driver/stream_query", |b| {
-        b.iter(|| black_box(drv.stream_query(raw, 0).unwrap()))
     });
     let mem = ctx.alloc(1 << 20).unwrap();
     c.bench_function("cuda/driver/pointer_attributes", |b| {
         b.iter(|| black_box(drv.pointer_attributes(mem.address() + 64).unwrap()))
     });
-    drv.event_destroy(raw, ev).unwrap();
 }
 
 criterion_group!(benches, bench, driver_calls);

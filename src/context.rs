@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::driver::{Driver, RawContext};
+use crate::driver::{Driver, RawContext, RawStream};
 use crate::error::Result;
 use crate::memory::DevicePointer;
 use crate::runtime::Runtime;
@@ -84,9 +84,29 @@ impl Context {
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Allocate `size` bytes of device memory in this context.
+    /// The state gpuptr keeps for this context's device.
+    #[inline]
+    pub(crate) fn state(&self) -> &crate::runtime::DeviceState {
+        self.runtime.device_state(self.device)
+    }
+
+    /// Allocate `size` bytes of device memory in this context, for use in
+    /// any stream (freed blocks are reused only after all work queued before
+    /// their free has finished).
     pub fn alloc(self: &Arc<Self>, size: usize) -> Result<Arc<DevicePointer>> {
-        DevicePointer::alloc(self, size)
+        DevicePointer::alloc(self, size, None)
+    }
+
+    /// Allocate `size` bytes for use on `stream` (stream-ordered, as
+    /// `cudaMallocAsync`): a block freed on `stream` is reused at once, and
+    /// dropping the pointer frees it on `stream`. Use
+    /// [`DevicePointer::record_stream`] for other streams it is used on.
+    pub fn alloc_on(
+        self: &Arc<Self>,
+        size: usize,
+        stream: RawStream,
+    ) -> Result<Arc<DevicePointer>> {
+        DevicePointer::alloc(self, size, Some(stream))
     }
 
     /// Allocate `size` bytes of managed (unified) memory in this context.
@@ -109,27 +129,44 @@ impl Context {
 
     /// Wait for all work in this context (`cuCtxSynchronize`).
     pub fn synchronize(&self) -> Result<()> {
-        self.driver().synchronize(self.raw)
+        crate::fork::check()?;
+        // SAFETY: `self.raw` is retained by this Context until it drops.
+        unsafe { self.driver().synchronize(self.raw) }
     }
 
-    /// Wait for the work queued on `stream` (an int handle) to finish.
-    pub fn stream_synchronize(&self, stream: crate::driver::RawStream) -> Result<()> {
-        self.driver().stream_synchronize(self.raw, stream)
+    /// Wait for the work queued on `stream` to finish.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this context, or a default-stream handle
+    /// (0, 1, 2).
+    pub unsafe fn stream_synchronize(&self, stream: RawStream) -> Result<()> {
+        crate::fork::check()?;
+        // SAFETY: `self.raw` is retained; `stream` is live (this fn's contract).
+        unsafe { self.driver().stream_synchronize(self.raw, stream) }
     }
 
     /// Whether all work on `stream` is done, without waiting.
-    pub fn stream_is_idle(&self, stream: crate::driver::RawStream) -> Result<bool> {
-        self.driver().stream_query(self.raw, stream)
+    ///
+    /// # Safety
+    /// As [`Context::stream_synchronize`].
+    pub unsafe fn stream_is_idle(&self, stream: RawStream) -> Result<bool> {
+        crate::fork::check()?;
+        // SAFETY: as in `stream_synchronize`.
+        unsafe { self.driver().stream_query(self.raw, stream) }
     }
 
     /// `(free, total)` device memory, from `cuMemGetInfo`.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
-        self.driver().mem_get_info(self.raw)
+        crate::fork::check()?;
+        // SAFETY: `self.raw` is retained by this Context.
+        unsafe { self.driver().mem_get_info(self.raw) }
     }
 
     /// Make this context current on the calling thread.
     pub fn make_current(&self) -> Result<()> {
-        self.driver().set_current_context(self.raw)
+        crate::fork::check()?;
+        // SAFETY: `self.raw` is retained by this Context.
+        unsafe { self.driver().set_current_context(self.raw) }
     }
 }
 
@@ -147,11 +184,14 @@ impl Drop for Context {
         // holds its context, so only cached pool blocks are left: give them
         // back before the retain that keeps them valid goes.
         // A context detached by a reset no longer owns the pool (its
-        // successor does), and its memory is gone with the reset.
-        if let (Some(pool), 0) = (self.runtime.pool(self.device), self.generation()) {
-            let _ = pool.trim(self);
-            pool.close(self);
+        // successor does), and its memory is gone with the reset. In a forked
+        // child nothing here is ours to release.
+        if crate::fork::forked() {
+            return;
         }
-        let _ = self.runtime.driver().primary_context_release(self.device);
+        self.state().teardown(self);
+        // SAFETY: balances the retain in `Context::retain`; this is the last
+        // holder, so nothing uses the context through it afterwards.
+        let _ = unsafe { self.runtime.driver().primary_context_release(self.device) };
     }
 }

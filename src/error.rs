@@ -72,6 +72,12 @@ pub enum Error {
     /// An argument with a bad value (negative size, unknown device, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// Memory that cannot be freed now: buffer exports of it are alive.
+    #[error("{0}")]
+    BufferExported(String),
+    /// The host cannot give the bytes a copy needs.
+    #[error("out of host memory: could not allocate {0} bytes")]
+    HostOutOfMemory(usize),
     /// A panic caught at an FFI edge; it never unwinds further.
     #[error("internal error (caught panic): {0}")]
     Panic(String),
@@ -98,7 +104,7 @@ impl Error {
 
     /// Whether this is an out-of-memory condition (worth a release-and-retry).
     pub fn is_oom(&self) -> bool {
-        matches!(self, Error::OutOfMemory { .. })
+        matches!(self, Error::OutOfMemory { .. } | Error::HostOutOfMemory(_))
             || matches!(self, Error::Cuda { code, .. } if *code == CUDA_ERROR_OUT_OF_MEMORY)
     }
 

@@ -2,15 +2,17 @@
 //! registered in place (`cuMemHostRegister`), optionally mapped into the
 //! device address space.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::context::Context;
 use crate::driver::{
-    DevicePtr, HostPtr, HOST_ALLOC_DEVICEMAP, HOST_ALLOC_PORTABLE, HOST_ALLOC_WRITECOMBINED,
+    DevicePtr, HostPtr, MemoryType, HOST_ALLOC_DEVICEMAP, HOST_ALLOC_PORTABLE,
+    HOST_ALLOC_WRITECOMBINED,
 };
 use crate::error::{Error, Result};
-use crate::memory::{check_live, release_keepalive, DevicePointer, KeepAlive, View};
+use crate::memory::{
+    check_live, release_keepalive, DevicePointer, FreeStep, KeepAlive, Lifetime, View,
+};
 
 /// How the host memory came to be pinned.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -34,35 +36,40 @@ pub struct HostFlags {
     pub portable: bool,
     /// Write-combined (fast host writes, slow host reads); allocation only.
     pub write_combined: bool,
+    /// The memory is read-only (a `bytes` object): it is exported read-only
+    /// and device-side writes into it are refused.
+    pub read_only: bool,
 }
 
 impl HostFlags {
     fn bits(self) -> u32 {
-        (if self.mapped { HOST_ALLOC_DEVICEMAP } else { 0 })
-            | (if self.portable {
-                HOST_ALLOC_PORTABLE
-            } else {
-                0
-            })
-            | (if self.write_combined {
-                HOST_ALLOC_WRITECOMBINED
-            } else {
-                0
-            })
+        let mut bits = 0;
+        if self.mapped {
+            bits |= HOST_ALLOC_DEVICEMAP;
+        }
+        if self.portable {
+            bits |= HOST_ALLOC_PORTABLE;
+        }
+        if self.write_combined {
+            bits |= HOST_ALLOC_WRITECOMBINED;
+        }
+        bits
     }
 }
 
 /// Pinned host memory, released exactly once (freed or unregistered) when
-/// its last holder drops it. Holds its context.
+/// its last holder drops it, or by [`HostMemory::free`] once no buffer
+/// export and no operation uses it. Holds its context.
 pub struct HostMemory {
     context: Arc<Context>,
     ptr: HostPtr,
     size: usize,
     kind: HostKind,
-    flags: HostFlags,
+    mapped: bool,
+    readonly: bool,
     device_address: Option<DevicePtr>,
     generation: u64,
-    freed: AtomicBool,
+    life: Lifetime,
     keepalive: Mutex<Option<KeepAlive>>,
 }
 
@@ -72,8 +79,20 @@ impl std::fmt::Debug for HostMemory {
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("size", &self.size)
             .field("kind", &self.kind)
-            .field("flags", &self.flags)
+            .field("mapped", &self.mapped)
+            .field("readonly", &self.readonly)
             .finish()
+    }
+}
+
+/// An operation (a device view's copy) in flight on host memory.
+pub(crate) struct HostUse<'a>(&'a HostMemory);
+
+impl Drop for HostUse<'_> {
+    fn drop(&mut self) {
+        if self.0.life.end(Lifetime::OP) {
+            self.0.finish_release();
+        }
     }
 }
 
@@ -86,75 +105,122 @@ impl HostMemory {
         flags: HostFlags,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
-        let mem = Arc::new(HostMemory {
+        let device_address = if flags.mapped && size != 0 {
+            // SAFETY: the context is retained; only the driver's tables are read.
+            match unsafe { context.driver().host_device_pointer(context.raw(), ptr) } {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    // Release what was pinned before reporting.
+                    let mem = HostMemory {
+                        context: context.clone(),
+                        ptr,
+                        size,
+                        kind,
+                        mapped: false,
+                        readonly: flags.read_only,
+                        device_address: None,
+                        generation: context.generation(),
+                        life: Lifetime::default(),
+                        keepalive: Mutex::new(keepalive),
+                    };
+                    drop(mem);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Arc::new(HostMemory {
             context: context.clone(),
             ptr,
             size,
             kind,
-            flags,
-            device_address: None,
+            mapped: flags.mapped,
+            readonly: flags.read_only,
+            device_address,
             generation: context.generation(),
-            freed: AtomicBool::new(false),
+            life: Lifetime::default(),
             keepalive: Mutex::new(keepalive),
-        });
-        if !flags.mapped || size == 0 {
-            return Ok(mem);
-        }
-        // On failure `mem` drops here and releases what was pinned.
-        let d = context.driver().host_device_pointer(context.raw(), ptr)?;
-        let mut mem = mem;
-        Arc::get_mut(&mut mem)
-            .expect("not shared yet")
-            .device_address = Some(d);
-        Ok(mem)
+        }))
     }
 
     /// Allocate `size` bytes of pinned host memory in `context`. Zero bytes
     /// give a null allocation and make no driver call.
     pub fn alloc(context: &Arc<Context>, size: usize, flags: HostFlags) -> Result<Arc<Self>> {
+        crate::fork::check()?;
         let ptr = if size == 0 {
             0
         } else {
-            context
-                .driver()
-                .host_alloc(context.raw(), size, flags.bits())
-                .map_err(|e| e.oom_on(context.device(), size))?
+            // SAFETY: the context is retained by `context`.
+            unsafe {
+                context
+                    .driver()
+                    .host_alloc(context.raw(), size, flags.bits())
+            }
+            .map_err(|e| e.oom_on(context.device(), size))?
+        };
+        let flags = HostFlags {
+            read_only: false,
+            ..flags
         };
         Self::new(context, ptr, size, HostKind::Allocated, flags, None)
     }
 
     /// Pin `[ptr, ptr+size)` of existing host memory in place, keeping
     /// `keepalive` (its owner) until it is unregistered.
-    pub fn register(
+    ///
+    /// # Safety
+    /// The range is live host memory that stays allocated, in place, and
+    /// (unless `flags.read_only`) writable until the registration is
+    /// released; `keepalive` is what keeps it so.
+    pub unsafe fn register(
         context: &Arc<Context>,
         ptr: HostPtr,
         size: usize,
         flags: HostFlags,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
+        crate::fork::check()?;
         if size != 0 {
             if ptr == 0 {
                 return Err(Error::InvalidPointer(
                     "cannot register a null host address".into(),
                 ));
             }
+            ptr.checked_add(size).ok_or_else(|| {
+                Error::InvalidPointer(format!("{ptr:#x} + {size} overflows the address space"))
+            })?;
             let bits = flags.bits() & (HOST_ALLOC_DEVICEMAP | HOST_ALLOC_PORTABLE);
-            context
-                .driver()
-                .host_register(context.raw(), ptr, size, bits)?;
+            // SAFETY: the range stays live and in place while registered
+            // (this fn's contract); the context is retained.
+            unsafe {
+                context
+                    .driver()
+                    .host_register(context.raw(), ptr, size, bits)?
+            };
         }
         Self::new(context, ptr, size, HostKind::Registered, flags, keepalive)
     }
 
     /// Wrap host memory that is already pinned (and, with `mapped`, mapped)
     /// by someone else. Nothing is released; `keepalive` is kept until drop.
-    pub fn wrap(
+    /// The driver is asked what the range is: it must be page-locked host
+    /// memory (mapped into the device when `mapped`), and lie inside one
+    /// allocation where the driver reports its extent.
+    ///
+    /// # Safety
+    /// The memory stays pinned and allocated while `keepalive` lives.
+    pub unsafe fn wrap(
         context: &Arc<Context>,
         ptr: HostPtr,
         size: usize,
         mapped: bool,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
+        crate::fork::check()?;
+        if size != 0 {
+            check_pinned_range(context, ptr, size, mapped)?;
+        }
         let flags = HostFlags {
             mapped,
             ..HostFlags::default()
@@ -177,9 +243,9 @@ impl HostMemory {
         self.kind
     }
 
-    /// The flags it was made with.
-    pub fn flags(&self) -> HostFlags {
-        self.flags
+    /// Whether it is read-only (registered from a read-only object).
+    pub fn is_readonly(&self) -> bool {
+        self.readonly
     }
 
     /// The context it belongs to.
@@ -194,7 +260,7 @@ impl HostMemory {
 
     /// Whether it was released.
     pub fn is_freed(&self) -> bool {
-        self.freed.load(Ordering::Acquire)
+        self.life.is_freed()
     }
 
     /// `Ok` while the memory may be used.
@@ -203,44 +269,139 @@ impl HostMemory {
         check_live("host memory", self.ptr as u64, self.is_freed(), stale)
     }
 
-    /// A device view of mapped memory; it keeps this host memory alive.
+    pub(crate) fn begin_use(&self) -> Result<HostUse<'_>> {
+        self.begin(Lifetime::OP)?;
+        Ok(HostUse(self))
+    }
+
+    fn begin(&self, unit: u64) -> Result<()> {
+        self.check_live()?;
+        if let Err(owed) = self.life.begin(unit) {
+            if owed {
+                self.finish_release();
+            }
+            return self.check_live().and(Err(Error::InvalidPointer(format!(
+                "host memory at {:#x} was freed",
+                self.ptr
+            ))));
+        }
+        Ok(())
+    }
+
+    /// Count a buffer export of the bytes: [`HostMemory::free`] refuses
+    /// while any is alive. `Err` if the memory is not live.
+    pub fn begin_export(&self) -> Result<()> {
+        self.begin(Lifetime::EXPORT)
+    }
+
+    /// End an export counted by [`HostMemory::begin_export`].
+    pub fn end_export(&self) {
+        if self.life.end(Lifetime::EXPORT) {
+            self.finish_release();
+        }
+    }
+
+    /// A device view of mapped memory; it keeps this host memory alive, and
+    /// its operations hold it. Empty memory gives a null view.
     pub fn device_view(self: &Arc<Self>) -> Result<View> {
+        let ctx = self.context.clone();
+        if self.size == 0 && self.mapped {
+            // SAFETY: an empty range at address 0 reaches no memory.
+            return Ok(
+                unsafe { ctx.runtime().clone().wrap_unchecked(0, 0, ctx, None) }?.view_all(),
+            );
+        }
         let d = self.device_address.ok_or_else(|| {
             Error::InvalidPointer("host memory is not mapped into the device".into())
         })?;
-        let keep: KeepAlive = Box::new(self.clone());
-        let ctx = self.context.clone();
-        Ok(ctx
-            .runtime()
-            .wrap(d, self.size, Some(ctx.clone()), Some(keep))?
-            .view_all())
+        Ok(DevicePointer::over_host(ctx, d, self.clone()).view_all())
     }
 
     /// Release now (free or unregister). `Ok(false)` if already released.
+    /// While buffer exports of it are alive this is
+    /// [`Error::BufferExported`]; a device operation in flight defers the
+    /// release to its end.
     pub fn free(&self) -> Result<bool> {
-        if self.freed.swap(true, Ordering::AcqRel) {
+        if crate::fork::forked() {
             return Ok(false);
         }
+        match self.life.free("host memory")? {
+            FreeStep::Already => Ok(false),
+            FreeStep::Deferred => Ok(true),
+            FreeStep::ReleaseNow => match self.release() {
+                Ok(()) => Ok(true),
+                Err(e) => {
+                    self.life.unfree();
+                    Err(e)
+                }
+            },
+        }
+    }
+
+    fn finish_release(&self) {
+        if self.release().is_err() {
+            self.life.unfree();
+        }
+    }
+
+    fn release(&self) -> Result<()> {
         if self.size != 0 && self.generation == self.context.generation() {
             let drv = self.context.driver();
-            let r = match self.kind {
-                HostKind::Allocated => drv.host_free(self.context.raw(), self.ptr),
-                HostKind::Registered => drv.host_unregister(self.context.raw(), self.ptr),
-                HostKind::Foreign => Ok(()),
-            };
-            if let Err(e) = r {
-                self.freed.store(false, Ordering::Release);
-                return Err(e);
+            let raw = self.context.raw();
+            // SAFETY: ours to release, claimed once; no export or operation
+            // uses it (the lifetime counts them).
+            unsafe {
+                match self.kind {
+                    HostKind::Allocated => drv.host_free(raw, self.ptr)?,
+                    HostKind::Registered => drv.host_unregister(raw, self.ptr)?,
+                    HostKind::Foreign => {}
+                }
             }
         }
         release_keepalive(&self.keepalive);
-        Ok(true)
+        Ok(())
     }
+}
+
+/// `Ok` if `[ptr, ptr+size)` is page-locked host memory (mapped into the
+/// device when `mapped`) inside one allocation, as far as the driver says.
+fn check_pinned_range(context: &Context, ptr: HostPtr, size: usize, mapped: bool) -> Result<()> {
+    if ptr == 0 {
+        return Err(Error::InvalidPointer(format!(
+            "null host address with a size of {size} bytes"
+        )));
+    }
+    let end = (ptr as u64).checked_add(size as u64).ok_or_else(|| {
+        Error::InvalidPointer(format!("{ptr:#x} + {size} overflows the address space"))
+    })?;
+    let a = context.driver().pointer_attributes(ptr as DevicePtr)?;
+    if a.memory_type != MemoryType::Host {
+        return Err(Error::InvalidPointer(format!(
+            "{ptr:#x} is not page-locked host memory"
+        )));
+    }
+    if mapped && !a.device_accessible {
+        return Err(Error::InvalidPointer(format!(
+            "{ptr:#x} is not mapped into the device"
+        )));
+    }
+    if a.range_size != 0 && end > a.range_start + a.range_size as u64 {
+        return Err(Error::InvalidPointer(format!(
+            "[{ptr:#x}, {end:#x}) runs past its allocation of {} bytes",
+            a.range_size
+        )));
+    }
+    Ok(())
 }
 
 impl Drop for HostMemory {
     fn drop(&mut self) {
-        let _ = self.free();
+        if crate::fork::forked() {
+            return;
+        }
+        if self.life.owed() {
+            let _ = self.release();
+        }
     }
 }
 
@@ -260,7 +421,8 @@ impl DevicePointer {
         DevicePointer::alloc_with(
             context,
             size,
-            |ctx| ctx.driver().mem_alloc_managed(ctx.raw(), size, flags),
+            // SAFETY: `ctx.raw()` is retained by the Context.
+            |ctx| unsafe { ctx.driver().mem_alloc_managed(ctx.raw(), size, flags) },
             true,
         )
     }

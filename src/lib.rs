@@ -8,8 +8,8 @@
 //! - [`driver`]: the only code that calls CUDA, behind the [`Driver`] trait,
 //!   with a real implementation ([`CudaDriver`], cudarc loaded dynamically)
 //!   and a simulator ([`SimDriver`]).
-//! - the core: [`Runtime`], [`Context`], [`DevicePointer`], [`View`] and the
-//!   pointer→context [`Registry`]. No Python here.
+//! - the core: [`Runtime`], [`Context`], [`DevicePointer`], [`View`], the
+//!   pointer→context registry and the per-device caching pool. No Python here.
 //! - `python` (feature `python`): the PyO3 binding, `gpuptr._core`.
 //! - the Python package `gpuptr` (in `python/`), outside this crate.
 //!
@@ -19,13 +19,16 @@
 //! let ctx = rt.context(0)?;             // retains device 0's primary context
 //! let mem = ctx.alloc(1 << 20)?;        // Arc<DevicePointer>
 //! let half = mem.view_all().view(0, Some(1 << 19))?;
-//! half.memset(0xab, None, 0)?;
+//! half.memset(0xab, None)?;
 //! assert_eq!(rt.context_of(half.address())?.device(), 0);
 //! # Ok::<(), gpuptr::Error>(())
 //! ```
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod driver;
 mod error;
+mod fork;
 
 mod context;
 mod host;
@@ -41,11 +44,11 @@ mod python;
 pub use context::Context;
 pub use driver::{CudaDriver, Driver, DriverKind, SimConfig, SimDriver};
 pub use error::{cuda_error_name, Error, Result};
+pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};
 pub use layout::{typestr_itemsize, Layout};
 pub use memory::{DevicePointer, KeepAlive, Origin, View};
-pub use pool::{size_class, Pool, PoolConfig};
-pub use registry::{Registration, Registry};
+pub use pool::{size_class, PoolConfig};
 pub use runtime::{DeviceStats, Runtime};
 
 /// `CUresult` codes gpuptr refers to by name.

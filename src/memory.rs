@@ -2,12 +2,13 @@
 //! sub-range that keeps its allocation (and so the context) alive.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::context::Context;
-use crate::driver::{DevicePtr, RawStream};
+use crate::driver::{DevicePtr, MemoryType, RawStream, STREAM_LEGACY, STREAM_PER_THREAD};
 use crate::error::{Error, Result};
+use crate::host::HostMemory;
 use crate::registry::Registration;
 
 /// Anything a pointer must keep alive until its memory is released (a
@@ -23,6 +24,7 @@ pub(crate) fn release_keepalive(slot: &Mutex<Option<KeepAlive>>) {
 /// `Ok` for usable memory; else why `what` at `address` is not: freed, or
 /// made in a context that was reset since (`stale`).
 pub(crate) fn check_live(what: &str, address: u64, freed: bool, stale: bool) -> Result<()> {
+    crate::fork::check()?;
     if freed {
         Err(Error::InvalidPointer(format!(
             "{what} at {address:#x} was freed"
@@ -33,6 +35,112 @@ pub(crate) fn check_live(what: &str, address: u64, freed: bool, stale: bool) -> 
         )))
     } else {
         Ok(())
+    }
+}
+
+/// The lifetime of a piece of memory, in one atomic word: whether a free
+/// was asked for, whether the release was claimed, and how many operations
+/// and buffer exports use it now. A free waits for neither: it refuses while
+/// exports are alive (a `BufferError`, as `mmap.close()` does), and it
+/// leaves the release to the last operation in flight when there is one. So
+/// no copy that passed its liveness check ever writes into memory that was
+/// released, or reused, under it.
+#[derive(Debug, Default)]
+pub(crate) struct Lifetime(AtomicU64);
+
+const FREED: u64 = 1 << 63;
+const RELEASED: u64 = 1 << 62;
+const EXPORT: u64 = 1 << 32;
+const EXPORTS: u64 = ((1 << 30) - 1) << 32;
+const OPS: u64 = (1 << 32) - 1;
+
+/// What [`Lifetime::free`] decided.
+pub(crate) enum FreeStep {
+    /// Already freed: nothing to do.
+    Already,
+    /// The caller must release now.
+    ReleaseNow,
+    /// Operations are in flight; the last one releases.
+    Deferred,
+}
+
+impl Lifetime {
+    #[inline]
+    pub(crate) fn is_freed(&self) -> bool {
+        self.0.load(Ordering::Acquire) & FREED != 0
+    }
+
+    /// Ask for a free. `Err` while buffer exports are alive.
+    pub(crate) fn free(&self, what: &str) -> Result<FreeStep> {
+        let mut s = self.0.load(Ordering::Acquire);
+        loop {
+            if s & FREED != 0 {
+                return Ok(FreeStep::Already);
+            }
+            if s & EXPORTS != 0 {
+                return Err(Error::BufferExported(format!(
+                    "{what} cannot be freed while {} buffer export(s) of it are alive \
+(release the numpy arrays or memoryviews first)",
+                    (s & EXPORTS) >> 32
+                )));
+            }
+            match self
+                .0
+                .compare_exchange_weak(s, s | FREED, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) if s & OPS == 0 => {
+                    return Ok(if self.claim() {
+                        FreeStep::ReleaseNow
+                    } else {
+                        FreeStep::Already
+                    })
+                }
+                Ok(_) => return Ok(FreeStep::Deferred),
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// Claim the release; `true` for exactly one caller.
+    fn claim(&self) -> bool {
+        self.0.fetch_or(RELEASED, Ordering::AcqRel) & RELEASED == 0
+    }
+
+    /// A release failed: the memory is live again, for a later retry.
+    pub(crate) fn unfree(&self) {
+        self.0.fetch_and(!(FREED | RELEASED), Ordering::AcqRel);
+    }
+
+    /// Start a use (`unit` is one op, [`Lifetime::OP`], or one export,
+    /// [`Lifetime::EXPORT`]). `Err(owed)` if freed, where `owed` says the
+    /// caller must release (a free saw this transient use and left the
+    /// release to it).
+    #[inline]
+    pub(crate) fn begin(&self, unit: u64) -> std::result::Result<(), bool> {
+        let prev = self.0.fetch_add(unit, Ordering::Acquire);
+        if prev & FREED != 0 {
+            return Err(self.end(unit));
+        }
+        Ok(())
+    }
+
+    /// One operation.
+    pub(crate) const OP: u64 = 1;
+    /// One buffer export.
+    pub(crate) const EXPORT: u64 = EXPORT;
+
+    /// End a use; `true` if the caller must now release (the last use after
+    /// a deferred free).
+    #[inline]
+    pub(crate) fn end(&self, unit: u64) -> bool {
+        let prev = self.0.fetch_sub(unit, Ordering::AcqRel);
+        let after = prev - unit;
+        after & FREED != 0 && after & (OPS | EXPORTS) == 0 && self.claim()
+    }
+
+    /// Whether the release is still owed (for a deleter).
+    pub(crate) fn owed(&mut self) -> bool {
+        *self.0.get_mut() & RELEASED == 0
     }
 }
 
@@ -48,6 +156,23 @@ pub enum Origin {
     Pool(usize),
 }
 
+/// No stream known: the pool's unordered (fenced) path.
+const NO_STREAM: usize = usize::MAX;
+/// Used on several streams: the unordered path too.
+const MANY_STREAMS: usize = usize::MAX - 1;
+
+/// The stream a block may be reused on at once, if any: the legacy stream's
+/// two handles are one; the per-thread default stream differs per thread, so
+/// it orders nothing the pool could rely on.
+pub(crate) fn ordering_stream(stream: RawStream) -> Option<RawStream> {
+    match stream {
+        STREAM_LEGACY => Some(0),
+        STREAM_PER_THREAD => None,
+        s if s >= MANY_STREAMS => None,
+        s => Some(s),
+    }
+}
+
 /// An allocation: address, size and the context it lives in. Shared through
 /// `Arc`; freed exactly once, by [`DevicePointer::free`] or when the last
 /// holder drops it.
@@ -57,11 +182,16 @@ pub struct DevicePointer {
     size: usize,
     origin: Origin,
     managed: bool,
+    readonly: bool,
     generation: u64,
     registration: Option<Registration>,
     /// The pool shard a pooled block goes back to.
     pool_shard: u32,
-    freed: AtomicBool,
+    life: Lifetime,
+    /// The stream it is released on ([`NO_STREAM`], [`MANY_STREAMS`] or a handle).
+    stream: AtomicUsize,
+    /// Mapped host memory this device view reaches: its operations hold it too.
+    host: Option<Arc<HostMemory>>,
     /// Set once at construction: most pointers keep nothing, and then
     /// releasing them takes no lock.
     has_keepalive: bool,
@@ -80,25 +210,50 @@ impl std::fmt::Debug for DevicePointer {
     }
 }
 
-impl DevicePointer {
-    /// Allocate `size` bytes in `context`. Zero bytes give a null pointer and
-    /// make no driver call.
-    pub fn alloc(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
-        match context.runtime().pool(context.device()) {
-            Some(pool) if size != 0 => {
-                let block = pool.alloc(context, size)?;
-                Ok(DevicePointer::counted(
-                    context,
-                    block.address,
-                    size,
-                    Origin::Pool(block.class),
-                    false,
-                    None,
-                    block.shard,
-                ))
-            }
-            _ => DevicePointer::alloc_uncached(context, size),
+/// An operation in flight on a pointer (and on the mapped host memory under
+/// it): the memory is not released until it drops.
+pub(crate) struct InUse<'a> {
+    ptr: &'a DevicePointer,
+    _host: Option<crate::host::HostUse<'a>>,
+}
+
+impl Drop for InUse<'_> {
+    fn drop(&mut self) {
+        if self.ptr.life.end(Lifetime::OP) {
+            // The last operation after a deferred free releases.
+            self.ptr.finish_release();
         }
+    }
+}
+
+impl DevicePointer {
+    /// Allocate `size` bytes in `context`, for an owner on `stream` (`None`:
+    /// any stream). Zero bytes give a null pointer and make no driver call.
+    pub(crate) fn alloc(
+        context: &Arc<Context>,
+        size: usize,
+        stream: Option<RawStream>,
+    ) -> Result<Arc<Self>> {
+        crate::fork::check()?;
+        let state = context.state();
+        if !state.pooled() || size == 0 {
+            return DevicePointer::alloc_uncached(context, size);
+        }
+        let stream = stream.and_then(ordering_stream);
+        let block = state.pool_alloc(context, size, stream)?;
+        let p = DevicePointer::counted(
+            context,
+            block.address,
+            size,
+            Origin::Pool(block.class),
+            false,
+            None,
+            block.shard,
+        );
+        if let Some(s) = stream {
+            p.stream.store(s, Ordering::Relaxed);
+        }
+        Ok(p)
     }
 
     /// Allocate `size` bytes straight from the driver (`cuMemAlloc`),
@@ -107,7 +262,8 @@ impl DevicePointer {
         DevicePointer::alloc_with(
             context,
             size,
-            |ctx| ctx.driver().mem_alloc(ctx.raw(), size),
+            // SAFETY: `ctx.raw()` is retained by the Context.
+            |ctx| unsafe { ctx.driver().mem_alloc(ctx.raw(), size) },
             false,
         )
     }
@@ -123,7 +279,7 @@ impl DevicePointer {
     ) -> Arc<Self> {
         // The pool counts its own allocations under its shard lock.
         if !matches!(origin, Origin::Pool(_)) {
-            let c = context.runtime().counters(context.device());
+            let c = context.state().counters();
             c.alloc_count.fetch_add(1, Ordering::Relaxed);
             c.live_count.fetch_add(1, Ordering::Relaxed);
             let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
@@ -135,10 +291,13 @@ impl DevicePointer {
             size,
             origin,
             managed,
+            readonly: false,
             generation: context.generation(),
             registration,
             pool_shard,
-            freed: AtomicBool::new(false),
+            life: Lifetime::default(),
+            stream: AtomicUsize::new(NO_STREAM),
+            host: None,
             has_keepalive: false,
             keepalive: Mutex::new(None),
         })
@@ -152,6 +311,7 @@ impl DevicePointer {
         allocate: impl FnOnce(&Context) -> Result<DevicePtr>,
         managed: bool,
     ) -> Result<Arc<Self>> {
+        crate::fork::check()?;
         let device = context.device();
         let (address, registration) = if size == 0 {
             (0, None)
@@ -187,12 +347,41 @@ impl DevicePointer {
             size,
             origin: Origin::Foreign,
             managed: false,
+            readonly: false,
             generation,
             registration,
             pool_shard: 0,
-            freed: AtomicBool::new(false),
+            life: Lifetime::default(),
+            stream: AtomicUsize::new(NO_STREAM),
+            host: None,
             has_keepalive: keepalive.is_some(),
             keepalive: Mutex::new(keepalive),
+        })
+    }
+
+    /// The device view of mapped host memory: its operations hold `host`,
+    /// and it is read-only when `host` is.
+    pub(crate) fn over_host(
+        context: Arc<Context>,
+        address: DevicePtr,
+        host: Arc<HostMemory>,
+    ) -> Arc<Self> {
+        let generation = context.generation();
+        Arc::new(DevicePointer {
+            context,
+            address,
+            size: host.size(),
+            origin: Origin::Foreign,
+            managed: false,
+            readonly: host.is_readonly(),
+            generation,
+            registration: None,
+            pool_shard: 0,
+            life: Lifetime::default(),
+            stream: AtomicUsize::new(NO_STREAM),
+            host: Some(host),
+            has_keepalive: false,
+            keepalive: Mutex::new(None),
         })
     }
 
@@ -226,10 +415,17 @@ impl DevicePointer {
         self.managed
     }
 
+    /// Whether writes through it are refused (a device view of read-only
+    /// host memory).
+    #[inline]
+    pub fn is_readonly(&self) -> bool {
+        self.readonly
+    }
+
     /// Whether it was freed.
     #[inline]
     pub fn is_freed(&self) -> bool {
-        self.freed.load(Ordering::Acquire)
+        self.life.is_freed()
     }
 
     /// Whether its context was reset since it was made, so its memory is gone.
@@ -241,7 +437,63 @@ impl DevicePointer {
     /// `Ok` if the memory may be used now, else [`Error::InvalidPointer`].
     #[inline]
     pub fn check_live(&self) -> Result<()> {
-        check_live("memory", self.address, self.is_freed(), self.is_stale())
+        check_live("memory", self.address, self.is_freed(), self.is_stale())?;
+        match &self.host {
+            Some(h) => h.check_live(),
+            None => Ok(()),
+        }
+    }
+
+    /// Hold the memory for one operation: a free meanwhile is deferred
+    /// until it ends. `Err` if it is not live.
+    pub(crate) fn begin_use(&self) -> Result<InUse<'_>> {
+        crate::fork::check()?;
+        let host = match &self.host {
+            Some(h) => Some(h.begin_use()?),
+            None => None,
+        };
+        self.begin(Lifetime::OP)?;
+        let guard = InUse {
+            ptr: self,
+            _host: host,
+        };
+        if self.is_stale() {
+            drop(guard);
+            return Err(check_live("memory", self.address, false, true).unwrap_err());
+        }
+        Ok(guard)
+    }
+
+    fn begin(&self, unit: u64) -> Result<()> {
+        if let Err(owed) = self.life.begin(unit) {
+            if owed {
+                self.finish_release();
+            }
+            return Err(check_live("memory", self.address, true, false).unwrap_err());
+        }
+        Ok(())
+    }
+
+    /// Release after a deferred free; a failure leaves the memory live for
+    /// the deleter to retry.
+    fn finish_release(&self) {
+        if self.release().is_err() {
+            self.life.unfree();
+        }
+    }
+
+    /// Count a buffer export (host-reachable managed memory): `free()`
+    /// refuses while any is alive. `Err` if the memory is not live.
+    pub fn begin_export(&self) -> Result<()> {
+        self.check_live()?;
+        self.begin(Lifetime::EXPORT)
+    }
+
+    /// End a buffer export counted by [`DevicePointer::begin_export`].
+    pub fn end_export(&self) {
+        if self.life.end(Lifetime::EXPORT) {
+            self.finish_release();
+        }
     }
 
     /// A view of the whole allocation.
@@ -249,42 +501,88 @@ impl DevicePointer {
         View::from(self.clone())
     }
 
+    /// Note that the memory is also used on `stream`: it is then released
+    /// on the unordered path (reused only after all earlier work on every
+    /// stream is done), unless `stream` is the one it was allocated on.
+    pub fn record_stream(&self, stream: RawStream) {
+        let s = ordering_stream(stream);
+        let cur = self.stream.load(Ordering::Relaxed);
+        if cur != NO_STREAM && Some(cur) != s {
+            self.stream.store(MANY_STREAMS, Ordering::Relaxed);
+        }
+    }
+
     /// Release the memory now. Returns `Ok(true)` if this call freed it and
     /// `Ok(false)` if it was already free (a second free is a no-op). Foreign
     /// memory is never freed; the pointer just lets go of its owner. Memory
     /// of a reset context is not freed either: its address may now belong to
-    /// a newer allocation.
+    /// a newer allocation. An operation in flight on another thread keeps
+    /// the memory until it ends. Freed memory goes back to the pool, and is
+    /// reused once all work queued before now, on every stream, is done.
     pub fn free(&self) -> Result<bool> {
-        if self.freed.swap(true, Ordering::AcqRel) {
+        if crate::fork::forked() {
             return Ok(false);
         }
-        self.release().map(|()| true)
+        match self.life.free("memory")? {
+            FreeStep::Already => Ok(false),
+            FreeStep::Deferred => Ok(true),
+            FreeStep::ReleaseNow => match self.release() {
+                Ok(()) => Ok(true),
+                Err(e) => {
+                    // Still allocated: stay live so a later free or drop retries.
+                    self.life.unfree();
+                    Err(e)
+                }
+            },
+        }
     }
 
-    /// Release the memory; the caller has just claimed `freed`.
+    /// Release the memory on `stream` (stream-ordered, as `cudaFreeAsync`):
+    /// the caller promises every use was queued on `stream` (or recorded
+    /// with [`DevicePointer::record_stream`]). Its block is reused at once by
+    /// allocations on `stream`, and by others after a fence.
+    pub fn free_on(&self, stream: RawStream) -> Result<bool> {
+        match ordering_stream(stream) {
+            Some(s) if self.stream.load(Ordering::Relaxed) != MANY_STREAMS => {
+                self.stream.store(s, Ordering::Relaxed)
+            }
+            _ => self.stream.store(MANY_STREAMS, Ordering::Relaxed),
+        }
+        self.free()
+    }
+
+    /// Release the memory; the caller has claimed the release.
     fn release(&self) -> Result<()> {
         let stale = self.is_stale();
         match self.origin {
             Origin::Driver if self.address != 0 && !stale => {
-                if let Err(e) = self
-                    .context
-                    .driver()
-                    .mem_free(self.context.raw(), self.address)
-                {
-                    // Still allocated: stay live so a later free or drop retries.
-                    self.freed.store(false, Ordering::Release);
-                    return Err(e);
+                // SAFETY: a gpuptr `cuMemAlloc[Managed]` allocation of this
+                // live context; the release is claimed once, and no operation
+                // is in flight (the lifetime counts them), so nothing uses it.
+                unsafe {
+                    self.context
+                        .driver()
+                        .mem_free(self.context.raw(), self.address)?
                 }
             }
             Origin::Pool(class) if !stale => {
-                if let Some(pool) = self.context.runtime().pool(self.context.device()) {
-                    let block = crate::pool::Block {
-                        address: self.address,
-                        class,
-                        shard: self.pool_shard,
-                    };
-                    pool.release(&self.context, self.generation, block, self.size);
-                }
+                let block = crate::pool::Block {
+                    address: self.address,
+                    class,
+                    shard: self.pool_shard,
+                    fresh: false,
+                };
+                let stream = match self.stream.load(Ordering::Relaxed) {
+                    NO_STREAM | MANY_STREAMS => None,
+                    s => Some(s),
+                };
+                self.context.state().pool_release(
+                    &self.context,
+                    self.generation,
+                    block,
+                    self.size,
+                    stream,
+                );
             }
             _ => {}
         }
@@ -294,7 +592,7 @@ impl DevicePointer {
         // A reset already zeroed the counters for stale allocations, and the
         // pool keeps its own.
         if matches!(self.origin, Origin::Driver) && !stale {
-            let c = self.context.runtime().counters(self.context.device());
+            let c = self.context.state().counters();
             c.live_count.fetch_sub(1, Ordering::Relaxed);
             c.live_bytes.fetch_sub(self.size, Ordering::Relaxed);
         }
@@ -307,11 +605,12 @@ impl DevicePointer {
 
 impl Drop for DevicePointer {
     fn drop(&mut self) {
-        // The last holder: no other thread can free it now, so no atomic
-        // swap is needed to claim it.
-        let freed = self.freed.get_mut();
-        if !*freed {
-            *freed = true;
+        // In a forked child, the parent's memory is not ours to release.
+        if crate::fork::forked() {
+            return;
+        }
+        // The last holder: no other thread can free or use it now.
+        if self.life.owed() {
             // Deleters never fail; a driver error here has no one to go to.
             let _ = self.release();
         }
@@ -337,6 +636,14 @@ impl From<Arc<DevicePointer>> for View {
             size,
         }
     }
+}
+
+/// Whether the driver says `[ptr, ...)` is page-locked host memory, which an
+/// async copy reads or writes after the call returns.
+fn is_pinned(ctx: &Context, ptr: usize) -> bool {
+    ctx.driver()
+        .pointer_attributes(ptr as DevicePtr)
+        .is_ok_and(|a| a.memory_type == MemoryType::Host)
 }
 
 impl View {
@@ -404,8 +711,10 @@ impl View {
         })
     }
 
-    fn check_span(&self, what: &str, count: usize) -> Result<()> {
-        self.parent.check_live()?;
+    /// Hold the allocation for an operation on `count` bytes; checks that
+    /// it is live, that `count` fits, and (for `write`) that it is writable.
+    fn hold(&self, what: &str, count: usize, write: bool) -> Result<InUse<'_>> {
+        let guard = self.parent.begin_use()?;
         if count > self.size {
             return Err(Error::InvalidPointer(format!(
                 "{what} of {count} bytes exceeds the {} bytes at {:#x}",
@@ -413,58 +722,169 @@ impl View {
                 self.address()
             )));
         }
-        Ok(())
+        if write && self.parent.readonly {
+            return Err(Error::InvalidArgument(format!(
+                "{what} into read-only memory at {:#x}",
+                self.address()
+            )));
+        }
+        Ok(guard)
     }
 
-    /// Set `count` bytes (default: all) to `value`, on `stream` (0 = synchronous).
-    pub fn memset(&self, value: u8, count: Option<usize>, stream: RawStream) -> Result<()> {
+    /// Set `count` bytes (default: all) to `value`, synchronously.
+    pub fn memset(&self, value: u8, count: Option<usize>) -> Result<()> {
+        // SAFETY: no stream: nothing to trust.
+        unsafe { self.memset_on(value, count, None) }
+    }
+
+    /// Set `count` bytes (default: all) to `value`, queued on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is `None`, a default-stream handle (0, 1, 2) or a live
+    /// stream of this view's context.
+    pub unsafe fn memset_on(
+        &self,
+        value: u8,
+        count: Option<usize>,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
         let count = count.unwrap_or(self.size);
-        self.check_span("memset", count)?;
+        let _held = self.hold("memset", count, true)?;
         if count == 0 {
             return Ok(());
         }
         let ctx = self.context();
-        ctx.driver()
-            .memset_d8(ctx.raw(), self.address(), value, count, stream)
+        // SAFETY: the range is live device memory of `ctx` (held and
+        // bound-checked above); the stream is the caller's contract.
+        unsafe {
+            ctx.driver()
+                .memset_d8(ctx.raw(), self.address(), value, count, stream)
+        }
     }
 
     /// Copy `src` to the start of the view.
     pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
-        self.check_span("copy", src.len())?;
-        if src.is_empty() {
+        // SAFETY: `src` is a live slice of `src.len()` bytes; no stream.
+        unsafe { self.copy_from_host_raw(src.as_ptr(), src.len(), None) }
+    }
+
+    /// Copy `len` bytes at host address `src` to the start of the view, on
+    /// `stream` if given. It returns once `src` may be reused.
+    ///
+    /// # Safety
+    /// `src` is readable for `len` bytes until the call returns (it may
+    /// overlap the view: mapped memory); `stream` as in [`View::memset_on`].
+    pub unsafe fn copy_from_host_raw(
+        &self,
+        src: *const u8,
+        len: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
+        let _held = self.hold("copy", len, true)?;
+        if len == 0 {
             return Ok(());
         }
         let ctx = self.context();
-        ctx.driver().memcpy_htod(ctx.raw(), self.address(), src)
+        // SAFETY: destination held and bound-checked; `src` and the stream
+        // are the caller's contract.
+        unsafe {
+            ctx.driver()
+                .memcpy_htod(ctx.raw(), self.address(), src, len, stream)?
+        };
+        if let Some(s) = stream {
+            if is_pinned(ctx, src as usize) {
+                // The driver reads pinned memory after it returns: wait, so
+                // the caller may reuse the buffer at once.
+                // SAFETY: the stream is the caller's contract.
+                unsafe { ctx.driver().stream_synchronize(ctx.raw(), s)? };
+            }
+        }
+        Ok(())
     }
 
     /// Copy the start of the view into `dst`.
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
-        self.check_span("copy", dst.len())?;
-        if dst.is_empty() {
+        // SAFETY: `dst` is a live, exclusive slice; no stream.
+        unsafe { self.copy_to_host_raw(dst.as_mut_ptr(), dst.len(), None) }
+    }
+
+    /// Copy the start of the view into `len` bytes at host address `dst`, on
+    /// `stream` if given. It returns once the bytes are in `dst`.
+    ///
+    /// # Safety
+    /// `dst` is writable for `len` bytes until the call returns; `stream`
+    /// as in [`View::memset_on`].
+    pub unsafe fn copy_to_host_raw(
+        &self,
+        dst: *mut u8,
+        len: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
+        let _held = self.hold("copy", len, false)?;
+        if len == 0 {
             return Ok(());
         }
         let ctx = self.context();
-        ctx.driver().memcpy_dtoh(ctx.raw(), dst, self.address())
+        // SAFETY: source held and bound-checked; `dst` and the stream are
+        // the caller's contract.
+        unsafe {
+            ctx.driver()
+                .memcpy_dtoh(ctx.raw(), dst, self.address(), len, stream)?
+        };
+        if let Some(s) = stream {
+            if is_pinned(ctx, dst as usize) {
+                // SAFETY: the stream is the caller's contract.
+                unsafe { ctx.driver().stream_synchronize(ctx.raw(), s)? };
+            }
+        }
+        Ok(())
     }
 
     /// Copy `count` bytes (default: all of `src`) from `src` to this view.
     pub fn copy_from_device(&self, src: &View, count: Option<usize>) -> Result<()> {
+        // SAFETY: no stream.
+        unsafe { self.copy_from_device_on(src, count, None) }
+    }
+
+    /// Copy `count` bytes (default: all of `src`) from `src`, on `stream`.
+    ///
+    /// # Safety
+    /// `stream` as in [`View::memset_on`].
+    pub unsafe fn copy_from_device_on(
+        &self,
+        src: &View,
+        count: Option<usize>,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
         let count = count.unwrap_or(src.size);
-        src.check_span("copy", count)?;
-        self.check_span("copy", count)?;
+        let _src = src.hold("copy", count, false)?;
+        let _dst = self.hold("copy", count, true)?;
         if count == 0 {
             return Ok(());
         }
         let ctx = self.context();
-        ctx.driver()
-            .memcpy_dtod(ctx.raw(), self.address(), src.address(), count)
+        // SAFETY: both ranges held and bound-checked; the stream is the
+        // caller's contract.
+        unsafe {
+            ctx.driver()
+                .memcpy_dtod(ctx.raw(), self.address(), src.address(), count, stream)
+        }
     }
 
-    /// The whole view as a `Vec` (a convenience for tests and tools).
+    /// The whole view as a `Vec` (a convenience for tests and tools). The
+    /// memory is checked first, and the `Vec` allocated fallibly: a size
+    /// larger than the host can give is [`Error::HostOutOfMemory`].
     pub fn to_vec(&self) -> Result<Vec<u8>> {
-        let mut v = vec![0u8; self.size];
-        self.copy_to_host(&mut v)?;
+        let _held = self.hold("copy", self.size, false)?;
+        let mut v = Vec::new();
+        v.try_reserve_exact(self.size)
+            .map_err(|_| Error::HostOutOfMemory(self.size))?;
+        // SAFETY: the Vec has `size` bytes of capacity, written in full by
+        // the copy before `set_len` exposes them.
+        unsafe {
+            self.copy_to_host_raw(v.as_mut_ptr(), self.size, None)?;
+            v.set_len(self.size);
+        }
         Ok(v)
     }
 }

@@ -1,21 +1,28 @@
 //! The caching pool in front of `cuMemAlloc`, one per device.
 //!
-//! **The reuse rule.** numba's `memalloc` gets no stream, so a freed block
-//! may still be in use by work queued on any stream. A freed block is first
-//! *pending*. Before pending blocks are handed out again, the pool records
-//! one event on the legacy default stream (a *fence*). The legacy stream
-//! waits for all earlier work on every blocking stream, and all later work
-//! on blocking streams (and on the legacy stream) waits for it. So whatever
-//! the new owner queues on the legacy stream or on any blocking stream runs
-//! after every use of the old owner. Work on non-blocking streams or the
-//! per-thread default stream is not covered: synchronize such a stream
-//! before dropping memory it uses.
+//! **The reuse rule.** A freed block is handed to a new owner only after
+//! all work queued before its free, on *every* stream of its context, has
+//! finished; or, for a block freed on a known stream, at once to a new owner
+//! on that same stream (stream order then puts the new owner's work after
+//! the old owner's).
 //!
-//! One fence covers a whole batch: it is recorded when a miss finds at least
-//! [`PoolConfig::fence_count`] blocks or [`PoolConfig::fence_bytes`] pending,
-//! or when the driver is out of memory. Smaller misses get fresh memory from
-//! the driver, so in steady state one fence serves a batch of frees and the
-//! common path makes no driver call.
+//! - A block freed without a stream (numba's `memalloc` knows none) is
+//!   *pending*. Pending blocks are *sealed* into a batch, and the device's
+//!   [`Fencer`] thread calls `cuCtxSynchronize`, which returns once every
+//!   task queued before the call, on every stream (legacy, per-thread,
+//!   blocking and non-blocking), is done. Then the batch is *ready* for
+//!   anyone. The allocating thread never waits: a miss meanwhile takes
+//!   another ready block or goes to the driver.
+//! - A block freed on stream `s` (`free(stream=s)`, or dropped after
+//!   `alloc(n, stream=s)`) is kept on `s`'s list, reused at once by
+//!   allocations on `s`, and sealed with the next batch for everyone else.
+//!   A block also used on another stream (`record_stream`) takes the
+//!   unordered path.
+//! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
+//!   [`PoolConfig::fence_bytes`] bytes are pending, and on any miss that
+//!   finds blocks pending. Out of memory seals every shard, *waits* for the
+//!   fence, and retries, before the cache is trimmed and the driver asked
+//!   once more.
 //!
 //! Blocks are whole `cuMemAlloc` allocations, never carved, so IPC
 //! (`cuIpcGetMemHandle` on the block) works for pooled pointers.
@@ -23,29 +30,26 @@
 //! **Shards.** The cache is split into shards, each behind its own lock, so
 //! threads do not queue on one mutex. A thread allocates from its own shard
 //! (threads are dealt out to shards round-robin), and a block returns to the
-//! shard it was handed out from, even when another thread frees it: the
-//! allocating thread's next miss fences it, so producer/consumer patterns do
-//! not strand memory. Each shard fences its own pending blocks, so the reuse
-//! rule holds per shard. A miss looks in the other shards before it calls
-//! the driver (fencing one whose batch is due), and out of memory fences and
-//! searches every shard.
+//! shard it was handed out from, even when another thread frees it. A miss
+//! looks in the other shards before it calls the driver.
+//!
+//! The pool talks to the driver alone (no [`Runtime`](crate::Runtime)), so
+//! it is tested on a bare simulator.
 
 use std::cell::Cell;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use crate::context::Context;
-use crate::driver::{DevicePtr, RawEvent};
-use crate::error::Result;
-use crate::registry::Registration;
+use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
+use crate::error::{Error, Result};
 
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// Fence once this many blocks are pending (per shard).
+    /// Seal a batch for the fence once this many blocks are pending (per shard).
     pub fence_count: usize,
-    /// Fence once this many bytes are pending (per shard).
+    /// Seal a batch once this many bytes are pending (per shard).
     pub fence_bytes: usize,
     /// Number of shards, rounded up to a power of two. The default is the
     /// number of CPUs, at most 16.
@@ -55,8 +59,8 @@ pub struct PoolConfig {
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
-            // One ~0.4 us event record per 32 frees; the byte cap bounds how
-            // much memory waits for a fence.
+            // One fence request per 32 frees; the byte cap bounds how much
+            // memory waits for a fence.
             fence_count: 32,
             fence_bytes: 64 << 20,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
@@ -122,15 +126,184 @@ impl std::hash::Hasher for IdentityHasher {
 
 type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>>;
 
+/// The per-device helper that makes freed blocks safe to reuse: it runs
+/// `cuCtxSynchronize` on its own thread for every batch sealed before the
+/// call, so no allocating thread waits for the GPU.
+///
+/// Sequence numbers order it: [`Fencer::request`] returns the number of a
+/// synchronize that starts after the call; [`Fencer::done`] is the number of
+/// the last one that finished. A batch sealed with number `n` is ready once
+/// `done() >= n`.
+pub(crate) struct Fencer {
+    shared: Arc<FenceShared>,
+}
+
+struct FenceShared {
+    driver: Arc<dyn Driver>,
+    state: Mutex<FenceState>,
+    /// Wakes the helper.
+    work: Condvar,
+    /// Wakes threads waiting for a fence (out of memory).
+    finished: Condvar,
+    done: AtomicU64,
+}
+
+#[derive(Default)]
+struct FenceState {
+    /// The newest number handed out.
+    requested: u64,
+    /// The number the running (or last) synchronize covers.
+    started: u64,
+    /// The newest number whose synchronize failed.
+    failed: u64,
+    context: RawContext,
+    spawned: bool,
+    shutdown: bool,
+}
+
+impl Fencer {
+    pub(crate) fn new(driver: Arc<dyn Driver>) -> Self {
+        Fencer {
+            shared: Arc::new(FenceShared {
+                driver,
+                state: Mutex::new(FenceState::default()),
+                work: Condvar::new(),
+                finished: Condvar::new(),
+                done: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The number of the last finished fence.
+    #[inline]
+    pub(crate) fn done(&self) -> u64 {
+        self.shared.done.load(Ordering::Acquire)
+    }
+
+    /// Ask for a fence of `context` that starts after now; its number.
+    /// Requests made before the helper picks them up share one fence.
+    pub(crate) fn request(&self, context: RawContext) -> u64 {
+        let sh = &self.shared;
+        let mut st = lock(&sh.state);
+        if st.requested == st.started || st.context != context {
+            st.requested += 1;
+        }
+        st.context = context;
+        let n = st.requested;
+        if !st.spawned {
+            st.spawned = true;
+            let shared = sh.clone();
+            let spawned = std::thread::Builder::new()
+                .name("gpuptr-fence".into())
+                .spawn(move || fence_loop(&shared));
+            if spawned.is_err() {
+                // No thread: fence inline on the next waiter instead.
+                st.spawned = false;
+            }
+        }
+        drop(st);
+        sh.work.notify_one();
+        n
+    }
+
+    /// Wait until fence `n` is done. `false` if it failed or cannot happen
+    /// (no helper, shut down). Only out-of-memory paths wait.
+    pub(crate) fn wait(&self, n: u64) -> bool {
+        let sh = &self.shared;
+        let mut st = lock(&sh.state);
+        loop {
+            if self.done() >= n {
+                return true;
+            }
+            if st.failed >= n || st.shutdown {
+                return false;
+            }
+            if !st.spawned {
+                // The helper could not start: synchronize here.
+                let (target, context) = (st.requested, st.context);
+                drop(st);
+                // SAFETY: `context` is the live context the pool's owner
+                // passed with the request.
+                let ok = unsafe { sh.driver.synchronize(context) }.is_ok();
+                if ok {
+                    sh.done.fetch_max(target, Ordering::AcqRel);
+                }
+                return ok && self.done() >= n;
+            }
+            st = sh.finished.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Stop the helper (it finishes a synchronize in progress first, and
+    /// nobody waits for it: shutdown never hangs on the GPU).
+    pub(crate) fn shutdown(&self) {
+        lock(&self.shared.state).shutdown = true;
+        self.shared.work.notify_all();
+        self.shared.finished.notify_all();
+    }
+}
+
+impl Drop for Fencer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn fence_loop(sh: &FenceShared) {
+    let mut st = lock(&sh.state);
+    loop {
+        while st.requested == st.started && !st.shutdown {
+            st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        if st.shutdown {
+            return;
+        }
+        let (target, context) = (st.requested, st.context);
+        st.started = target;
+        drop(st);
+        if crate::fork::forked() {
+            return;
+        }
+        // SAFETY: `context` is live: the pool's owner passes its retained
+        // context with each request, and a reset or teardown (which ends
+        // it) shuts this helper down or drains every batch first; a call
+        // on a context gone since fails with an error, never touches memory.
+        let r = unsafe { sh.driver.synchronize(context) };
+        st = lock(&sh.state);
+        match r {
+            Ok(()) => {
+                sh.done.fetch_max(target, Ordering::AcqRel);
+            }
+            // The batches stay sealed (never handed out unfenced); a later
+            // request retries and covers them.
+            Err(_) => st.failed = st.failed.max(target),
+        }
+        sh.finished.notify_all();
+    }
+}
+
+/// A batch of freed blocks waiting for fence `seq`.
+struct Sealed {
+    seq: u64,
+    blocks: Vec<(DevicePtr, usize)>,
+    bytes: usize,
+}
+
 /// One shard's cache and statistics.
 struct Shard {
     /// Ready blocks by class index; classes above 256 MiB live in `large`.
     ready: Vec<Vec<DevicePtr>>,
     large: FastMap<usize, Vec<DevicePtr>>,
+    ready_bytes: usize,
+    /// Freed without a stream, not yet sealed.
     pending: Vec<(DevicePtr, usize)>,
     pending_bytes: usize,
-    ready_bytes: usize,
-    event: Option<RawEvent>,
+    /// Freed on a stream: reusable at once on that stream.
+    on_stream: HashMap<(RawStream, usize), Vec<DevicePtr>>,
+    stream_bytes: usize,
+    /// Sealed batches, oldest first.
+    sealed: VecDeque<Sealed>,
+    sealed_bytes: usize,
     // Statistics, kept under the lock the allocation takes anyway (an atomic
     // counter shared by all threads would cost more than the rest of the
     // fast path). A block comes back to the shard that handed it out, so
@@ -149,10 +322,13 @@ impl Default for Shard {
         Shard {
             ready: vec![Vec::new(); SMALL_CLASSES],
             large: FastMap::default(),
+            ready_bytes: 0,
             pending: Vec::new(),
             pending_bytes: 0,
-            ready_bytes: 0,
-            event: None,
+            on_stream: HashMap::new(),
+            stream_bytes: 0,
+            sealed: VecDeque::new(),
+            sealed_bytes: 0,
             live_bytes: 0,
             live_count: 0,
             peak_bytes: 0,
@@ -186,50 +362,83 @@ impl Shard {
         self.pending.len() >= config.fence_count || self.pending_bytes >= config.fence_bytes
     }
 
-    /// Record the fence and make every pending block ready.
-    fn fence(&mut self, ctx: &Context) -> Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let drv = ctx.driver();
-        let event = match self.event {
-            Some(e) => e,
-            None => {
-                let e = drv.event_create(ctx.raw())?;
-                self.event = Some(e);
-                e
+    /// Whether stream-held blocks should go to the fence too: too many
+    /// bytes wait on streams that may not allocate again.
+    fn streams_due(&self, config: &PoolConfig) -> bool {
+        self.stream_bytes >= config.fence_bytes
+    }
+
+    /// Make ready every sealed batch whose fence is done; whether any was.
+    fn promote(&mut self, done: u64) -> bool {
+        let mut any = false;
+        while self.sealed.front().is_some_and(|b| b.seq <= done) {
+            let batch = self.sealed.pop_front().expect("checked");
+            self.sealed_bytes -= batch.bytes;
+            for (ptr, class) in batch.blocks {
+                self.put_ready(ptr, class);
             }
-        };
-        drv.event_record(ctx.raw(), event, 0)?;
-        for (ptr, class) in std::mem::take(&mut self.pending) {
-            self.put_ready(ptr, class);
+            self.fences += 1;
+            any = true;
         }
+        any
+    }
+
+    /// Seal the pending blocks (and, with `streams`, the stream-held ones)
+    /// into one batch for a fence of `context`.
+    fn seal(&mut self, fencer: &Fencer, context: RawContext, streams: bool) {
+        let streams = streams && self.stream_bytes != 0;
+        if self.pending.is_empty() && !streams {
+            return;
+        }
+        let mut blocks = std::mem::take(&mut self.pending);
+        let mut bytes = self.pending_bytes;
         self.pending_bytes = 0;
-        self.fences += 1;
-        Ok(())
+        if streams {
+            for ((_, class), v) in self.on_stream.drain() {
+                blocks.extend(v.into_iter().map(|p| (p, class)));
+            }
+            bytes += self.stream_bytes;
+            self.stream_bytes = 0;
+        }
+        let seq = fencer.request(context);
+        match self.sealed.back_mut() {
+            // Requests before the helper starts share its fence.
+            Some(last) if last.seq == seq => {
+                last.blocks.extend(blocks);
+                last.bytes += bytes;
+            }
+            _ => self.sealed.push_back(Sealed { seq, blocks, bytes }),
+        }
+        self.sealed_bytes += bytes;
     }
 
-    /// A ready block of `class`; failing that, if a batch is due, fence it
-    /// and try again.
-    fn take_or_fence(
-        &mut self,
-        ctx: &Context,
-        config: &PoolConfig,
-        class: usize,
-    ) -> Result<Option<DevicePtr>> {
+    /// A block of `class` this shard may hand to an owner on `stream`
+    /// without waiting.
+    fn take(&mut self, class: usize, stream: Option<RawStream>, done: u64) -> Option<DevicePtr> {
+        if let Some(s) = stream {
+            if let Some(p) = self.on_stream.get_mut(&(s, class)).and_then(Vec::pop) {
+                self.stream_bytes -= class;
+                return Some(p);
+            }
+        }
         if let Some(p) = self.take_ready(class) {
-            return Ok(Some(p));
+            return Some(p);
         }
-        if !self.fence_due(config) {
-            return Ok(None);
+        if self.promote(done) {
+            return self.take_ready(class);
         }
-        self.fence(ctx)?;
-        Ok(self.take_ready(class))
+        None
     }
 
-    /// Empty the cache: every pending and ready block, with its class.
+    /// Empty the cache: every block the shard holds, with its class.
     fn drain(&mut self) -> Vec<(DevicePtr, usize)> {
         let mut out = std::mem::take(&mut self.pending);
+        for ((_, class), v) in self.on_stream.drain() {
+            out.extend(v.into_iter().map(|p| (p, class)));
+        }
+        for batch in self.sealed.drain(..) {
+            out.extend(batch.blocks);
+        }
         for (i, v) in self.ready.iter_mut().enumerate() {
             let class = class_of_index(i);
             out.extend(v.drain(..).map(|p| (p, class)));
@@ -238,6 +447,8 @@ impl Shard {
             out.extend(v.into_iter().map(|p| (p, class)));
         }
         self.pending_bytes = 0;
+        self.stream_bytes = 0;
+        self.sealed_bytes = 0;
         self.ready_bytes = 0;
         out
     }
@@ -285,7 +496,10 @@ pub(crate) struct PoolStats {
     /// thread allocates, an upper bound of it when several do.
     pub peak_bytes: usize,
     pub alloc_count: u64,
+    /// Every byte held for reuse: ready, on a stream's list, or pending.
     pub cached_bytes: usize,
+    /// The part of `cached_bytes` waiting for a fence.
+    pub pending_bytes: usize,
     pub hits: u64,
     pub misses: u64,
     pub fences: u64,
@@ -297,15 +511,23 @@ pub(crate) struct Block {
     pub address: DevicePtr,
     pub class: usize,
     pub shard: u32,
+    /// Whether it came fresh from the driver (its owner registers it).
+    pub fresh: bool,
 }
 
-/// A device's caching pool. Use it through [`Context::alloc`].
-pub struct Pool {
+/// A device's caching pool, over the driver alone.
+pub(crate) struct Pool {
     config: PoolConfig,
+    driver: Arc<dyn Driver>,
     shards: Box<[Padded]>,
-    /// Registry entries of the blocks this pool holds from the driver
-    /// (cached or handed out). Touched on misses, trims and resets only.
-    blocks: Mutex<FastMap<DevicePtr, (usize, Registration)>>,
+    fencer: Fencer,
+    /// The blocks this pool holds from the driver (cached or handed out),
+    /// with their classes. Touched on misses, trims and resets only.
+    held: Mutex<FastMap<DevicePtr, usize>>,
+    /// Blocks the out-of-memory path returned to the driver, for the owner
+    /// to unregister ([`Pool::take_freed`]).
+    freed: Mutex<Vec<DevicePtr>>,
+    has_freed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Pool {
@@ -321,18 +543,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Pool {
-    pub(crate) fn new(config: PoolConfig) -> Self {
+    pub(crate) fn new(config: PoolConfig, driver: Arc<dyn Driver>) -> Self {
         let n = config.shards.clamp(1, 1 << 10).next_power_of_two();
         Pool {
             config: PoolConfig {
                 shards: n,
                 ..config
             },
+            fencer: Fencer::new(driver.clone()),
+            driver,
             shards: (0..n)
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect(),
-            blocks: Mutex::new(FastMap::default()),
+            held: Mutex::new(FastMap::default()),
+            freed: Mutex::new(Vec::new()),
+            has_freed: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The blocks an out-of-memory trim returned to the driver since the
+    /// last call (their registry entries are the owner's to remove).
+    pub(crate) fn take_freed(&self) -> Vec<DevicePtr> {
+        if !self.has_freed.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *lock(&self.freed))
     }
 
     fn shard(&self, i: usize) -> MutexGuard<'_, Shard> {
@@ -357,12 +592,22 @@ impl Pool {
             s.live_count += sh.live_count;
             s.peak_bytes += sh.peak_bytes;
             s.alloc_count += sh.alloc_count;
-            s.cached_bytes += sh.ready_bytes + sh.pending_bytes;
+            let waiting = sh.pending_bytes + sh.sealed_bytes;
+            s.pending_bytes += waiting;
+            s.cached_bytes += sh.ready_bytes + sh.stream_bytes + waiting;
             s.hits += sh.hits;
             s.misses += sh.misses;
             s.fences += sh.fences;
         }
         s
+    }
+
+    /// Forget the peaks: each shard's peak becomes its live bytes.
+    pub(crate) fn reset_peak(&self) {
+        for i in 0..self.shards.len() {
+            let mut sh = self.shard(i);
+            sh.peak_bytes = sh.live_bytes;
+        }
     }
 
     fn handed_out(sh: &mut Shard, size: usize, hit: bool) {
@@ -377,138 +622,194 @@ impl Pool {
         }
     }
 
-    /// A ready block of `class` from any shard but `own`, which becomes its
-    /// new home. A shard whose batch of pending blocks is due is fenced
-    /// first (its own thread may never allocate again). Busy shards are
-    /// skipped rather than waited for; a failed fence leaves the blocks
-    /// pending for their own shard's next miss.
-    fn steal(&self, ctx: &Context, own: usize, class: usize) -> Option<DevicePtr> {
+    /// A block of `class` for `stream` from any shard but `own`, which
+    /// becomes its new home. Busy shards are skipped rather than waited for.
+    fn steal(
+        &self,
+        context: RawContext,
+        own: usize,
+        class: usize,
+        stream: Option<RawStream>,
+    ) -> Option<DevicePtr> {
         let n = self.shards.len();
+        let done = self.fencer.done();
         (1..n).find_map(|d| {
             let mut sh = self.shards[(own + d) % n].0.try_lock().ok()?;
-            sh.take_or_fence(ctx, &self.config, class).ok().flatten()
+            let p = sh.take(class, stream, done);
+            if p.is_none() && sh.fence_due(&self.config) {
+                // Its own thread may never allocate again: start its fence.
+                sh.seal(&self.fencer, context, false);
+            }
+            p
         })
     }
 
-    /// A block of at least `size` bytes.
-    pub(crate) fn alloc(&self, ctx: &std::sync::Arc<Context>, size: usize) -> Result<Block> {
+    /// A block of at least `size` bytes for an owner on `stream` (`None`:
+    /// no stream known) in `context`.
+    pub(crate) fn alloc(
+        &self,
+        context: RawContext,
+        size: usize,
+        stream: Option<RawStream>,
+        device: usize,
+    ) -> Result<Block> {
         let class = size_class(size);
         let own = self.own_shard();
-        let block = |address| Block {
+        let block = |address, fresh| Block {
             address,
             class,
             shard: own as u32,
+            fresh,
         };
         {
-            // The fast path: one lock, the thread's own shard.
+            // The fast path: one lock, the thread's own shard, no driver call.
             let mut sh = self.shard(own);
-            if let Some(p) = sh.take_or_fence(ctx, &self.config, class)? {
+            if let Some(p) = sh.take(class, stream, self.fencer.done()) {
                 Self::handed_out(&mut sh, size, true);
-                return Ok(block(p));
+                return Ok(block(p, false));
             }
+            // A miss: start a fence for what this shard holds back, so that
+            // it is ready for a later request. Nothing waits for it now.
+            let streams = sh.streams_due(&self.config);
+            sh.seal(&self.fencer, context, streams);
         }
-        let (p, hit) = match self.steal(ctx, own, class) {
+        let (p, hit) = match self.steal(context, own, class, stream) {
             Some(p) => (p, true),
-            None => self.alloc_new_or_reclaim(ctx, own, class, size)?,
+            None => self.alloc_new_or_reclaim(context, own, class, size, device)?,
         };
         Self::handed_out(&mut self.shard(own), size, hit);
-        Ok(block(p))
+        Ok(block(p, !hit))
     }
 
-    /// A fresh block from the driver; out of memory, what every shard caches
-    /// is reclaimed and the driver asked once more. Returns the block and
-    /// whether it came from the cache.
+    /// A fresh block from the driver. Out of memory: seal every shard, wait
+    /// for the fence, and take a block it freed; failing that, return the
+    /// whole cache to the driver and ask again (a few rounds, as other
+    /// threads may take what was freed). Returns the block and whether it
+    /// came from the cache.
     fn alloc_new_or_reclaim(
         &self,
-        ctx: &std::sync::Arc<Context>,
+        context: RawContext,
         own: usize,
         class: usize,
         size: usize,
+        device: usize,
     ) -> Result<(DevicePtr, bool)> {
-        let typed = |e: crate::Error| e.oom_on(ctx.device(), size);
-        match self.alloc_new(ctx, class) {
-            Ok(p) => Ok((p, false)),
-            Err(e) if e.is_oom() => {
-                if let Some(p) = self.fence_all_and_take(ctx, own, class)? {
-                    return Ok((p, true));
-                }
-                self.trim(ctx)?;
-                self.alloc_new(ctx, class)
-                    .map(|p| (p, false))
-                    .map_err(typed)
+        let typed = |e: Error| e.oom_on(device, size);
+        let mut err = match self.alloc_new(context, class) {
+            Ok(p) => return Ok((p, false)),
+            Err(e) if e.is_oom() => e,
+            Err(e) => return Err(typed(e)),
+        };
+        for _ in 0..4 {
+            if let Some(p) = self.fence_all_and_take(context, own, class) {
+                return Ok((p, true));
             }
-            Err(e) => Err(typed(e)),
+            let freed = self.trim(context).map_err(typed)?;
+            if !freed.is_empty() {
+                lock(&self.freed).extend(freed.iter().map(|(p, _)| *p));
+                self.has_freed.store(true, Ordering::Release);
+            }
+            match self.alloc_new(context, class) {
+                Ok(p) => return Ok((p, false)),
+                Err(e) if e.is_oom() => err = e,
+                Err(e) => return Err(typed(e)),
+            }
+            if freed.is_empty() {
+                break;
+            }
         }
+        Err(typed(err))
     }
 
-    /// Fence every shard, then take a ready block of `class` from any.
+    /// Seal every shard, wait for the fence that covers them all, then take
+    /// a ready block of `class` from any shard.
     fn fence_all_and_take(
         &self,
-        ctx: &Context,
+        context: RawContext,
         own: usize,
         class: usize,
-    ) -> Result<Option<DevicePtr>> {
+    ) -> Option<DevicePtr> {
         let n = self.shards.len();
-        for d in 0..n {
-            let mut sh = self.shard((own + d) % n);
-            sh.fence(ctx)?;
-            if let Some(p) = sh.take_ready(class) {
-                return Ok(Some(p));
-            }
+        let mut newest = 0;
+        for i in 0..n {
+            let mut sh = self.shard(i);
+            sh.seal(&self.fencer, context, true);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
         }
-        Ok(None)
+        if newest > 0 {
+            self.fencer.wait(newest);
+        }
+        let done = self.fencer.done();
+        (0..n).find_map(|d| self.shard((own + d) % n).take(class, None, done))
     }
 
-    fn alloc_new(&self, ctx: &std::sync::Arc<Context>, class: usize) -> Result<DevicePtr> {
-        let p = ctx.driver().mem_alloc(ctx.raw(), class)?;
-        let reg = ctx.runtime().registry().insert(p, class, ctx);
-        lock(&self.blocks).insert(p, (class, reg));
+    fn alloc_new(&self, context: RawContext, class: usize) -> Result<DevicePtr> {
+        // SAFETY: the pool's owner passes its live, retained context.
+        let p = unsafe { self.driver.mem_alloc(context, class) }?;
+        lock(&self.held).insert(p, class);
         Ok(p)
     }
 
-    /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes to
-    /// a pointer of `ctx` made at `generation`. No driver call. A block of a
-    /// context reset since is refused: its memory is gone (the check is
-    /// under the shard lock, which a reset's [`Pool::forget`] takes too).
-    pub(crate) fn release(&self, ctx: &Context, generation: u64, block: Block, size: usize) {
+    /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes,
+    /// freed on `stream` (`None`: no stream known). No driver call, and no
+    /// wait. `still_valid` is asked under the shard lock, which a reset's
+    /// [`Pool::forget`] takes too: a block of a context reset since is
+    /// refused, its memory gone.
+    pub(crate) fn release(
+        &self,
+        context: RawContext,
+        block: Block,
+        size: usize,
+        stream: Option<RawStream>,
+        still_valid: impl FnOnce() -> bool,
+    ) {
         let mut sh = self.shard(block.shard as usize & (self.shards.len() - 1));
-        if ctx.generation() != generation {
+        if !still_valid() {
             return;
         }
         // Saturating: a reset racing an allocation on another thread may have
         // zeroed the counts after this block was counted (no panic in a deleter).
         sh.live_bytes = sh.live_bytes.saturating_sub(size);
         sh.live_count = sh.live_count.saturating_sub(1);
-        sh.pending.push((block.address, block.class));
-        sh.pending_bytes += block.class;
+        match stream {
+            Some(s) => {
+                sh.on_stream
+                    .entry((s, block.class))
+                    .or_default()
+                    .push(block.address);
+                sh.stream_bytes += block.class;
+            }
+            None => {
+                sh.pending.push((block.address, block.class));
+                sh.pending_bytes += block.class;
+                if sh.fence_due(&self.config) {
+                    sh.seal(&self.fencer, context, false);
+                }
+            }
+        }
     }
 
-    /// Return every cached block to the driver (`cuMemFree`). Blocks still
-    /// handed out are kept.
-    pub fn trim(&self, ctx: &Context) -> Result<usize> {
+    /// Return every cached block to the driver (`cuMemFree`, which waits for
+    /// the device, so blocks still waiting for a fence are safe to free too).
+    /// Blocks handed out are kept. Returns the blocks freed, with their
+    /// classes.
+    pub(crate) fn trim(&self, context: RawContext) -> Result<Vec<(DevicePtr, usize)>> {
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
             cached.extend(self.shard(i).drain());
         }
-        let blocks: Vec<(DevicePtr, usize, Registration)> = {
-            let mut held = lock(&self.blocks);
-            cached
-                .into_iter()
-                .filter_map(|(ptr, class)| held.remove(&ptr).map(|(_, reg)| (ptr, class, reg)))
-                .collect()
-        };
-        let mut freed = 0;
+        let mut freed = Vec::new();
         let mut first_err = None;
-        for (ptr, class, reg) in blocks {
-            // cuMemFree waits for the device, so pending blocks are safe too.
-            match ctx.driver().mem_free(ctx.raw(), ptr) {
+        for (ptr, class) in cached {
+            // SAFETY: `ptr` is a block this pool allocated in `context` and
+            // holds (cached, not handed out), so no one uses it after this.
+            match unsafe { self.driver.mem_free(context, ptr) } {
                 Ok(()) => {
-                    ctx.runtime().registry().remove(reg);
-                    freed += class;
+                    lock(&self.held).remove(&ptr);
+                    freed.push((ptr, class));
                 }
                 Err(e) => {
                     // Still allocated: keep it cached, so nothing is lost.
-                    lock(&self.blocks).insert(ptr, (class, reg));
                     self.shard(0).put_ready(ptr, class);
                     first_err.get_or_insert(e);
                 }
@@ -520,45 +821,75 @@ impl Pool {
         }
     }
 
-    /// Forget every block without freeing it: the context was reset and the
-    /// memory is gone. Call after [`Context::invalidate`]: blocks handed out
-    /// before are then refused on release.
-    pub(crate) fn forget(&self, ctx: &Context) {
+    /// Forget every block without freeing it (the context was reset and the
+    /// memory is gone), and zero the live counts; the blocks it held.
+    pub(crate) fn forget(&self) -> Vec<DevicePtr> {
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);
             sh.drain();
-            sh.event = None;
             sh.live_bytes = 0;
             sh.live_count = 0;
         }
-        for (_, (_, reg)) in lock(&self.blocks).drain() {
-            ctx.runtime().registry().remove(reg);
-        }
-    }
-
-    /// Bytes the pool holds for reuse (pending and ready).
-    pub fn cached_bytes(&self) -> usize {
-        self.stats().cached_bytes
+        lock(&self.held).drain().map(|(p, _)| p).collect()
     }
 
     /// Number of blocks the pool holds from the driver (cached or handed out).
-    pub fn held_blocks(&self) -> usize {
-        lock(&self.blocks).len()
+    pub(crate) fn held_blocks(&self) -> usize {
+        lock(&self.held).len()
     }
 
-    /// Destroy the shards' events (at context teardown).
-    pub(crate) fn close(&self, ctx: &Context) {
+    /// Wait for the fence that covers every block freed so far, and make
+    /// those blocks ready (tests and `synchronize` callers). `false` if the
+    /// fence failed.
+    pub(crate) fn flush(&self, context: RawContext) -> bool {
+        let mut newest = 0;
         for i in 0..self.shards.len() {
-            if let Some(e) = self.shard(i).event.take() {
-                let _ = ctx.driver().event_destroy(ctx.raw(), e);
-            }
+            let mut sh = self.shard(i);
+            sh.seal(&self.fencer, context, true);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
         }
+        let ok = newest == 0 || self.fencer.wait(newest);
+        let done = self.fencer.done();
+        for i in 0..self.shards.len() {
+            self.shard(i).promote(done);
+        }
+        ok
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::{SimConfig, SimDriver};
+
+    /// The pool over a bare simulator, with no Runtime.
+    #[test]
+    fn pool_reuses_only_after_its_fence_without_a_runtime() {
+        let sim = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
+        let ctx = sim.primary_context_retain(0).unwrap();
+        let pool = Pool::new(PoolConfig::default(), sim.clone());
+        let a = pool.alloc(ctx, 4096, None, 0).unwrap();
+        assert!(a.fresh);
+        sim.queue_write(0x99, a.address, &[1; 4]).unwrap();
+        pool.release(ctx, a, 4096, None, || true);
+        let b = pool.alloc(ctx, 4096, None, 0).unwrap();
+        assert_ne!(b.address, a.address, "queued work still writes a");
+        assert_eq!(pool.stats().pending_bytes, 4096);
+        sim.complete(None);
+        assert!(pool.flush(ctx));
+        let c = pool.alloc(ctx, 4096, None, 0).unwrap();
+        assert_eq!(c.address, a.address);
+        assert!(!c.fresh);
+        pool.release(ctx, b, 4096, None, || true);
+        pool.release(ctx, c, 4096, Some(5), || true);
+        assert_eq!(
+            pool.alloc(ctx, 4096, Some(5), 0).unwrap().address,
+            a.address
+        );
+        assert_eq!(pool.stats().live_count, 1);
+        let _ = pool.trim(ctx).unwrap();
+        assert_eq!(pool.held_blocks(), 1);
+    }
 
     #[test]
     fn class_indexes_are_dense_and_round_trip() {

@@ -24,14 +24,14 @@ struct Entry {
 /// [`Registry::remove`]. Removal with an old token never removes a newer entry
 /// at the same address.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Registration {
+pub(crate) struct Registration {
     start: DevicePtr,
     token: u64,
 }
 
 /// Known address ranges and their contexts.
 #[derive(Default)]
-pub struct Registry {
+pub(crate) struct Registry {
     ranges: RwLock<BTreeMap<DevicePtr, Entry>>,
     next_token: AtomicU64,
 }
@@ -106,10 +106,5 @@ impl Registry {
     /// Number of registered ranges.
     pub fn len(&self) -> usize {
         self.ranges.read().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
-    /// Whether no range is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }

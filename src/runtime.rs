@@ -2,17 +2,18 @@
 //! statistics. Python uses [`Runtime::global`]; Rust code and tests can make
 //! their own (for example over a [`SimDriver`](crate::SimDriver)).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::context::Context;
-use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType};
+use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType, RawStream};
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, KeepAlive};
-use crate::pool::{Pool, PoolConfig};
-use crate::registry::Registry;
+use crate::pool::{Block, Pool, PoolConfig};
+use crate::registry::{Registration, Registry};
 
-/// Allocation counters of one device.
+/// Allocation counters of one device (allocations made outside the pool).
 #[derive(Default, Debug)]
 pub(crate) struct DeviceCounters {
     pub live_bytes: AtomicUsize,
@@ -34,23 +35,200 @@ pub struct DeviceStats {
     pub peak_bytes: usize,
     /// Allocations made so far.
     pub alloc_count: u64,
-    /// Bytes the pool holds for reuse.
+    /// Bytes the pool holds for reuse (ready, on a stream's list, or
+    /// waiting for a fence).
     pub cached_bytes: usize,
+    /// The part of `cached_bytes` waiting for a fence: freed blocks that
+    /// queued work may still use.
+    pub pending_bytes: usize,
     /// Allocations served from the pool's cache.
     pub pool_hits: u64,
     /// Allocations that went to the driver.
     pub pool_misses: u64,
-    /// Fences recorded (each makes a batch of freed blocks reusable).
+    /// Fences completed (each makes a batch of freed blocks reusable).
     pub fences: u64,
+}
+
+/// Everything gpuptr keeps about one device, in one place: the slot of its
+/// live context, its pool (with the registry entries of the pool's blocks)
+/// and its counters. Reset and teardown are its methods.
+pub(crate) struct DeviceState {
+    device: usize,
+    slot: Mutex<Weak<Context>>,
+    pool: Option<Pool>,
+    counters: DeviceCounters,
+    block_regs: Mutex<HashMap<DevicePtr, Registration>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl DeviceState {
+    fn new(device: usize, driver: &Arc<dyn Driver>, pool: Option<PoolConfig>) -> Self {
+        DeviceState {
+            device,
+            slot: Mutex::new(Weak::new()),
+            pool: pool.map(|c| Pool::new(c, driver.clone())),
+            counters: DeviceCounters::default(),
+            block_regs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(crate) fn counters(&self) -> &DeviceCounters {
+        &self.counters
+    }
+
+    pub(crate) fn pooled(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    fn existing(&self) -> Option<Arc<Context>> {
+        lock(&self.slot).upgrade()
+    }
+
+    fn context(&self, rt: &Arc<Runtime>) -> Result<Arc<Context>> {
+        let mut slot = lock(&self.slot);
+        if let Some(ctx) = slot.upgrade() {
+            return Ok(ctx);
+        }
+        let ctx = Arc::new(Context::retain(rt.clone(), self.device)?);
+        *slot = Arc::downgrade(&ctx);
+        Ok(ctx)
+    }
+
+    /// A pool block of `size` bytes for an owner on `stream`; fresh blocks
+    /// are registered, so their context resolves by address.
+    pub(crate) fn pool_alloc(
+        &self,
+        ctx: &Arc<Context>,
+        size: usize,
+        stream: Option<RawStream>,
+    ) -> Result<Block> {
+        let pool = self.pool.as_ref().expect("pooled device");
+        let block = pool.alloc(ctx.raw(), size, stream, self.device);
+        // An out-of-memory trim inside the pool returned blocks: unregister.
+        let freed = pool.take_freed();
+        if !freed.is_empty() {
+            self.unregister(ctx.runtime().registry(), freed);
+        }
+        let block = block?;
+        if block.fresh {
+            let reg = ctx
+                .runtime()
+                .registry()
+                .insert(block.address, block.class, ctx);
+            lock(&self.block_regs).insert(block.address, reg);
+        }
+        Ok(block)
+    }
+
+    /// Give a block back to the pool (see [`Pool::release`]).
+    pub(crate) fn pool_release(
+        &self,
+        ctx: &Context,
+        generation: u64,
+        block: Block,
+        size: usize,
+        stream: Option<RawStream>,
+    ) {
+        if let Some(pool) = &self.pool {
+            pool.release(ctx.raw(), block, size, stream, || {
+                ctx.generation() == generation
+            });
+        }
+    }
+
+    fn unregister(&self, registry: &Registry, blocks: impl IntoIterator<Item = DevicePtr>) {
+        let mut regs = lock(&self.block_regs);
+        for p in blocks {
+            if let Some(reg) = regs.remove(&p) {
+                registry.remove(reg);
+            }
+        }
+    }
+
+    /// Return the pool's cache to the driver; the bytes freed.
+    pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
+        let Some(pool) = &self.pool else {
+            return Ok(0);
+        };
+        let r = pool.trim(ctx.raw());
+        // Freed blocks are unregistered even when a later one failed.
+        let freed = match &r {
+            Ok(v) => v.clone(),
+            Err(_) => Vec::new(),
+        };
+        self.unregister(ctx.runtime().registry(), freed.iter().map(|(p, _)| *p));
+        r.map(|v| v.iter().map(|(_, c)| c).sum())
+    }
+
+    /// Prepare for the context being reset (numba's `cuda.close()`): the
+    /// cache goes back to the driver, every live allocation turns stale, and
+    /// the next use retains the primary context afresh. Never waits for the
+    /// pool's fence thread.
+    fn reset(&self) -> Result<()> {
+        let Some(ctx) = self.existing() else {
+            return Ok(());
+        };
+        let trimmed = self.trim(&ctx);
+        // Invalidate first: the pool then refuses blocks of this context,
+        // and forgets the ones it has under the same locks.
+        ctx.invalidate();
+        if let Some(pool) = &self.pool {
+            let held = pool.forget();
+            self.unregister(ctx.runtime().registry(), held);
+        }
+        // After the reset the old CUcontext is dead. Holders of the old
+        // Context (stale pointers) release their retain when they go.
+        *lock(&self.slot) = Weak::new();
+        self.counters.live_bytes.store(0, Ordering::Relaxed);
+        self.counters.live_count.store(0, Ordering::Relaxed);
+        trimmed.map(|_| ())
+    }
+
+    /// At the last drop of the current context: give the cache back before
+    /// the retain that keeps it valid goes. A context detached by a reset no
+    /// longer owns the pool (its successor does).
+    pub(crate) fn teardown(&self, ctx: &Context) {
+        if ctx.generation() == 0 {
+            let _ = self.trim(ctx);
+        }
+    }
+
+    fn stats(&self) -> DeviceStats {
+        let c = &self.counters;
+        let p = self.pool.as_ref().map(Pool::stats).unwrap_or_default();
+        DeviceStats {
+            device: self.device,
+            live_bytes: c.live_bytes.load(Ordering::Relaxed) + p.live_bytes,
+            live_count: c.live_count.load(Ordering::Relaxed) + p.live_count,
+            // Peaks of the two kinds may not coincide: report the larger.
+            peak_bytes: c.peak_bytes.load(Ordering::Relaxed).max(p.peak_bytes),
+            alloc_count: c.alloc_count.load(Ordering::Relaxed) + p.alloc_count,
+            cached_bytes: p.cached_bytes,
+            pending_bytes: p.pending_bytes,
+            pool_hits: p.hits,
+            pool_misses: p.misses,
+            fences: p.fences,
+        }
+    }
+
+    fn reset_peak(&self) {
+        let c = &self.counters;
+        c.peak_bytes
+            .store(c.live_bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        if let Some(p) = &self.pool {
+            p.reset_peak();
+        }
+    }
 }
 
 /// The driver with everything gpuptr keeps about it.
 pub struct Runtime {
     driver: Arc<dyn Driver>,
-    contexts: Mutex<Vec<Weak<Context>>>,
     registry: Registry,
-    counters: Vec<DeviceCounters>,
-    pools: Option<Vec<Pool>>,
+    devices: Vec<DeviceState>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -69,28 +247,53 @@ impl Runtime {
 
     /// A runtime over `driver`; `None` allocates straight from the driver.
     pub fn with_pool(driver: Arc<dyn Driver>, pool: Option<PoolConfig>) -> Result<Arc<Self>> {
+        crate::fork::watch();
         let n = driver.device_count()?;
         Ok(Arc::new(Runtime {
+            devices: (0..n).map(|d| DeviceState::new(d, &driver, pool)).collect(),
             driver,
-            contexts: Mutex::new((0..n).map(|_| Weak::new()).collect()),
             registry: Registry::new(),
-            counters: (0..n).map(|_| DeviceCounters::default()).collect(),
-            pools: pool.map(|c| (0..n).map(|_| Pool::new(c)).collect()),
         }))
     }
 
-    /// The caching pool of `device`, unless pooling is off.
+    /// The state of `device` (which must exist).
     #[inline]
-    pub fn pool(&self, device: usize) -> Option<&Pool> {
-        self.pools.as_ref().map(|p| &p[device])
+    pub(crate) fn device_state(&self, device: usize) -> &DeviceState {
+        &self.devices[device]
+    }
+
+    /// Whether `device` allocates through a caching pool.
+    pub fn is_pooled(&self, device: usize) -> bool {
+        self.devices.get(device).is_some_and(DeviceState::pooled)
+    }
+
+    /// Blocks `device`'s pool holds from the driver (cached or handed out).
+    pub fn pool_held_blocks(&self, device: usize) -> usize {
+        self.devices
+            .get(device)
+            .and_then(|d| d.pool.as_ref())
+            .map_or(0, Pool::held_blocks)
+    }
+
+    /// Wait for the fence covering every block freed so far on `device`, so
+    /// they are ready for reuse (the allocator never needs this; tests and
+    /// callers about to measure do). `false` if the fence failed.
+    pub fn flush_pool(self: &Arc<Self>, device: usize) -> Result<bool> {
+        self.check_device(device)?;
+        let d = &self.devices[device];
+        match (&d.pool, d.existing()) {
+            (Some(pool), Some(ctx)) => Ok(pool.flush(ctx.raw())),
+            _ => Ok(true),
+        }
     }
 
     /// Return every cached block of every device to the driver; the bytes freed.
     pub fn trim(self: &Arc<Self>) -> Result<usize> {
+        crate::fork::check()?;
         let mut freed = 0;
-        for d in 0..self.device_count() {
-            if let (Some(pool), Some(ctx)) = (self.pool(d), self.existing_context(d)) {
-                freed += pool.trim(&ctx)?;
+        for d in &self.devices {
+            if let Some(ctx) = d.existing() {
+                freed += d.trim(&ctx)?;
             }
         }
         Ok(freed)
@@ -101,31 +304,22 @@ impl Runtime {
     /// stale. Stale pointers raise `InvalidPointer` on use, and freeing them
     /// is a no-op, so they never free memory a later allocation reuses.
     pub fn reset(self: &Arc<Self>, device: usize) -> Result<()> {
+        crate::fork::check()?;
         self.check_device(device)?;
-        let Some(ctx) = self.existing_context(device) else {
-            return Ok(());
-        };
-        let trimmed = self.pool(device).map(|p| p.trim(&ctx));
-        // Invalidate first: the pool then refuses blocks of this context,
-        // and forgets the ones it has under the same locks.
-        ctx.invalidate();
-        if let Some(pool) = self.pool(device) {
-            pool.close(&ctx);
-            pool.forget(&ctx);
+        self.devices[device].reset()
+    }
+
+    /// Make every device's peak equal to its live bytes now.
+    pub fn reset_peak_stats(&self) {
+        for d in &self.devices {
+            d.reset_peak();
         }
-        // After the reset the old CUcontext is dead: the next use retains the
-        // primary context afresh. Holders of the old Context (stale
-        // pointers) release their retain when they go.
-        self.contexts.lock().unwrap_or_else(|p| p.into_inner())[device] = Weak::new();
-        let c = &self.counters[device];
-        c.live_bytes.store(0, Ordering::Relaxed);
-        c.live_count.store(0, Ordering::Relaxed);
-        trimmed.transpose().map(|_| ())
     }
 
     /// The process-wide runtime, over the driver `GPUPTR_DRIVER` names
     /// (`auto`/`cuda`/`sim`). Opened on first use; a failure is remembered.
     pub fn global() -> Result<&'static Arc<Runtime>> {
+        crate::fork::check()?;
         static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
         GLOBAL
             .get_or_init(|| {
@@ -147,13 +341,18 @@ impl Runtime {
 
     /// The pointer→context registry.
     #[inline]
-    pub fn registry(&self) -> &Registry {
+    pub(crate) fn registry(&self) -> &Registry {
         &self.registry
+    }
+
+    /// Number of address ranges the pointer→context registry knows.
+    pub fn registered_ranges(&self) -> usize {
+        self.registry.len()
     }
 
     /// Number of devices.
     pub fn device_count(&self) -> usize {
-        self.counters.len()
+        self.devices.len()
     }
 
     /// `Ok` if `device` exists, else [`Error::InvalidArgument`].
@@ -170,14 +369,9 @@ impl Runtime {
     /// The one live context of `device`, retaining its primary context if no
     /// holder has it now.
     pub fn context(self: &Arc<Self>, device: usize) -> Result<Arc<Context>> {
+        crate::fork::check()?;
         self.check_device(device)?;
-        let mut slots = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ctx) = slots[device].upgrade() {
-            return Ok(ctx);
-        }
-        let ctx = Arc::new(Context::retain(self.clone(), device)?);
-        slots[device] = Arc::downgrade(&ctx);
-        Ok(ctx)
+        self.devices[device].context(self)
     }
 
     /// The device of the calling thread's current context, or 0 when none
@@ -189,8 +383,7 @@ impl Runtime {
     /// The live context of `device` if some holder keeps one, without
     /// retaining a new one.
     pub fn existing_context(&self, device: usize) -> Option<Arc<Context>> {
-        let slots = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        slots.get(device).and_then(Weak::upgrade)
+        self.devices.get(device).and_then(DeviceState::existing)
     }
 
     /// The context that `address` belongs to, resolved from the address
@@ -229,9 +422,12 @@ impl Runtime {
             })?;
         match attrs.memory_type {
             MemoryType::Device => {}
+            // Mapped (zero-copy) host memory is device memory to a kernel, as
+            // numba treats it.
+            MemoryType::Host if attrs.device_accessible => {}
             MemoryType::Host => {
                 return Err(Error::InvalidPointer(format!(
-                    "{address:#x} is page-locked host memory, not device memory"
+                    "{address:#x} is page-locked host memory not mapped into the device"
                 )))
             }
             MemoryType::Unregistered => {
@@ -247,10 +443,12 @@ impl Runtime {
     /// Wrap `[address, address+size)` of memory gpuptr does not own, keeping
     /// `keepalive` (its owner) until the pointer is released.
     ///
-    /// With `context` given, it is trusted (numba's `MemoryPointer(ctx, ...)`
-    /// call shape). Without it, the context is resolved from the address: a
-    /// registry hit costs a map lookup; a miss asks the driver once and
-    /// registers the allocation's range for as long as this pointer lives.
+    /// The range is checked against what the driver knows: it must lie in
+    /// one device-accessible allocation, and its context is the one the
+    /// memory lives in (`context`, numba's `MemoryPointer(ctx, ...)` call
+    /// shape, is used only for a null, empty range). A registry hit costs a
+    /// map lookup; a miss asks the driver once and registers the
+    /// allocation's range for as long as this pointer lives.
     pub fn wrap(
         self: &Arc<Self>,
         address: DevicePtr,
@@ -258,21 +456,25 @@ impl Runtime {
         context: Option<Arc<Context>>,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<DevicePointer>> {
+        crate::fork::check()?;
         let end = address.checked_add(size as u64).ok_or_else(|| {
             Error::InvalidPointer(format!("{address:#x} + {size} overflows the address space"))
         })?;
-        if let Some(ctx) = context {
-            if address == 0 && size != 0 {
+        if address == 0 {
+            if size != 0 {
                 return Err(Error::InvalidPointer(format!(
                     "null address with a size of {size} bytes"
                 )));
             }
-            return Ok(DevicePointer::foreign(ctx, address, size, None, keepalive));
-        }
-        if address == 0 {
-            return Err(Error::InvalidPointer(
-                "a null address has no context; pass one explicitly".into(),
-            ));
+            let ctx = match context {
+                Some(c) => c,
+                None => {
+                    return Err(Error::InvalidPointer(
+                        "a null address has no context; pass one explicitly".into(),
+                    ))
+                }
+            };
+            return Ok(DevicePointer::foreign(ctx, 0, 0, None, keepalive));
         }
         let out_of_range = |start: DevicePtr, stop: DevicePtr| {
             Error::InvalidPointer(format!(
@@ -294,6 +496,30 @@ impl Runtime {
         Ok(DevicePointer::foreign(ctx, address, size, reg, keepalive))
     }
 
+    /// Wrap `[address, address+size)` in `context` without asking the
+    /// driver (for memory whose address the driver just handed out).
+    ///
+    /// # Safety
+    /// The range is live device-accessible memory of `context` for as long
+    /// as the pointer (and its views) may be used: its memory operations
+    /// write there.
+    pub unsafe fn wrap_unchecked(
+        self: &Arc<Self>,
+        address: DevicePtr,
+        size: usize,
+        context: Arc<Context>,
+        keepalive: Option<KeepAlive>,
+    ) -> Result<Arc<DevicePointer>> {
+        if address.checked_add(size as u64).is_none() || (address == 0 && size != 0) {
+            return Err(Error::InvalidPointer(format!(
+                "[{address:#x}, +{size}) is not a valid range"
+            )));
+        }
+        Ok(DevicePointer::foreign(
+            context, address, size, None, keepalive,
+        ))
+    }
+
     /// Wrap the memory a strided array spans (see [`Layout`]) whose element
     /// 0 is at `address`; the returned view starts at element 0. An empty
     /// layout gives a null view in the current device's context.
@@ -303,6 +529,7 @@ impl Runtime {
         layout: &crate::Layout,
         keepalive: Option<KeepAlive>,
     ) -> Result<crate::View> {
+        crate::fork::check()?;
         if layout.span == 0 {
             let ctx = self.context(self.current_device()?)?;
             return Ok(crate::View::from(self.wrap(0, 0, Some(ctx), keepalive)?));
@@ -319,30 +546,8 @@ impl Runtime {
         crate::View::from(mem).view((-layout.lo) as usize, None)
     }
 
-    pub(crate) fn counters(&self, device: usize) -> &DeviceCounters {
-        &self.counters[device]
-    }
-
     /// Allocation statistics of every device.
     pub fn stats(&self) -> Vec<DeviceStats> {
-        self.counters
-            .iter()
-            .enumerate()
-            .map(|(device, c)| {
-                let p = self.pool(device).map(Pool::stats).unwrap_or_default();
-                DeviceStats {
-                    device,
-                    live_bytes: c.live_bytes.load(Ordering::Relaxed) + p.live_bytes,
-                    live_count: c.live_count.load(Ordering::Relaxed) + p.live_count,
-                    // Peaks of the two kinds may not coincide: report the larger.
-                    peak_bytes: c.peak_bytes.load(Ordering::Relaxed).max(p.peak_bytes),
-                    alloc_count: c.alloc_count.load(Ordering::Relaxed) + p.alloc_count,
-                    cached_bytes: p.cached_bytes,
-                    pool_hits: p.hits,
-                    pool_misses: p.misses,
-                    fences: p.fences,
-                }
-            })
-            .collect()
+        self.devices.iter().map(DeviceState::stats).collect()
     }
 }

@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 
 use super::{
     DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes, PrimaryContextState,
-    RawContext, RawEvent, RawStream,
+    RawContext, RawStream,
 };
 use crate::error::{Error, Result, CUDA_ERROR_NO_DEVICE};
 
@@ -65,6 +65,8 @@ pub fn probe() -> Result<i32> {
     static PROBE: OnceLock<Result<i32>> = OnceLock::new();
     PROBE
         .get_or_init(|| {
+            // SAFETY: only loads the library and resolves symbols; a panic
+            // (missing symbol) is caught.
             let found = catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
             if !found {
                 return Err(Error::NoDriver(format!(
@@ -81,6 +83,7 @@ pub fn probe() -> Result<i32> {
                 Err(e) => return Err(Error::NoDriver(format!("{e}; {NO_DRIVER_HINT}"))),
             }
             let mut version: c_int = 0;
+            // SAFETY: the out-pointer is a live local.
             guard("cuDriverGetVersion", || unsafe {
                 sys::cuDriverGetVersion(&mut version).result()
             })
@@ -126,8 +129,12 @@ impl CudaDriver {
     }
 
     /// Make `context` current on this thread unless it already is.
+    ///
+    /// # Safety
+    /// `context` is live (the trait's contract for every caller).
     #[inline]
-    fn enter(&self, context: RawContext) -> Result<()> {
+    unsafe fn enter(&self, context: RawContext) -> Result<()> {
+        // SAFETY: the out-pointer is a live local; `context` is live.
         guard("cuCtxSetCurrent", || unsafe {
             let mut current: sys::CUcontext = std::ptr::null_mut();
             sys::cuCtxGetCurrent(&mut current).result()?;
@@ -159,6 +166,7 @@ impl Driver for CudaDriver {
 
     fn device_total_memory(&self, device: usize) -> Result<usize> {
         let dev = self.device(device)?;
+        // SAFETY: `dev` is a valid device handle from cuDeviceGet.
         guard("cuDeviceTotalMem", || unsafe {
             result::device::total_mem(dev)
         })
@@ -166,14 +174,17 @@ impl Driver for CudaDriver {
 
     fn primary_context_retain(&self, device: usize) -> Result<RawContext> {
         let dev = self.device(device)?;
+        // SAFETY: `dev` is a valid device handle; the retain is balanced by
+        // the caller's later release (the trait's contract).
         guard("cuDevicePrimaryCtxRetain", || unsafe {
             result::primary_ctx::retain(dev)
         })
         .map(|c| c as RawContext)
     }
 
-    fn primary_context_release(&self, device: usize) -> Result<()> {
+    unsafe fn primary_context_release(&self, device: usize) -> Result<()> {
         let dev = self.device(device)?;
+        // SAFETY: the caller balances an earlier retain (this fn's contract).
         guard("cuDevicePrimaryCtxRelease", || unsafe {
             result::primary_ctx::release(dev)
         })
@@ -183,6 +194,7 @@ impl Driver for CudaDriver {
         let dev = self.device(device)?;
         let mut flags: c_uint = 0;
         let mut active: c_int = 0;
+        // SAFETY: the out-pointers are live locals; `dev` is valid.
         guard("cuDevicePrimaryCtxGetState", || unsafe {
             sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active).result()
         })?;
@@ -201,127 +213,88 @@ impl Driver for CudaDriver {
             return Ok(None);
         }
         let mut dev: sys::CUdevice = 0;
+        // SAFETY: the out-pointer is a live local.
         guard("cuCtxGetDevice", || unsafe {
             sys::cuCtxGetDevice(&mut dev).result()
         })?;
         Ok(Some(dev as usize))
     }
 
-    fn set_current_context(&self, context: RawContext) -> Result<()> {
+    unsafe fn set_current_context(&self, context: RawContext) -> Result<()> {
+        // SAFETY: `context` is 0 or live (this fn's contract).
         guard("cuCtxSetCurrent", || unsafe {
             result::ctx::set_current(context as sys::CUcontext)
         })
     }
 
-    fn synchronize(&self, context: RawContext) -> Result<()> {
+    unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
         self.enter(context)?;
         guard("cuCtxSynchronize", result::ctx::synchronize)
     }
 
-    fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()> {
+    unsafe fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()> {
         self.enter(context)?;
+        // SAFETY: `stream` is live in `context` (this fn's contract).
         guard("cuStreamSynchronize", || unsafe {
             result::stream::synchronize(stream as sys::CUstream)
         })
     }
 
-    fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool> {
+    unsafe fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool> {
         self.enter(context)?;
+        // SAFETY: `stream` is live in `context` (this fn's contract).
         done(guard("cuStreamQuery", || unsafe {
             sys::cuStreamQuery(stream as sys::CUstream).result()
         }))
     }
 
-    fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
+    unsafe fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
         self.enter(context)?;
+        // SAFETY: `context` is current; cuMemAlloc only writes its out-pointer.
         guard("cuMemAlloc", || unsafe { result::malloc_sync(size) })
     }
 
-    fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
+    unsafe fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
         self.enter(context)?;
+        // SAFETY: `ptr` is a live allocation of `context` no one uses after
+        // this (this fn's contract).
         guard("cuMemFree", || unsafe { result::free_sync(ptr) })
     }
 
-    fn mem_alloc_async(
+    unsafe fn mem_alloc_managed(
         &self,
         context: RawContext,
         size: usize,
-        stream: RawStream,
+        flags: u32,
     ) -> Result<DevicePtr> {
         self.enter(context)?;
-        guard("cuMemAllocAsync", || unsafe {
-            result::malloc_async(stream as sys::CUstream, size)
-        })
-    }
-
-    fn mem_free_async(&self, context: RawContext, ptr: DevicePtr, stream: RawStream) -> Result<()> {
-        self.enter(context)?;
-        guard("cuMemFreeAsync", || unsafe {
-            result::free_async(ptr, stream as sys::CUstream)
-        })
-    }
-
-    fn event_create(&self, context: RawContext) -> Result<RawEvent> {
-        self.enter(context)?;
-        guard("cuEventCreate", || {
-            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-        })
-        .map(|e| e as RawEvent)
-    }
-
-    fn event_record(&self, context: RawContext, event: RawEvent, stream: RawStream) -> Result<()> {
-        self.enter(context)?;
-        guard("cuEventRecord", || unsafe {
-            result::event::record(event as sys::CUevent, stream as sys::CUstream)
-        })
-    }
-
-    fn event_query(&self, context: RawContext, event: RawEvent) -> Result<bool> {
-        self.enter(context)?;
-        done(guard("cuEventQuery", || unsafe {
-            result::event::query(event as sys::CUevent)
-        }))
-    }
-
-    fn event_synchronize(&self, context: RawContext, event: RawEvent) -> Result<()> {
-        self.enter(context)?;
-        guard("cuEventSynchronize", || unsafe {
-            result::event::synchronize(event as sys::CUevent)
-        })
-    }
-
-    fn event_destroy(&self, context: RawContext, event: RawEvent) -> Result<()> {
-        self.enter(context)?;
-        guard("cuEventDestroy", || unsafe {
-            result::event::destroy(event as sys::CUevent)
-        })
-    }
-
-    fn mem_alloc_managed(&self, context: RawContext, size: usize, flags: u32) -> Result<DevicePtr> {
-        self.enter(context)?;
         let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the out-pointer is a live local.
         guard("cuMemAllocManaged", || unsafe {
             sys::cuMemAllocManaged(&mut ptr, size, flags).result()
         })?;
         Ok(ptr)
     }
 
-    fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr> {
+    unsafe fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr> {
         self.enter(context)?;
+        // SAFETY: `context` is current; cuMemHostAlloc only writes its out-pointer.
         guard("cuMemHostAlloc", || unsafe {
             result::malloc_host(size, flags)
         })
         .map(|p| p as HostPtr)
     }
 
-    fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
         self.enter(context)?;
+        // SAFETY: `ptr` came from cuMemHostAlloc and is not used afterwards
+        // (this fn's contract).
         guard("cuMemFreeHost", || unsafe {
             result::free_host(ptr as *mut c_void)
         })
     }
 
-    fn host_register(
+    unsafe fn host_register(
         &self,
         context: RawContext,
         ptr: HostPtr,
@@ -329,79 +302,124 @@ impl Driver for CudaDriver {
         flags: u32,
     ) -> Result<()> {
         self.enter(context)?;
+        // SAFETY: the range is live host memory kept in place until it is
+        // unregistered (this fn's contract).
         guard("cuMemHostRegister", || unsafe {
             sys::cuMemHostRegister_v2(ptr as *mut c_void, size, flags).result()
         })
     }
 
-    fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
         self.enter(context)?;
+        // SAFETY: `ptr` was registered in `context` (this fn's contract).
         guard("cuMemHostUnregister", || unsafe {
             sys::cuMemHostUnregister(ptr as *mut c_void).result()
         })
     }
 
-    fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr> {
+    unsafe fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr> {
         self.enter(context)?;
         let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: only the driver's tables are read; the out-pointer is a live local.
         guard("cuMemHostGetDevicePointer", || unsafe {
             sys::cuMemHostGetDevicePointer_v2(&mut d, ptr as *mut c_void, 0).result()
         })?;
         Ok(d)
     }
 
-    fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
+    unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
         self.enter(context)?;
         guard("cuMemGetInfo", result::mem_get_info)
     }
 
-    fn memset_d8(
+    unsafe fn memset_d8(
         &self,
         context: RawContext,
         ptr: DevicePtr,
         value: u8,
         count: usize,
-        stream: RawStream,
+        stream: Option<RawStream>,
     ) -> Result<()> {
         self.enter(context)?;
-        if stream == 0 {
-            guard("cuMemsetD8", || unsafe {
+        match stream {
+            // SAFETY: `[ptr, ptr+count)` is live device memory (this fn's contract).
+            None => guard("cuMemsetD8", || unsafe {
                 result::memset_d8_sync(ptr, value, count)
-            })
-        } else {
-            guard("cuMemsetD8Async", || unsafe {
-                result::memset_d8_async(ptr, value, count, stream as sys::CUstream)
-            })
+            }),
+            // SAFETY: as above, and `s` is a live stream.
+            Some(s) => guard("cuMemsetD8Async", || unsafe {
+                result::memset_d8_async(ptr, value, count, s as sys::CUstream)
+            }),
         }
     }
 
-    fn memcpy_htod(&self, context: RawContext, dst: DevicePtr, src: &[u8]) -> Result<()> {
+    unsafe fn memcpy_htod(
+        &self,
+        context: RawContext,
+        dst: DevicePtr,
+        src: *const u8,
+        count: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
         self.enter(context)?;
-        guard("cuMemcpyHtoD", || unsafe {
-            result::memcpy_htod_sync(dst, src)
-        })
+        match stream {
+            // SAFETY: `src` is readable and `dst` live for `count` bytes (this
+            // fn's contract); the raw call avoids building a slice that could
+            // alias the destination (mapped memory).
+            None => guard("cuMemcpyHtoD", || unsafe {
+                sys::cuMemcpyHtoD_v2(dst, src as *const c_void, count).result()
+            }),
+            // SAFETY: as above, and `s` is a live stream.
+            Some(s) => guard("cuMemcpyHtoDAsync", || unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, count, s as sys::CUstream)
+                    .result()
+            }),
+        }
     }
 
-    fn memcpy_dtoh(&self, context: RawContext, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+    unsafe fn memcpy_dtoh(
+        &self,
+        context: RawContext,
+        dst: *mut u8,
+        src: DevicePtr,
+        count: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
         self.enter(context)?;
-        guard("cuMemcpyDtoH", || unsafe {
-            result::memcpy_dtoh_sync(dst, src)
-        })
+        match stream {
+            // SAFETY: `dst` is writable and `src` live for `count` bytes.
+            None => guard("cuMemcpyDtoH", || unsafe {
+                sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, count).result()
+            }),
+            // SAFETY: as above, and `s` is a live stream.
+            Some(s) => guard("cuMemcpyDtoHAsync", || unsafe {
+                sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, count, s as sys::CUstream)
+                    .result()
+            }),
+        }
     }
 
-    fn memcpy_dtod(
+    unsafe fn memcpy_dtod(
         &self,
         context: RawContext,
         dst: DevicePtr,
         src: DevicePtr,
         count: usize,
+        stream: Option<RawStream>,
     ) -> Result<()> {
         self.enter(context)?;
         // cuMemcpy infers the direction from unified addresses, so it also
         // copies between devices' memory.
-        guard("cuMemcpy", || unsafe {
-            sys::cuMemcpy(dst, src, count).result()
-        })
+        match stream {
+            // SAFETY: both ranges are live device memory (this fn's contract).
+            None => guard("cuMemcpy", || unsafe {
+                sys::cuMemcpy(dst, src, count).result()
+            }),
+            // SAFETY: as above, and `s` is a live stream.
+            Some(s) => guard("cuMemcpyAsync", || unsafe {
+                sys::cuMemcpyAsync(dst, src, count, s as sys::CUstream).result()
+            }),
+        }
     }
 
     fn pointer_attributes(&self, ptr: DevicePtr) -> Result<PointerAttributes> {
@@ -413,6 +431,7 @@ impl Driver for CudaDriver {
         let mut managed: u64 = 0;
         let mut start: sys::CUdeviceptr = 0;
         let mut size: usize = 0;
+        let mut device_pointer: sys::CUdeviceptr = 0;
         let mut attrs = [
             A::CU_POINTER_ATTRIBUTE_CONTEXT,
             A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
@@ -420,15 +439,20 @@ impl Driver for CudaDriver {
             A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
             A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
             A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            A::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
         ];
-        let mut data: [*mut c_void; 6] = [
+        let mut data: [*mut c_void; 7] = [
             &mut context as *mut _ as *mut c_void,
             &mut memory_type as *mut _ as *mut c_void,
             &mut ordinal as *mut _ as *mut c_void,
             &mut managed as *mut _ as *mut c_void,
             &mut start as *mut _ as *mut c_void,
             &mut size as *mut _ as *mut c_void,
+            &mut device_pointer as *mut _ as *mut c_void,
         ];
+        // SAFETY: `attrs` and `data` have the same length, and each data slot
+        // is a live local of the type its attribute writes. The call reads
+        // only the driver's tables, for any `ptr`.
         guard("cuPointerGetAttributes", || unsafe {
             sys::cuPointerGetAttributes(
                 attrs.len() as c_uint,
@@ -450,6 +474,11 @@ impl Driver for CudaDriver {
             is_managed: managed & 0xff != 0,
             range_start: start,
             range_size: size,
+            device_accessible: match memory_type {
+                MemoryType::Device => true,
+                MemoryType::Host => device_pointer != 0,
+                MemoryType::Unregistered => false,
+            },
         })
     }
 }

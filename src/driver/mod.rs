@@ -22,8 +22,6 @@ pub type DevicePtr = u64;
 pub type RawStream = usize;
 /// A host address.
 pub type HostPtr = usize;
-/// A `CUevent`, as an integer.
-pub type RawEvent = usize;
 
 /// `cuMemHostAlloc` flag: pinned for every context.
 pub const HOST_ALLOC_PORTABLE: u32 = 1;
@@ -77,6 +75,9 @@ pub struct PointerAttributes {
     pub memory_type: MemoryType,
     /// Whether it is managed (unified) memory.
     pub is_managed: bool,
+    /// Whether the device can reach it: device and managed memory, and
+    /// host memory mapped into the device.
+    pub device_accessible: bool,
     /// Start of the allocation that contains the address.
     pub range_start: DevicePtr,
     /// Size of that allocation.
@@ -101,7 +102,7 @@ pub enum CallKind {
     ContextRelease,
     /// `cuCtxSetCurrent`/`cuCtxGetCurrent`
     ContextCurrent,
-    /// `cuCtxSynchronize`, `cuStreamSynchronize`
+    /// `cuCtxSynchronize`, `cuStreamSynchronize`, `cuStreamQuery`
     Synchronize,
     /// `cuMemAlloc`
     MemAlloc,
@@ -129,13 +130,11 @@ pub enum CallKind {
     MemAllocManaged,
     /// device queries: count, name, total memory
     DeviceQuery,
-    /// `cuEvent*`: create, record, query, synchronize, destroy
-    Event,
 }
 
 impl CallKind {
     /// Every kind, for tests that fail each in turn.
-    pub const ALL: [CallKind; 18] = [
+    pub const ALL: [CallKind; 17] = [
         CallKind::ContextRetain,
         CallKind::ContextRelease,
         CallKind::ContextCurrent,
@@ -153,7 +152,6 @@ impl CallKind {
         CallKind::HostUnregister,
         CallKind::HostDevicePointer,
         CallKind::MemAllocManaged,
-        CallKind::Event,
     ];
 
     /// The snake-case name used from Python (`"mem_alloc"`, ...).
@@ -176,7 +174,6 @@ impl CallKind {
             CallKind::HostUnregister => "host_unregister",
             CallKind::HostDevicePointer => "host_device_pointer",
             CallKind::MemAllocManaged => "mem_alloc_managed",
-            CallKind::Event => "event",
         }
     }
 
@@ -186,8 +183,26 @@ impl CallKind {
     }
 }
 
+/// A `CUstream` handle the pool and copies are ordered on: a raw handle
+/// (0 and [`STREAM_LEGACY`] are the legacy default stream,
+/// [`STREAM_PER_THREAD`] the calling thread's default stream).
+pub const STREAM_LEGACY: RawStream = 1;
+/// `CU_STREAM_PER_THREAD`.
+pub const STREAM_PER_THREAD: RawStream = 2;
+
 /// Every CUDA call the core makes. Calls that touch memory take the context
 /// they act in; the CUDA implementation makes it current when it is not.
+///
+/// # Safety of the methods
+/// Methods marked `unsafe` trust their arguments as libcuda does: a
+/// `context` is a primary context this driver retained and has not released;
+/// a device address lies in live device (or mapped host) memory of that
+/// context for the whole range; a host address is live host memory the
+/// caller may read (or, where written, write) for the whole range, and stays
+/// so until the call (or, for a copy on a stream, that stream's copy) is done;
+/// a `stream` is a live stream of `context` or one of the default handles.
+/// The core upholds these through [`Context`](crate::Context), whose
+/// pointers and views check liveness and bounds before they call in.
 pub trait Driver: Send + Sync + 'static {
     /// Which implementation this is.
     fn kind(&self) -> DriverKind;
@@ -203,7 +218,11 @@ pub trait Driver: Send + Sync + 'static {
     /// `cuDevicePrimaryCtxRetain`.
     fn primary_context_retain(&self, device: usize) -> Result<RawContext>;
     /// `cuDevicePrimaryCtxRelease`.
-    fn primary_context_release(&self, device: usize) -> Result<()>;
+    ///
+    /// # Safety
+    /// Balances one earlier [`Driver::primary_context_retain`] of `device`;
+    /// nothing may use the context through that retain afterwards.
+    unsafe fn primary_context_release(&self, device: usize) -> Result<()>;
     /// `cuDevicePrimaryCtxGetState`.
     fn primary_context_state(&self, device: usize) -> Result<PrimaryContextState>;
     /// `cuCtxGetCurrent` (0 when none).
@@ -212,50 +231,68 @@ pub trait Driver: Send + Sync + 'static {
     /// no context is current.
     fn current_device(&self) -> Result<Option<usize>>;
     /// `cuCtxSetCurrent`.
-    fn set_current_context(&self, context: RawContext) -> Result<()>;
-    /// `cuCtxSynchronize` in `context`.
-    fn synchronize(&self, context: RawContext) -> Result<()>;
+    ///
+    /// # Safety
+    /// `context` is 0 or live (see the trait's safety section).
+    unsafe fn set_current_context(&self, context: RawContext) -> Result<()>;
+    /// `cuCtxSynchronize` in `context`: waits for all work queued before the
+    /// call on every stream of the context.
+    ///
+    /// # Safety
+    /// `context` is live.
+    unsafe fn synchronize(&self, context: RawContext) -> Result<()>;
 
-    /// `cuStreamSynchronize` of `stream` (an int handle; 0, 1 and 2 are the
-    /// legacy, legacy and per-thread default streams) in `context`.
-    fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()>;
+    /// `cuStreamSynchronize` of `stream` (0, 1 and 2 are the legacy, legacy
+    /// and per-thread default streams) in `context`.
+    ///
+    /// # Safety
+    /// `context` and `stream` are live.
+    unsafe fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()>;
     /// `cuStreamQuery`: whether all work on `stream` is done (no waiting).
-    fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool>;
+    ///
+    /// # Safety
+    /// `context` and `stream` are live.
+    unsafe fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool>;
 
     /// `cuMemAlloc` in `context`.
-    fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr>;
-    /// `cuMemFree` in `context`.
-    fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()>;
-    /// `cuMemAllocAsync` on `stream` (from the device's default mempool);
-    /// counted and faulted as [`CallKind::MemAlloc`].
-    fn mem_alloc_async(
-        &self,
-        context: RawContext,
-        size: usize,
-        stream: RawStream,
-    ) -> Result<DevicePtr>;
-    /// `cuMemFreeAsync` on `stream`; counted as [`CallKind::MemFree`].
-    fn mem_free_async(&self, context: RawContext, ptr: DevicePtr, stream: RawStream) -> Result<()>;
-    /// `cuEventCreate` (timing disabled).
-    fn event_create(&self, context: RawContext) -> Result<RawEvent>;
-    /// `cuEventRecord` on `stream`.
-    fn event_record(&self, context: RawContext, event: RawEvent, stream: RawStream) -> Result<()>;
-    /// `cuEventQuery`: whether the work before the record is done.
-    fn event_query(&self, context: RawContext, event: RawEvent) -> Result<bool>;
-    /// `cuEventSynchronize`.
-    fn event_synchronize(&self, context: RawContext, event: RawEvent) -> Result<()>;
-    /// `cuEventDestroy`.
-    fn event_destroy(&self, context: RawContext, event: RawEvent) -> Result<()>;
+    ///
+    /// # Safety
+    /// `context` is live.
+    unsafe fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr>;
+    /// `cuMemFree` in `context` (it waits for the device first).
+    ///
+    /// # Safety
+    /// `ptr` came from [`Driver::mem_alloc`] or [`Driver::mem_alloc_managed`]
+    /// in `context`, and nothing uses it afterwards.
+    unsafe fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()>;
 
     /// `cuMemAllocManaged` in `context` (`flags`: [`MEM_ATTACH_GLOBAL`] or
     /// [`MEM_ATTACH_HOST`]). Freed with [`Driver::mem_free`].
-    fn mem_alloc_managed(&self, context: RawContext, size: usize, flags: u32) -> Result<DevicePtr>;
+    ///
+    /// # Safety
+    /// `context` is live.
+    unsafe fn mem_alloc_managed(
+        &self,
+        context: RawContext,
+        size: usize,
+        flags: u32,
+    ) -> Result<DevicePtr>;
     /// `cuMemHostAlloc` in `context` (`flags`: `HOST_ALLOC_*`).
-    fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr>;
+    ///
+    /// # Safety
+    /// `context` is live.
+    unsafe fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr>;
     /// `cuMemFreeHost`.
-    fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()>;
+    ///
+    /// # Safety
+    /// `ptr` came from [`Driver::host_alloc`] and nothing uses it afterwards.
+    unsafe fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()>;
     /// `cuMemHostRegister` of `[ptr, ptr+size)` (`flags`: portable, devicemap).
-    fn host_register(
+    ///
+    /// # Safety
+    /// The range is live host memory that stays allocated, and in place,
+    /// until [`Driver::host_unregister`].
+    unsafe fn host_register(
         &self,
         context: RawContext,
         ptr: HostPtr,
@@ -263,34 +300,74 @@ pub trait Driver: Send + Sync + 'static {
         flags: u32,
     ) -> Result<()>;
     /// `cuMemHostUnregister`.
-    fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()>;
+    ///
+    /// # Safety
+    /// `ptr` was registered with [`Driver::host_register`] in `context`.
+    unsafe fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()>;
     /// `cuMemHostGetDevicePointer`: the device address of mapped host memory.
-    fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr>;
+    ///
+    /// # Safety
+    /// `context` is live.
+    unsafe fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr>;
     /// `cuMemGetInfo` in `context`: (free, total).
-    fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)>;
-    /// `cuMemsetD8` (stream 0) or `cuMemsetD8Async`.
-    fn memset_d8(
+    ///
+    /// # Safety
+    /// `context` is live.
+    unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)>;
+    /// `cuMemsetD8` (`stream` `None`) or `cuMemsetD8Async` on `stream`.
+    ///
+    /// # Safety
+    /// `[ptr, ptr+count)` is live device memory of `context` (see the trait).
+    unsafe fn memset_d8(
         &self,
         context: RawContext,
         ptr: DevicePtr,
         value: u8,
         count: usize,
-        stream: RawStream,
+        stream: Option<RawStream>,
     ) -> Result<()>;
-    /// `cuMemcpyHtoD`.
-    fn memcpy_htod(&self, context: RawContext, dst: DevicePtr, src: &[u8]) -> Result<()>;
-    /// `cuMemcpyDtoH`.
-    fn memcpy_dtoh(&self, context: RawContext, dst: &mut [u8], src: DevicePtr) -> Result<()>;
-    /// `cuMemcpyDtoD` (`cuMemcpy` with unified addressing, so peers work).
-    fn memcpy_dtod(
+    /// `cuMemcpyHtoD[Async]` of `count` bytes from host `src` to `dst`. On a
+    /// stream, it returns once `src` may be reused: the driver stages
+    /// pageable memory, and the caller synchronizes for pinned memory.
+    ///
+    /// # Safety
+    /// `src` is readable and `dst` live device memory for `count` bytes.
+    unsafe fn memcpy_htod(
+        &self,
+        context: RawContext,
+        dst: DevicePtr,
+        src: *const u8,
+        count: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()>;
+    /// `cuMemcpyDtoH[Async]` of `count` bytes from `src` to host `dst`.
+    ///
+    /// # Safety
+    /// `dst` is writable and `src` live device memory for `count` bytes.
+    unsafe fn memcpy_dtoh(
+        &self,
+        context: RawContext,
+        dst: *mut u8,
+        src: DevicePtr,
+        count: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()>;
+    /// `cuMemcpy[Async]` between device addresses (unified addressing, so
+    /// peers work).
+    ///
+    /// # Safety
+    /// Both ranges are live device memory for `count` bytes.
+    unsafe fn memcpy_dtod(
         &self,
         context: RawContext,
         dst: DevicePtr,
         src: DevicePtr,
         count: usize,
+        stream: Option<RawStream>,
     ) -> Result<()>;
 
     /// `cuPointerGetAttributes`: context, device, memory type and range.
+    /// Only reads the driver's tables; any address is fine.
     fn pointer_attributes(&self, ptr: DevicePtr) -> Result<PointerAttributes>;
 
     /// The simulator behind this driver, for tests that inject faults.

@@ -6,18 +6,26 @@
 //! again, as a real allocator does. Device memory is backed by host vectors
 //! and never dereferenced through the fake address.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 use super::{
     CallKind, DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes,
-    PrimaryContextState, RawContext, RawEvent, RawStream, HOST_ALLOC_DEVICEMAP,
+    PrimaryContextState, RawContext, RawStream, HOST_ALLOC_DEVICEMAP, STREAM_LEGACY,
 };
 use crate::error::{
-    cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE,
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY,
+    cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_OUT_OF_MEMORY,
 };
+
+/// The byte freed simulator host memory is filled with.
+pub const POISON: u8 = 0xDB;
+/// Freed host buffers are kept (poisoned, unreachable) up to this many bytes,
+/// so a stale access finds poison rather than someone else's new buffer.
+const QUARANTINE_BYTES: usize = 64 << 20;
+/// `GPUPTR_SIM_DEVICES` above this is refused (each device has state).
+const MAX_DEVICES: usize = 1024;
 
 // Below where Linux puts the heap and mmaps, so simulated device addresses
 // never collide with the real host addresses of simulated pinned memory.
@@ -74,8 +82,14 @@ impl SimConfig {
             }
         }
         let d = SimConfig::default();
+        let devices = read("GPUPTR_SIM_DEVICES", d.devices)?;
+        if devices > MAX_DEVICES {
+            return Err(Error::InvalidArgument(format!(
+                "GPUPTR_SIM_DEVICES={devices} is more than the simulator's {MAX_DEVICES}"
+            )));
+        }
         Ok(SimConfig {
-            devices: read("GPUPTR_SIM_DEVICES", d.devices)?,
+            devices,
             memory_per_device: read("GPUPTR_SIM_MEMORY", d.memory_per_device)?,
             version: d.version,
         })
@@ -99,6 +113,12 @@ impl HostBuf {
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         (!ptr.is_null()).then_some(HostBuf { ptr, layout })
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is our own live allocation of `layout.size()` bytes,
+        // borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
     }
 }
 
@@ -134,15 +154,13 @@ struct Block {
 }
 
 impl Block {
-    fn bytes_mut(&mut self, start: DevicePtr) -> &mut [u8] {
+    /// The block's bytes: a raw pointer, since host blocks may be reached
+    /// through other (Python) references at the same time.
+    fn base(&mut self, start: DevicePtr) -> *mut u8 {
         match &mut self.storage {
-            Storage::Device(v) => v,
-            // SAFETY: host blocks are live host memory of `len` bytes at
-            // `start` (ours, or registered by a caller who keeps it alive).
-            Storage::Host(h) => unsafe { std::slice::from_raw_parts_mut(h.ptr, self.len) },
-            Storage::Foreign => unsafe {
-                std::slice::from_raw_parts_mut(start as usize as *mut u8, self.len)
-            },
+            Storage::Device(v) => v.as_mut_ptr(),
+            Storage::Host(h) => h.ptr,
+            Storage::Foreign => start as usize as *mut u8,
         }
     }
 
@@ -157,6 +175,16 @@ struct Fault {
     code: i32,
 }
 
+/// Work queued on a stream, done only when the test says so
+/// ([`SimDriver::complete`]), as a kernel still running on a GPU.
+struct Op {
+    seq: u64,
+    device: usize,
+    stream: RawStream,
+    ptr: DevicePtr,
+    bytes: Vec<u8>,
+}
+
 #[derive(Default)]
 struct State {
     blocks: BTreeMap<DevicePtr, Block>,
@@ -166,10 +194,14 @@ struct State {
     current: HashMap<ThreadId, RawContext>,
     calls: HashMap<CallKind, u64>,
     faults: Vec<Fault>,
-    /// Live events (the simulator completes all work at once, so a recorded
-    /// event is always done).
-    events: HashMap<RawEvent, usize>,
-    next_event: RawEvent,
+    ops: VecDeque<Op>,
+    next_op: u64,
+    /// Queued writes that found their memory freed when they ran.
+    lost_writes: u64,
+    quarantine: VecDeque<HostBuf>,
+    quarantine_bytes: usize,
+    /// Quarantined buffers found written after they were freed.
+    stale_host_writes: u64,
 }
 
 impl State {
@@ -193,14 +225,39 @@ impl State {
             .map(|(s, b)| (*s, b))
     }
 
-    fn remove(&mut self, start: DevicePtr) -> Option<Block> {
-        let block = self.blocks.remove(&start)?;
+    fn remove(&mut self, start: DevicePtr) {
+        let Some(block) = self.blocks.remove(&start) else {
+            return;
+        };
         if block.counts_as_device() {
             self.used[block.device] -= block.len;
         } else if matches!(block.kind, Kind::Pinned { .. }) {
             self.host_used -= block.len;
         }
-        Some(block)
+        if let Storage::Host(mut buf) = block.storage {
+            // Poison and quarantine: a stale read sees POISON, a stale write
+            // is found when the buffer leaves quarantine.
+            buf.bytes().fill(POISON);
+            self.quarantine_bytes += buf.layout.size();
+            self.quarantine.push_back(buf);
+            while self.quarantine_bytes > QUARANTINE_BYTES {
+                let Some(mut old) = self.quarantine.pop_front() else {
+                    break;
+                };
+                self.quarantine_bytes -= old.layout.size();
+                if old.bytes().iter().any(|b| *b != POISON) {
+                    self.stale_host_writes += 1;
+                }
+            }
+        }
+    }
+
+    /// Whether queued work of `device` (on `stream`, or on any stream) from
+    /// before `seq` is still outstanding.
+    fn busy(&self, device: usize, stream: Option<RawStream>, seq: u64) -> bool {
+        self.ops.iter().any(|op| {
+            op.seq < seq && op.device == device && stream.map_or(true, |s| s == op.stream)
+        })
     }
 
     /// The bytes `[ptr, ptr+count)`, which must lie in one device-accessible
@@ -214,17 +271,65 @@ impl State {
             Kind::Pinned { mapped } | Kind::Registered { mapped } => mapped,
         };
         let offset = (ptr - start) as usize;
-        if !reachable || offset + count > block.len {
+        if !reachable
+            || offset
+                .checked_add(count)
+                .map_or(true, |end| end > block.len)
+        {
             return Err(invalid());
         }
-        Ok(&mut block.bytes_mut(start)[offset..offset + count])
+        let base = block.base(start);
+        // SAFETY: `[offset, offset+count)` lies in the block's `len` bytes:
+        // ours, or host memory its registrant keeps alive while registered.
+        // The slice lives only while the state lock is held, and the callers
+        // copy through temporaries, so it aliases no Rust reference.
+        Ok(unsafe { std::slice::from_raw_parts_mut(base.add(offset), count) })
     }
+}
+
+/// Whether `[ptr, ptr+size)` is mapped readable and writable in this
+/// process (from `/proc/self/maps`): what `cuMemHostRegister` checks.
+fn host_range_mapped(ptr: usize, size: usize) -> bool {
+    let Some(end) = ptr.checked_add(size) else {
+        return false;
+    };
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let mut at = ptr;
+    let mut regions: Vec<(usize, usize)> = maps
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (range, perms) = (f.next()?, f.next()?);
+            if !perms.starts_with("rw") {
+                return None;
+            }
+            let (a, b) = range.split_once('-')?;
+            Some((
+                usize::from_str_radix(a, 16).ok()?,
+                usize::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .collect();
+    regions.sort_unstable();
+    for (a, b) in regions {
+        if a <= at && at < b {
+            at = b;
+            if at >= end {
+                return true;
+            }
+        }
+    }
+    false
 }
 
 /// The simulator. Thread-safe; every call takes one lock.
 pub struct SimDriver {
     config: SimConfig,
     state: Mutex<State>,
+    /// Signalled when queued work completes.
+    completed: Condvar,
 }
 
 impl std::fmt::Debug for SimDriver {
@@ -246,10 +351,11 @@ impl SimDriver {
         SimDriver {
             config,
             state: Mutex::new(state),
+            completed: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means a test thread panicked; the state is intact.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -276,7 +382,7 @@ impl SimDriver {
         kind: CallKind,
         call: &'static str,
         context: RawContext,
-    ) -> Result<(std::sync::MutexGuard<'_, State>, usize)> {
+    ) -> Result<(MutexGuard<'_, State>, usize)> {
         let mut st = self.lock();
         st.enter(kind, call)?;
         let device = self.device_of(&st, context, call)?;
@@ -316,17 +422,79 @@ impl SimDriver {
         Ok(device)
     }
 
-    fn event_op(&self, context: RawContext, event: RawEvent, call: &'static str) -> Result<()> {
-        let (st, _) = self.begin(CallKind::Event, call, context)?;
-        if !st.events.contains_key(&event) {
-            return Err(err(call, CUDA_ERROR_INVALID_HANDLE));
+    /// Wait until `device`'s work (on `stream`, or all) queued before now is done.
+    fn wait_idle<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        device: usize,
+        stream: Option<RawStream>,
+    ) -> MutexGuard<'a, State> {
+        let seq = st.next_op;
+        while st.busy(device, stream, seq) {
+            st = self.completed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+        st
+    }
+
+    /// Queue a write of `bytes` at `ptr` on `stream`, as a kernel that runs
+    /// until [`SimDriver::complete`] lets it: a device-side use of memory
+    /// that outlives the host's view of it.
+    pub fn queue_write(&self, stream: RawStream, ptr: DevicePtr, bytes: &[u8]) -> Result<()> {
+        let mut st = self.lock();
+        let device = match st.find(ptr) {
+            Some((_, b)) => b.device,
+            None => return Err(err("queue_write", CUDA_ERROR_INVALID_VALUE)),
+        };
+        let seq = st.next_op;
+        st.next_op += 1;
+        st.ops.push_back(Op {
+            seq,
+            device,
+            stream: normal_stream(stream),
+            ptr,
+            bytes: bytes.to_vec(),
+        });
         Ok(())
     }
 
-    /// Number of live events.
-    pub fn live_events(&self) -> usize {
-        self.lock().events.len()
+    /// Run the oldest `n` queued operations (all with `None`), in order, and
+    /// wake whoever waits for them. Returns how many ran.
+    pub fn complete(&self, n: Option<usize>) -> usize {
+        let mut st = self.lock();
+        let n = n.unwrap_or(usize::MAX).min(st.ops.len());
+        for _ in 0..n {
+            let op = st.ops.pop_front().expect("counted");
+            match st.span_mut(op.ptr, op.bytes.len(), "kernel") {
+                Ok(span) => span.copy_from_slice(&op.bytes),
+                Err(_) => st.lost_writes += 1,
+            }
+        }
+        drop(st);
+        self.completed.notify_all();
+        n
+    }
+
+    /// Number of queued operations not yet completed.
+    pub fn queued(&self) -> usize {
+        self.lock().ops.len()
+    }
+
+    /// Queued writes that ran after their memory was freed.
+    pub fn lost_writes(&self) -> u64 {
+        self.lock().lost_writes
+    }
+
+    /// Quarantined (freed) host buffers that were written after their free,
+    /// checking the whole quarantine now.
+    pub fn stale_host_writes(&self) -> u64 {
+        let mut st = self.lock();
+        let mut found = st.stale_host_writes;
+        for buf in st.quarantine.iter_mut() {
+            if buf.bytes().iter().any(|b| *b != POISON) {
+                found += 1;
+            }
+        }
+        found
     }
 
     /// Fail the `nth` call of `kind` from now on (1 = the next one) with `code`.
@@ -389,6 +557,19 @@ impl SimDriver {
     }
 }
 
+/// The legacy stream has two handles; the simulator keys queues by one.
+fn normal_stream(stream: RawStream) -> RawStream {
+    if stream == STREAM_LEGACY {
+        0
+    } else {
+        stream
+    }
+}
+
+// The simulator never dereferences device addresses, and checks every host
+// range it touches against its own table, so its `unsafe fn`s rely only on
+// registrants keeping registered memory alive (`host_register`'s contract)
+// and on copy callers passing live host buffers.
 impl Driver for SimDriver {
     fn kind(&self) -> DriverKind {
         DriverKind::Sim
@@ -430,7 +611,7 @@ impl Driver for SimDriver {
         Ok(Self::context_of(device))
     }
 
-    fn primary_context_release(&self, device: usize) -> Result<()> {
+    unsafe fn primary_context_release(&self, device: usize) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.lock();
         st.enter(CallKind::ContextRelease, "cuDevicePrimaryCtxRelease")?;
@@ -479,7 +660,7 @@ impl Driver for SimDriver {
         Ok((raw != 0).then(|| (raw - CONTEXT_BASE) / 0x1000))
     }
 
-    fn set_current_context(&self, context: RawContext) -> Result<()> {
+    unsafe fn set_current_context(&self, context: RawContext) -> Result<()> {
         let mut st = self.lock();
         st.enter(CallKind::ContextCurrent, "cuCtxSetCurrent")?;
         if context != 0 {
@@ -489,23 +670,24 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn synchronize(&self, context: RawContext) -> Result<()> {
-        self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)
-            .map(|_| ())
+    unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
+        let (st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
+        drop(self.wait_idle(st, device, None));
+        Ok(())
     }
 
-    fn stream_synchronize(&self, context: RawContext, _stream: RawStream) -> Result<()> {
-        // The simulator runs everything synchronously.
-        self.begin(CallKind::Synchronize, "cuStreamSynchronize", context)
-            .map(|_| ())
+    unsafe fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()> {
+        let (st, device) = self.begin(CallKind::Synchronize, "cuStreamSynchronize", context)?;
+        drop(self.wait_idle(st, device, Some(normal_stream(stream))));
+        Ok(())
     }
 
-    fn stream_query(&self, context: RawContext, _stream: RawStream) -> Result<bool> {
-        self.begin(CallKind::Synchronize, "cuStreamQuery", context)
-            .map(|_| true)
+    unsafe fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool> {
+        let (st, device) = self.begin(CallKind::Synchronize, "cuStreamQuery", context)?;
+        Ok(!st.busy(device, Some(normal_stream(stream)), u64::MAX))
     }
 
-    fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
+    unsafe fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
         let (mut st, device) = self.begin(CallKind::MemAlloc, "cuMemAlloc", context)?;
         if size == 0 {
             return Err(err("cuMemAlloc", CUDA_ERROR_INVALID_VALUE));
@@ -540,51 +722,20 @@ impl Driver for SimDriver {
         Ok(at)
     }
 
-    fn mem_alloc_async(
-        &self,
-        context: RawContext,
-        size: usize,
-        _stream: RawStream,
-    ) -> Result<DevicePtr> {
-        self.mem_alloc(context, size)
+    unsafe fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
+        let (st, device) = self.begin(CallKind::MemFree, "cuMemFree", context)?;
+        // cuMemFree waits for the device.
+        let mut st = self.wait_idle(st, device, None);
+        match st.blocks.get(&ptr) {
+            Some(b) if b.counts_as_device() => {
+                st.remove(ptr);
+                Ok(())
+            }
+            _ => Err(err("cuMemFree", CUDA_ERROR_INVALID_VALUE)),
+        }
     }
 
-    fn mem_free_async(
-        &self,
-        context: RawContext,
-        ptr: DevicePtr,
-        _stream: RawStream,
-    ) -> Result<()> {
-        self.mem_free(context, ptr)
-    }
-
-    fn event_create(&self, context: RawContext) -> Result<RawEvent> {
-        let (mut st, device) = self.begin(CallKind::Event, "cuEventCreate", context)?;
-        st.next_event += 1;
-        let e = 0xE000_0000 + st.next_event;
-        st.events.insert(e, device);
-        Ok(e)
-    }
-
-    fn event_record(&self, context: RawContext, event: RawEvent, _stream: RawStream) -> Result<()> {
-        self.event_op(context, event, "cuEventRecord")
-    }
-
-    fn event_query(&self, context: RawContext, event: RawEvent) -> Result<bool> {
-        self.event_op(context, event, "cuEventQuery").map(|_| true)
-    }
-
-    fn event_synchronize(&self, context: RawContext, event: RawEvent) -> Result<()> {
-        self.event_op(context, event, "cuEventSynchronize")
-    }
-
-    fn event_destroy(&self, context: RawContext, event: RawEvent) -> Result<()> {
-        self.event_op(context, event, "cuEventDestroy")?;
-        self.lock().events.remove(&event);
-        Ok(())
-    }
-
-    fn mem_alloc_managed(
+    unsafe fn mem_alloc_managed(
         &self,
         context: RawContext,
         size: usize,
@@ -615,7 +766,7 @@ impl Driver for SimDriver {
         Ok(at)
     }
 
-    fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr> {
+    unsafe fn host_alloc(&self, context: RawContext, size: usize, flags: u32) -> Result<HostPtr> {
         let (mut st, device) = self.begin(CallKind::HostAlloc, "cuMemHostAlloc", context)?;
         if size == 0 {
             return Err(err("cuMemHostAlloc", CUDA_ERROR_INVALID_VALUE));
@@ -637,7 +788,7 @@ impl Driver for SimDriver {
         Ok(at)
     }
 
-    fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_free(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
         self.free_block(
             CallKind::HostFree,
             "cuMemFreeHost",
@@ -647,7 +798,7 @@ impl Driver for SimDriver {
         )
     }
 
-    fn host_register(
+    unsafe fn host_register(
         &self,
         context: RawContext,
         ptr: HostPtr,
@@ -658,10 +809,11 @@ impl Driver for SimDriver {
         let start = ptr as DevicePtr;
         let overlaps = st
             .blocks
-            .range(..start + size as u64)
+            .range(..start.saturating_add(size as u64))
             .next_back()
             .is_some_and(|(s, b)| *s + b.len as u64 > start);
-        if size == 0 || ptr == 0 || overlaps {
+        // As the driver does, refuse memory that is not mapped in the process.
+        if size == 0 || ptr == 0 || overlaps || !host_range_mapped(ptr, size) {
             // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED is 712; the sim keeps it simple.
             return Err(err("cuMemHostRegister", CUDA_ERROR_INVALID_VALUE));
         }
@@ -678,7 +830,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_unregister(&self, context: RawContext, ptr: HostPtr) -> Result<()> {
         self.free_block(
             CallKind::HostUnregister,
             "cuMemHostUnregister",
@@ -688,7 +840,7 @@ impl Driver for SimDriver {
         )
     }
 
-    fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr> {
+    unsafe fn host_device_pointer(&self, context: RawContext, ptr: HostPtr) -> Result<DevicePtr> {
         let (st, _) = self.begin(
             CallKind::HostDevicePointer,
             "cuMemHostGetDevicePointer",
@@ -705,66 +857,105 @@ impl Driver for SimDriver {
         }
     }
 
-    fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
-        self.free_block(
-            CallKind::MemFree,
-            "cuMemFree",
-            context,
-            ptr,
-            Block::counts_as_device,
-        )
-    }
-
-    fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
+    unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
         let (st, device) = self.begin(CallKind::MemGetInfo, "cuMemGetInfo", context)?;
         let total = self.config.memory_per_device;
         Ok((total - st.used[device], total))
     }
 
-    fn memset_d8(
+    unsafe fn memset_d8(
         &self,
         context: RawContext,
         ptr: DevicePtr,
         value: u8,
         count: usize,
-        _stream: RawStream,
+        stream: Option<RawStream>,
     ) -> Result<()> {
-        let (mut st, _) = self.begin(CallKind::Memset, "cuMemsetD8", context)?;
+        let (mut st, device) = self.begin(CallKind::Memset, "cuMemsetD8", context)?;
         if count == 0 {
             return Ok(());
+        }
+        st.span_mut(ptr, count, "cuMemsetD8")?;
+        if let Some(s) = stream.map(normal_stream) {
+            if st.busy(device, Some(s), u64::MAX) {
+                // Stream order: it runs after the work queued before it.
+                let seq = st.next_op;
+                st.next_op += 1;
+                st.ops.push_back(Op {
+                    seq,
+                    device,
+                    stream: s,
+                    ptr,
+                    bytes: vec![value; count],
+                });
+                return Ok(());
+            }
         }
         st.span_mut(ptr, count, "cuMemsetD8")?.fill(value);
         Ok(())
     }
 
-    fn memcpy_htod(&self, context: RawContext, dst: DevicePtr, src: &[u8]) -> Result<()> {
-        let (mut st, _) = self.begin(CallKind::Memcpy, "cuMemcpyHtoD", context)?;
-        if src.is_empty() {
+    unsafe fn memcpy_htod(
+        &self,
+        context: RawContext,
+        dst: DevicePtr,
+        src: *const u8,
+        count: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
+        let (st, device) = self.begin(CallKind::Memcpy, "cuMemcpyHtoD", context)?;
+        let mut st = match stream {
+            Some(s) => self.wait_idle(st, device, Some(normal_stream(s))),
+            None => st,
+        };
+        if count == 0 {
             return Ok(());
         }
-        st.span_mut(dst, src.len(), "cuMemcpyHtoD")?
-            .copy_from_slice(src);
+        st.span_mut(dst, count, "cuMemcpyHtoD")?;
+        // SAFETY: `src` is readable for `count` bytes (this fn's contract).
+        // Copy it out first: it may overlap the destination (mapped memory).
+        let bytes = unsafe { std::slice::from_raw_parts(src, count) }.to_vec();
+        st.span_mut(dst, count, "cuMemcpyHtoD")?
+            .copy_from_slice(&bytes);
         Ok(())
     }
 
-    fn memcpy_dtoh(&self, context: RawContext, dst: &mut [u8], src: DevicePtr) -> Result<()> {
-        let (mut st, _) = self.begin(CallKind::Memcpy, "cuMemcpyDtoH", context)?;
-        if dst.is_empty() {
+    unsafe fn memcpy_dtoh(
+        &self,
+        context: RawContext,
+        dst: *mut u8,
+        src: DevicePtr,
+        count: usize,
+        stream: Option<RawStream>,
+    ) -> Result<()> {
+        let (st, device) = self.begin(CallKind::Memcpy, "cuMemcpyDtoH", context)?;
+        let mut st = match stream {
+            Some(s) => self.wait_idle(st, device, Some(normal_stream(s))),
+            None => st,
+        };
+        if count == 0 {
             return Ok(());
         }
-        let n = dst.len();
-        dst.copy_from_slice(st.span_mut(src, n, "cuMemcpyDtoH")?);
+        let bytes = st.span_mut(src, count, "cuMemcpyDtoH")?.to_vec();
+        // SAFETY: `dst` is writable for `count` bytes (this fn's contract);
+        // the source was copied out, so the ranges may overlap.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, count) };
         Ok(())
     }
 
-    fn memcpy_dtod(
+    unsafe fn memcpy_dtod(
         &self,
         context: RawContext,
         dst: DevicePtr,
         src: DevicePtr,
         count: usize,
+        stream: Option<RawStream>,
     ) -> Result<()> {
-        let (mut st, _) = self.begin(CallKind::Memcpy, "cuMemcpy", context)?;
+        let (st, device) = self.begin(CallKind::Memcpy, "cuMemcpy", context)?;
+        let mut st = match stream {
+            Some(s) => self.wait_idle(st, device, Some(normal_stream(s))),
+            None => st,
+        };
         if count == 0 {
             return Ok(());
         }
@@ -787,6 +978,10 @@ impl Driver for SimDriver {
                 is_managed: block.kind == Kind::Managed,
                 range_start: start,
                 range_size: block.len,
+                device_accessible: match block.kind {
+                    Kind::Device | Kind::Managed => true,
+                    Kind::Pinned { mapped } | Kind::Registered { mapped } => mapped,
+                },
             },
             None => PointerAttributes {
                 context: 0,
@@ -795,6 +990,7 @@ impl Driver for SimDriver {
                 is_managed: false,
                 range_start: 0,
                 range_size: 0,
+                device_accessible: false,
             },
         })
     }

@@ -37,8 +37,9 @@ pub fn typestr_itemsize(typestr: &str) -> Result<usize> {
     if !digits.bytes().all(|c| c.is_ascii_digit()) {
         return Err(bad());
     }
+    // Item sizes fit an i64 (strides are signed byte counts).
     match digits.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
+        Ok(n) if n > 0 && i64::try_from(n).is_ok() => Ok(n),
         _ => Err(bad()),
     }
 }
@@ -48,6 +49,7 @@ impl Layout {
     /// elements of `itemsize` bytes.
     pub fn new(shape: Vec<usize>, strides: Option<Vec<i64>>, itemsize: usize) -> Result<Layout> {
         let overflow = || Error::InvalidArgument("the array's extent overflows".into());
+        let itemsize_i64 = i64::try_from(itemsize).map_err(|_| overflow())?;
         let strides = match strides {
             Some(s) if s.len() != shape.len() => {
                 return Err(Error::InvalidArgument(format!(
@@ -57,7 +59,7 @@ impl Layout {
             Some(s) => s,
             None => {
                 let mut s = vec![0i64; shape.len()];
-                let mut step = itemsize as i64;
+                let mut step = itemsize_i64;
                 for (i, n) in shape.iter().enumerate().rev() {
                     s[i] = step;
                     step = step.checked_mul((*n).max(1) as i64).ok_or_else(overflow)?;
@@ -80,7 +82,12 @@ impl Layout {
         let span = if empty {
             0
         } else {
-            usize::try_from(hi - lo + itemsize as i64).map_err(|_| overflow())?
+            usize::try_from(
+                hi.checked_sub(lo)
+                    .and_then(|d| d.checked_add(itemsize_i64))
+                    .ok_or_else(overflow)?,
+            )
+            .map_err(|_| overflow())?
         };
         Ok(Layout {
             shape,
@@ -106,6 +113,8 @@ mod tests {
         assert_eq!(typestr_itemsize("<f4").unwrap(), 4);
         assert_eq!(typestr_itemsize("|u1").unwrap(), 1);
         assert_eq!(typestr_itemsize("|V16").unwrap(), 16);
+        assert!(typestr_itemsize("|V18446744073709551615").is_err());
+        assert!(typestr_itemsize("|V9223372036854775808").is_err());
         for bad in ["f4", "<x4", "<f0", "<f", "float32", "<f4x", ""] {
             assert!(typestr_itemsize(bad).is_err(), "{bad}");
         }

@@ -700,11 +700,15 @@ impl Pool {
             Err(e) if e.is_oom() => e,
             Err(e) => return Err(typed(e)),
         };
-        for _ in 0..4 {
+        for round in 0..4 {
             if let Some(p) = self.fence_all_and_take(context, own, class) {
                 return Ok((p, true));
             }
             let freed = self.trim(context).map_err(typed)?;
+            if freed.is_empty() && round > 0 {
+                // Nothing more to give back: the device is full.
+                break;
+            }
             if !freed.is_empty() {
                 lock(&self.freed).extend(freed.iter().map(|(p, _)| *p));
                 self.has_freed.store(true, Ordering::Release);
@@ -713,9 +717,6 @@ impl Pool {
                 Ok(p) => return Ok((p, false)),
                 Err(e) if e.is_oom() => err = e,
                 Err(e) => return Err(typed(e)),
-            }
-            if freed.is_empty() {
-                break;
             }
         }
         Err(typed(err))

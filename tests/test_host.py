@@ -70,7 +70,7 @@ def test_managed_memory_is_reachable_from_host_and_device(no_leaks):
     host = np.frombuffer(mem, dtype=np.uint8)
     assert (host == 7).all()
     host[0] = 1
-    assert mem.copy_to_host(bytearray(2)) == bytearray(b"\x01\x07")
+    assert mem.view(0, 2).copy_to_host(bytearray(2)) == bytearray(b"\x01\x07")
     assert gpuptr.context_of(mem.device_pointer_value + 100) is gpuptr.context(0)
     del host
     mem.free()

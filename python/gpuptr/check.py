@@ -114,6 +114,11 @@ def check_pool() -> str:
     s0 = gpuptr.stats()[0]
     for _ in range(64):
         gpuptr.alloc(1 << 16).free()
+    # Freed blocks wait for a fence (all earlier work, on every stream);
+    # wait for it here, as the allocator itself never does.
+    assert gpuptr.flush_pool(0), "the fence failed"
+    for _ in range(64):
+        gpuptr.alloc(1 << 16).free()
     s1 = gpuptr.stats()[0]
     hits = s1["pool_hits"] - s0["pool_hits"]
     assert hits > 0, "freed blocks are reused"

@@ -130,6 +130,7 @@ def from_dlpack(obj: Any) -> ArrayView:
     except TypeError:
         capsule = obj.__dlpack__()
     address, _type, _dev, shape, strides, typestr, byte_offset = _core._dlpack_describe(capsule)
-    # The capsule is the owner: its destructor frees the tensor when the last
-    # pointer over it goes.
-    return ArrayView(*_core._import_strided(address + byte_offset, shape, strides, typestr, capsule))
+    # Consume it, as the protocol asks: renamed, its deleter now ours.
+    owner = _core._dlpack_consume(capsule)
+    # The owner calls the tensor's deleter when the last pointer over it goes.
+    return ArrayView(*_core._import_strided(address + byte_offset, shape, strides, typestr, owner))

@@ -1,6 +1,8 @@
-//! Reading a DLPack capsule (the pre-1.0 `"dltensor"` ABI). The capsule is
-//! not renamed: the importer keeps it as the owner, so the producer's own
-//! capsule destructor frees the tensor when the last gpuptr holder goes.
+//! Reading a DLPack capsule (the pre-1.0 `"dltensor"` ABI). An importer
+//! consumes the capsule as the protocol asks: it is renamed
+//! `"used_dltensor"` (so no one imports it twice), and the returned
+//! [`DLPackOwner`] calls the tensor's deleter when the last gpuptr holder
+//! goes.
 
 use std::ffi::c_void;
 
@@ -20,6 +22,49 @@ struct DLDataType {
     code: u8,
     bits: u8,
     lanes: u16,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// Owns a consumed DLPack tensor: calls its deleter once, when dropped.
+#[pyclass(frozen, module = "gpuptr._core", name = "DLPackOwner")]
+pub(crate) struct DLPackOwner(usize);
+
+impl Drop for DLPackOwner {
+    fn drop(&mut self) {
+        let t = self.0 as *mut DLManagedTensor;
+        // SAFETY: `t` is the DLManagedTensor of a capsule this owner consumed
+        // (renamed), so calling its deleter once is ours to do. Python objects
+        // drop with the GIL held, as producers' deleters expect.
+        unsafe {
+            if let Some(deleter) = (*t).deleter {
+                deleter(t);
+            }
+        }
+    }
+}
+
+/// Consume a `"dltensor"` capsule (after `_dlpack_describe` read it):
+/// rename it `"used_dltensor"` and return the owner that frees the tensor.
+#[pyfunction]
+pub(crate) fn _dlpack_consume(capsule: &Bound<'_, PyAny>) -> PyResult<DLPackOwner> {
+    let capsule = capsule
+        .cast::<PyCapsule>()
+        .map_err(|_| Error::InvalidArgument("__dlpack__() did not return a capsule".into()))?;
+    let ptr = capsule
+        .pointer_checked(Some(c"dltensor"))
+        .map_err(|_| Error::InvalidArgument("the capsule was already consumed".into()))?;
+    // SAFETY: a live capsule; the name is a static C string that outlives it.
+    let r = unsafe { pyo3::ffi::PyCapsule_SetName(capsule.as_ptr(), c"used_dltensor".as_ptr()) };
+    if r != 0 {
+        return Err(PyErr::fetch(capsule.py()));
+    }
+    Ok(DLPackOwner(ptr.as_ptr() as usize))
 }
 
 #[repr(C)]
@@ -72,7 +117,10 @@ pub(crate) fn _dlpack_describe<'py>(capsule: &Bound<'py, PyAny>) -> PyResult<Bou
             .name()
             .ok()
             .flatten()
-            .map(|n| unsafe { n.as_cstr() }.to_string_lossy().into_owned())
+            .map(|n| {
+                // SAFETY: the capsule (held) keeps its name alive.
+                unsafe { n.as_cstr() }.to_string_lossy().into_owned()
+            })
             .unwrap_or_default();
         Error::InvalidArgument(format!(
             "expected an unconsumed 'dltensor' capsule, got {got:?}"
@@ -86,6 +134,7 @@ pub(crate) fn _dlpack_describe<'py>(capsule: &Bound<'py, PyAny>) -> PyResult<Bou
         return Err(Error::InvalidArgument("malformed DLPack tensor".into()).into());
     }
     let ndim = t.ndim as usize;
+    // SAFETY: a well-formed DLTensor has `ndim` shape entries (checked non-null).
     let shape: Vec<i64> = (0..ndim).map(|i| unsafe { *t.shape.add(i) }).collect();
     let typestr = typestr(&t.dtype)?;
     // DLPack counts strides in elements; the array interface, in bytes.
@@ -93,6 +142,7 @@ pub(crate) fn _dlpack_describe<'py>(capsule: &Bound<'py, PyAny>) -> PyResult<Bou
     let strides: Option<Vec<i64>> = if t.strides.is_null() {
         None
     } else {
+        // SAFETY: non-null strides have `ndim` entries.
         let bytes = (0..ndim).map(|i| unsafe { *t.strides.add(i) }.checked_mul(itemsize));
         Some(
             bytes

@@ -22,7 +22,8 @@ impl From<Error> for PyErr {
                 OutOfMemoryError::new_err((msg, code, name))
             }
             Error::Cuda { code, name, .. } => CudaError::new_err((msg, code, name)),
-            Error::OutOfMemory { .. } => OutOfMemoryError::new_err(msg),
+            Error::OutOfMemory { .. } | Error::HostOutOfMemory(_) => OutOfMemoryError::new_err(msg),
+            Error::BufferExported(_) => pyo3::exceptions::PyBufferError::new_err(msg),
             Error::InvalidPointer(_) => InvalidPointerError::new_err(msg),
             Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
             Error::Panic(_) => GpuptrError::new_err(msg),

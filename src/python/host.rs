@@ -13,18 +13,21 @@ use pyo3::prelude::*;
 use super::pointer::{context_arg, keep_finalizer, pointer_arg, PyMemoryPointer};
 use super::py_context::{lazy_context, py_context, PyContext};
 use super::{device_context, size_arg};
-use crate::{Error, HostFlags, HostMemory, KeepAlive};
+use crate::{Error, HostFlags, HostMemory};
 
-/// Fill a `Py_buffer` over `[ptr, ptr+len)`, exported by `owner`.
+/// Fill a `Py_buffer` over `[ptr, ptr+len)`, exported by `owner`
+/// (read-only when `readonly`: a request for a writable buffer then fails
+/// with `BufferError`).
 ///
 /// # Safety
 /// `view` is the buffer CPython passed to `__getbuffer__`, and the memory
-/// stays valid while `owner` (which the buffer references) lives.
+/// stays valid while the export is counted (see [`HostMemory::begin_export`]).
 unsafe fn fill_buffer(
     owner: &Bound<'_, PyAny>,
     view: *mut ffi::Py_buffer,
     ptr: usize,
     len: usize,
+    readonly: bool,
     flags: c_int,
 ) -> PyResult<()> {
     static EMPTY: u8 = 0;
@@ -33,24 +36,50 @@ unsafe fn fill_buffer(
     } else {
         ptr as *mut c_void
     };
-    if ffi::PyBuffer_FillInfo(view, owner.as_ptr(), buf, len as ffi::Py_ssize_t, 0, flags) == -1 {
+    // SAFETY: `view` is CPython's; the range is valid (this fn's contract).
+    let r = unsafe {
+        ffi::PyBuffer_FillInfo(
+            view,
+            owner.as_ptr(),
+            buf,
+            len as ffi::Py_ssize_t,
+            c_int::from(readonly),
+            flags,
+        )
+    };
+    if r == -1 {
         return Err(PyErr::fetch(owner.py()));
     }
     Ok(())
 }
 
-/// Export `host`'s bytes from `owner`'s `__getbuffer__`.
+/// Export `host`'s bytes from `owner`'s `__getbuffer__`, counting the
+/// export so that `free()` refuses while it is alive.
 ///
 /// # Safety
-/// As [`fill_buffer`].
+/// As [`fill_buffer`]; `__releasebuffer__` calls [`HostMemory::end_export`].
 unsafe fn export_host(
     owner: &Bound<'_, PyAny>,
     host: &HostMemory,
     view: *mut ffi::Py_buffer,
     flags: c_int,
 ) -> PyResult<()> {
-    host.check_live()?;
-    fill_buffer(owner, view, host.host_ptr(), host.size(), flags)
+    host.begin_export()?;
+    // SAFETY: counted above, so the memory stays until the release.
+    let r = unsafe {
+        fill_buffer(
+            owner,
+            view,
+            host.host_ptr(),
+            host.size(),
+            host.is_readonly(),
+            flags,
+        )
+    };
+    if r.is_err() {
+        host.end_export();
+    }
+    r
 }
 
 /// The Python object for pinned memory: `MappedMemory` when mapped into
@@ -58,7 +87,7 @@ unsafe fn export_host(
 fn host_object(
     py: Python<'_>,
     host: Arc<HostMemory>,
-    owned: Option<Py<PyAny>>,
+    owned: Owned,
     mapped: bool,
 ) -> PyResult<Py<PyAny>> {
     if mapped {
@@ -86,13 +115,19 @@ fn wrap_pinned(
         None => device_context(None)?,
     };
     let managed = finalizer.is_some();
-    let host = HostMemory::wrap(
-        &ctx,
-        pointer_arg(pointer)? as usize,
-        size_arg(size)?,
-        mapped,
-        keep_finalizer(finalizer),
-    )?;
+    let keep = keep_finalizer(pointer.py(), finalizer)?;
+    // SAFETY: numba's constructor shape: the caller's memory, pinned by its
+    // owner, which `keep` and the Python object hold. The driver is asked
+    // that the range is pinned (and mapped) host memory in one allocation.
+    let host = unsafe {
+        HostMemory::wrap(
+            &ctx,
+            pointer_arg(pointer)? as usize,
+            size_arg(size)?,
+            mapped,
+            keep,
+        )
+    }?;
     Ok((host, managed))
 }
 
@@ -102,19 +137,65 @@ fn wrap_pinned(
 #[pyclass(frozen, module = "gpuptr._core", name = "PinnedMemory")]
 pub struct PyPinnedMemory {
     host: Arc<HostMemory>,
-    owned: Option<Py<PyAny>>,
+    owned: Owned,
     managed: bool,
     context: OnceLock<Py<PyContext>>,
 }
 
 impl PyPinnedMemory {
-    pub(crate) fn new(host: Arc<HostMemory>, owned: Option<Py<PyAny>>, managed: bool) -> Self {
+    pub(crate) fn new(host: Arc<HostMemory>, owned: Owned, managed: bool) -> Self {
         PyPinnedMemory {
             host,
             owned,
             managed,
             context: OnceLock::new(),
         }
+    }
+}
+
+/// The Python objects a host-memory object holds: the object whose memory
+/// it is, and (for registered buffers) the buffer export that keeps that
+/// memory from moving. Both visible to the garbage collector, and cleared by
+/// it only after the memory is released.
+#[derive(Default)]
+pub(crate) struct Owned(std::sync::Mutex<OwnedPair>);
+
+/// The owner and the buffer export.
+type OwnedPair = (Option<Py<PyAny>>, Option<Py<PyAny>>);
+
+impl Owned {
+    pub(crate) fn new(owner: Option<Py<PyAny>>, export: Option<Py<PyAny>>) -> Self {
+        Owned(std::sync::Mutex::new((owner, export)))
+    }
+
+    fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        g.0.as_ref().map(|o| o.clone_ref(py))
+    }
+
+    fn traverse(&self, visit: &pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        if let Ok(g) = self.0.try_lock() {
+            for o in [&g.0, &g.1].into_iter().flatten() {
+                visit.call(o)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Release `host` (unregister), then let go of the objects. Memory that
+    /// cannot be released now (buffer exports alive) keeps them.
+    fn clear(&self, host: &HostMemory) {
+        if host.free().is_ok() {
+            let taken = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+            drop(taken);
+        }
+    }
+}
+
+impl Drop for PyPinnedMemory {
+    fn drop(&mut self) {
+        // Unregister before the buffer export that pins the memory goes.
+        let _ = self.host.free();
     }
 }
 
@@ -130,7 +211,7 @@ impl PyPinnedMemory {
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let (host, managed) = wrap_pinned(context, pointer, size, finalizer, false)?;
-        Ok(PyPinnedMemory::new(host, owner, managed))
+        Ok(PyPinnedMemory::new(host, Owned::new(owner, None), managed))
     }
 
     /// The context the memory is pinned in.
@@ -160,7 +241,21 @@ impl PyPinnedMemory {
     /// The object whose memory this is (registered memory), if any.
     #[getter]
     fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owned.as_ref().map(|o| o.clone_ref(py))
+        self.owned.owner(py)
+    }
+
+    /// Whether the bytes are read-only (registered from a read-only object).
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.host.is_readonly()
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        self.owned.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.owned.clear(&self.host);
     }
 
     /// Whether ``free()`` releases the memory.
@@ -174,10 +269,14 @@ impl PyPinnedMemory {
         slf
     }
 
-    /// Release (free or unregister) now; a second call does nothing.
+    /// Release (free or unregister) now; a second call does nothing. While
+    /// numpy arrays or memoryviews of it are alive this raises
+    /// ``BufferError`` (as ``mmap.close()`` does) and releases nothing.
     fn free(&self, py: Python<'_>) -> PyResult<()> {
         if self.managed {
             py.detach(|| self.host.free())?;
+            // Released: let go of the export that pinned the owner's memory.
+            self.owned.clear(&self.host);
         }
         Ok(())
     }
@@ -187,7 +286,12 @@ impl PyPinnedMemory {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        export_host(slf.as_any(), &slf.get().host, view, flags)
+        // SAFETY: CPython's buffer; the export is counted.
+        unsafe { export_host(slf.as_any(), &slf.get().host, view, flags) }
+    }
+
+    unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
+        slf.get().host.end_export();
     }
 
     fn __repr__(&self) -> String {
@@ -205,13 +309,20 @@ impl PyPinnedMemory {
 #[pyclass(frozen, extends = PyMemoryPointer, module = "gpuptr._core", name = "MappedMemory")]
 pub struct PyMappedMemory {
     host: Arc<HostMemory>,
-    owned: Option<Py<PyAny>>,
+    owned: Owned,
+}
+
+impl Drop for PyMappedMemory {
+    fn drop(&mut self) {
+        // Unregister before the buffer export that pins the memory goes.
+        let _ = self.host.free();
+    }
 }
 
 impl PyMappedMemory {
     pub(crate) fn init(
         host: Arc<HostMemory>,
-        owned: Option<Py<PyAny>>,
+        owned: Owned,
         managed: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         let view = host.device_view()?;
@@ -232,7 +343,7 @@ impl PyMappedMemory {
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let (host, managed) = wrap_pinned(context, pointer, size, finalizer, true)?;
-        PyMappedMemory::init(host, owner, managed)
+        PyMappedMemory::init(host, Owned::new(owner, None), managed)
     }
 
     /// The host address (an int).
@@ -250,18 +361,37 @@ impl PyMappedMemory {
     /// The object whose memory this is (registered memory), if any.
     #[getter]
     fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owned.as_ref().map(|o| o.clone_ref(py))
+        self.owned.owner(py)
     }
 
-    /// Release the host memory now (when this pointer manages it).
+    /// Whether the bytes are read-only (registered from a read-only object).
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.host.is_readonly()
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        self.owned.traverse(&visit)
+    }
+
+    fn __clear__(&self) {
+        self.owned.clear(&self.host);
+    }
+
+    /// Release the host memory now (when this pointer manages it). While
+    /// numpy arrays or memoryviews of it are alive this raises
+    /// ``BufferError`` and releases nothing.
     fn free(slf: &Bound<'_, Self>) -> PyResult<()> {
         let base = slf.as_super().get();
         if base.is_managed() {
             let host = &slf.get().host;
+            // The host memory first: it refuses while exports are alive, and
+            // a device operation in flight defers its release.
             slf.py().detach(|| {
-                base.view.parent().free()?;
-                host.free()
+                host.free()?;
+                base.view.parent().free()
             })?;
+            slf.get().owned.clear(host);
         }
         Ok(())
     }
@@ -271,7 +401,12 @@ impl PyMappedMemory {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        export_host(slf.as_any(), &slf.get().host, view, flags)
+        // SAFETY: CPython's buffer; the export is counted.
+        unsafe { export_host(slf.as_any(), &slf.get().host, view, flags) }
+    }
+
+    unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
+        slf.get().host.end_export();
     }
 }
 
@@ -297,6 +432,21 @@ impl PyManagedMemory {
         owner: Option<Py<PyAny>>,
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        // The host reads its bytes at the address: it must be managed memory.
+        let address = pointer_arg(pointer)?;
+        let n = size_arg(size)?;
+        if n != 0 {
+            let a = super::runtime()?.driver().pointer_attributes(address)?;
+            let end = address.checked_add(n as u64);
+            let inside =
+                a.range_size == 0 || end.is_some_and(|e| e <= a.range_start + a.range_size as u64);
+            if !a.is_managed || !inside {
+                return Err(Error::InvalidPointer(format!(
+                    "[{address:#x}, +{n}) is not managed memory in one allocation"
+                ))
+                .into());
+            }
+        }
         let base = PyMemoryPointer::py_new(context, pointer, size, owner, finalizer)?;
         Ok(PyManagedMemory::init(base))
     }
@@ -307,14 +457,28 @@ impl PyManagedMemory {
         flags: c_int,
     ) -> PyResult<()> {
         let base = slf.as_super().get();
-        base.view.parent().check_live()?;
-        fill_buffer(
-            slf.as_any(),
-            view,
-            base.view.address() as usize,
-            base.view.size(),
-            flags,
-        )
+        let parent = base.view.parent();
+        parent.begin_export()?;
+        // SAFETY: managed memory of a live allocation, counted as exported
+        // until `__releasebuffer__`, so `free()` cannot release it meanwhile.
+        let r = unsafe {
+            fill_buffer(
+                slf.as_any(),
+                view,
+                base.view.address() as usize,
+                base.view.size(),
+                false,
+                flags,
+            )
+        };
+        if r.is_err() {
+            parent.end_export();
+        }
+        r
+    }
+
+    unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
+        slf.as_super().get().view.parent().end_export();
     }
 }
 
@@ -336,11 +500,12 @@ pub(crate) fn alloc_host(
         mapped,
         portable,
         write_combined: wc,
+        read_only: false,
     };
     let size = size_arg(nbytes)?;
     // Pinning takes a while for large sizes: let other threads run.
     let host = py.detach(|| HostMemory::alloc(&ctx, size, flags))?;
-    host_object(py, host, None, mapped)
+    host_object(py, host, Owned::default(), mapped)
 }
 
 /// Pin the memory of ``obj`` (any writable or read-only C-contiguous
@@ -355,23 +520,30 @@ pub(crate) fn register_host(
     portable: bool,
     device: Option<usize>,
 ) -> PyResult<Py<PyAny>> {
-    let buf = PyUntypedBuffer::get(obj)?;
+    // A memoryview holds the buffer export that keeps obj's memory from
+    // moving (a bytearray cannot resize meanwhile); it is a Python object, so
+    // the garbage collector sees it.
+    let export = pyo3::types::PyMemoryView::from(obj)?;
+    let buf = PyUntypedBuffer::get(export.as_any())?;
     if !buf.is_c_contiguous() {
         return Err(
             Error::InvalidArgument("only C-contiguous buffers can be pinned".into()).into(),
         );
     }
-    let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+    let (ptr, len, readonly) = (buf.buf_ptr() as usize, buf.len_bytes(), buf.readonly());
+    drop(buf);
     let ctx = device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
         write_combined: false,
+        read_only: readonly,
     };
-    // Holding the buffer keeps obj alive and its memory from moving.
-    let keep: KeepAlive = Box::new(buf);
-    let host = py.detach(|| HostMemory::register(&ctx, ptr, len, flags, Some(keep)))?;
-    let owned = Some(obj.clone().unbind());
+    // SAFETY: the memoryview, held by the returned object until the
+    // registration is released (its Drop and `__clear__` unregister first),
+    // keeps the memory alive and in place.
+    let host = py.detach(|| unsafe { HostMemory::register(&ctx, ptr, len, flags, None) })?;
+    let owned = Owned::new(Some(obj.clone().unbind()), Some(export.into_any().unbind()));
     host_object(py, host, owned, mapped)
 }
 
@@ -394,13 +566,14 @@ pub(crate) fn register_host_ptr(
         mapped,
         portable,
         write_combined: false,
+        read_only: false,
     };
-    let keep = owner
-        .as_ref()
-        .map(|o| Box::new(o.clone_ref(py)) as KeepAlive);
     let size = size_arg(size)?;
-    let host = py.detach(|| HostMemory::register(&ctx, ptr, size, flags, keep))?;
-    host_object(py, host, owner, mapped)
+    // SAFETY: numba's `mempin` shape: `owner` (held by the returned object,
+    // which unregisters before letting it go) keeps the memory alive; the
+    // driver refuses ranges that are not mapped host memory.
+    let host = py.detach(|| unsafe { HostMemory::register(&ctx, ptr, size, flags, None) })?;
+    host_object(py, host, Owned::new(owner, None), mapped)
 }
 
 /// Allocate ``nbytes`` of managed (unified) memory on ``device`` (default:

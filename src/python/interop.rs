@@ -148,8 +148,11 @@ pub(crate) fn _import_cai<'py>(
     if let (Some(stream), true) = (stream, sync) {
         let ctx = view.context();
         // Most imports find the stream idle: a query, no GIL release, no wait.
-        if !ctx.stream_is_idle(stream)? {
-            py.detach(|| ctx.stream_synchronize(stream))?;
+        // SAFETY: the exporter names a live stream of its array (the CUDA
+        // array interface's contract), as numba trusts it.
+        if !unsafe { ctx.stream_is_idle(stream) }? {
+            // SAFETY: as above.
+            py.detach(|| unsafe { ctx.stream_synchronize(stream) })?;
         }
     }
     finish(view, layout, &shape, typestr, readonly, owner, stream)

@@ -38,6 +38,23 @@ pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
     usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
 }
 
+/// An integer argument that must not be a bool (``True`` is not a size or
+/// a device): a `TypeError` names `what`.
+pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
+    let type_error = || {
+        let name = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {name}"))
+    };
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(type_error());
+    }
+    obj.extract::<isize>().map_err(|_| type_error())
+}
+
 /// A device ordinal: negative is an `InvalidArgumentError`.
 fn device_arg(d: isize) -> PyResult<usize> {
     usize::try_from(d)
@@ -52,14 +69,36 @@ fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
 }
 
 /// Allocate ``nbytes`` of device memory on ``device`` (default: the current
-/// context's device, else 0).
+/// context's device, else 0), from the device's pool.
+///
+/// Without ``stream`` the memory may be used on any stream: when it is
+/// freed, its block is reused only after all work queued before the free,
+/// on every stream, is done. With ``stream`` (an int handle, or a numba,
+/// CuPy or torch stream) the allocation is stream-ordered, as
+/// ``cudaMallocAsync``: a block freed on that stream is reused at once, and
+/// the memory is freed on it when dropped (``record_stream`` declares other
+/// streams it is used on).
 #[pyfunction]
-#[pyo3(signature = (nbytes, device=None))]
-fn alloc(py: Python<'_>, nbytes: isize, device: Option<isize>) -> PyResult<PyMemoryPointer> {
-    let size = size_arg(nbytes)?;
-    let ctx = device_context(device.map(device_arg).transpose()?)?;
+#[pyo3(signature = (nbytes, device=None, stream=None))]
+fn alloc(
+    py: Python<'_>,
+    nbytes: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyMemoryPointer> {
+    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let device = device
+        .filter(|d| !d.is_none())
+        .map(|d| int_arg(d, "device").and_then(device_arg))
+        .transpose()?;
+    let stream = pointer::stream_arg(stream)?;
+    let ctx = device_context(device)?;
     let pyctx = py_context(py, &ctx)?;
-    Ok(PyMemoryPointer::owning(ctx.alloc(size)?, Some(pyctx)))
+    let mem = match stream {
+        Some(s) => ctx.alloc_on(size, s)?,
+        None => ctx.alloc(size)?,
+    };
+    Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }
 
 /// Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a
@@ -69,11 +108,11 @@ fn alloc(py: Python<'_>, nbytes: isize, device: Option<isize>) -> PyResult<PyMem
 #[pyo3(signature = (address, nbytes, owner=None, context=None))]
 fn wrap(
     address: &Bound<'_, PyAny>,
-    nbytes: isize,
+    nbytes: &Bound<'_, PyAny>,
     owner: Option<Py<PyAny>>,
     context: Option<&Bound<'_, PyContext>>,
 ) -> PyResult<PyMemoryPointer> {
-    let size = size_arg(nbytes)?;
+    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
     let address = pointer_arg(address)?;
     let ctx = context.map(|c| c.get().inner.clone());
     let mem = runtime()?.wrap(address, size, ctx, None)?;
@@ -146,12 +185,39 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("peak_bytes", s.peak_bytes)?;
         d.set_item("alloc_count", s.alloc_count)?;
         d.set_item("cached_bytes", s.cached_bytes)?;
+        d.set_item("pending_bytes", s.pending_bytes)?;
         d.set_item("pool_hits", s.pool_hits)?;
         d.set_item("pool_misses", s.pool_misses)?;
         d.set_item("fences", s.fences)?;
         list.append(d)?;
     }
     Ok(list)
+}
+
+/// Wait until every block freed so far on ``device`` (default: all devices
+/// with a context) has passed its fence and is ready for reuse; the
+/// allocator itself never waits. ``False`` if a fence failed.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn flush_pool(py: Python<'_>, device: Option<usize>) -> PyResult<bool> {
+    let rt = runtime()?;
+    let devices: Vec<usize> = match device {
+        Some(d) => vec![d],
+        None => (0..rt.device_count()).collect(),
+    };
+    py.detach(|| {
+        devices
+            .into_iter()
+            .try_fold(true, |ok, d| Ok(rt.flush_pool(d)? && ok))
+    })
+    .map_err(|e: Error| e.into())
+}
+
+/// Make every device's peak bytes equal to its live bytes now.
+#[pyfunction]
+fn reset_peak_stats() -> PyResult<()> {
+    runtime()?.reset_peak_stats();
+    Ok(())
 }
 
 /// Return every block the pool caches to the driver; the bytes freed
@@ -203,6 +269,29 @@ fn _sim_clear_faults() -> PyResult<()> {
     Ok(())
 }
 
+/// Simulator: queue a write of ``data`` at ``address`` on ``stream``, done
+/// only by ``_sim_complete`` (a kernel that is still running).
+#[pyfunction]
+fn _sim_queue_write(stream: usize, address: u64, data: &[u8]) -> PyResult<()> {
+    Ok(sim()?.queue_write(stream, address, data)?)
+}
+
+/// Simulator: run the oldest ``n`` queued operations (all with None).
+#[pyfunction]
+#[pyo3(signature = (n=None))]
+fn _sim_complete(py: Python<'_>, n: Option<usize>) -> PyResult<usize> {
+    let s = sim()?;
+    Ok(py.detach(|| s.complete(n)))
+}
+
+/// Simulator: queued writes that found their memory freed, and quarantined
+/// host buffers written after their free.
+#[pyfunction]
+fn _sim_stale_writes() -> PyResult<(u64, u64)> {
+    let s = sim()?;
+    Ok((s.lost_writes(), s.stale_host_writes()))
+}
+
 /// Simulator: device bytes allocated now (over all devices).
 #[pyfunction]
 fn _sim_live_bytes() -> PyResult<usize> {
@@ -250,6 +339,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<host::PyPinnedMemory>()?;
     m.add_class::<host::PyMappedMemory>()?;
     m.add_class::<host::PyManagedMemory>()?;
+    m.add_class::<dlpack::DLPackOwner>()?;
     m.add_function(wrap_pyfunction!(host::alloc_host, m)?)?;
     m.add_function(wrap_pyfunction!(host::register_host, m)?)?;
     m.add_function(wrap_pyfunction!(host::register_host_ptr, m)?)?;
@@ -265,6 +355,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(release_contexts, m)?)?;
     m.add_function(wrap_pyfunction!(trim, m)?)?;
+    m.add_function(wrap_pyfunction!(flush_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_queue_write, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_complete, m)?)?;
+    m.add_function(wrap_pyfunction!(_sim_stale_writes, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;
     m.add_function(wrap_pyfunction!(_reset, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_fail_nth, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_clear_faults, m)?)?;

@@ -16,9 +16,18 @@ use crate::{Context, DevicePointer, Error, View};
 /// Never raises; skipped while the interpreter shuts down.
 pub(crate) struct PyFinalizer(Option<Py<PyAny>>);
 
-/// What a constructor's ``finalizer`` argument keeps until release.
-pub(crate) fn keep_finalizer(finalizer: Option<Py<PyAny>>) -> Option<crate::KeepAlive> {
-    finalizer.map(|f| Box::new(PyFinalizer(Some(f))) as crate::KeepAlive)
+/// What a constructor's ``finalizer`` argument keeps until release; a
+/// non-callable is an `InvalidArgumentError`.
+pub(crate) fn keep_finalizer(
+    py: Python<'_>,
+    finalizer: Option<Py<PyAny>>,
+) -> PyResult<Option<crate::KeepAlive>> {
+    match finalizer {
+        Some(f) if !f.bind(py).is_callable() => {
+            Err(Error::InvalidArgument("finalizer must be callable".into()).into())
+        }
+        f => Ok(f.map(|f| Box::new(PyFinalizer(Some(f))) as crate::KeepAlive)),
+    }
 }
 
 impl Drop for PyFinalizer {
@@ -52,7 +61,8 @@ impl Drop for PyFinalizer {
 pub struct PyMemoryPointer {
     pub(crate) view: View,
     managed: bool,
-    owner: Option<Py<PyAny>>,
+    /// Behind a lock so the garbage collector can clear it (`__clear__`).
+    owner: std::sync::Mutex<Option<Py<PyAny>>>,
     context: OnceLock<Py<PyContext>>,
     device_pointer: OnceLock<Py<PyAny>>,
 }
@@ -67,7 +77,7 @@ impl PyMemoryPointer {
         PyMemoryPointer {
             view,
             managed,
-            owner,
+            owner: std::sync::Mutex::new(owner),
             context: context.map(OnceLock::from).unwrap_or_default(),
             device_pointer: OnceLock::new(),
         }
@@ -98,6 +108,14 @@ impl PyMemoryPointer {
         self
     }
 
+    fn owner_ref(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.owner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|o| o.clone_ref(py))
+    }
+
     /// A pointer over `view` that shares this one's context object.
     fn sibling(&self, view: View, managed: bool, owner: Option<Py<PyAny>>, py: Python<'_>) -> Self {
         let context = self.context.get().map(|c| c.clone_ref(py));
@@ -115,6 +133,13 @@ impl PyMemoryPointer {
 pub(crate) fn pointer_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevicePtr> {
     if obj.is_none() {
         return Ok(0);
+    }
+    if obj.is_instance_of::<pyo3::types::PyFloat>() || obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(Error::InvalidPointer(format!(
+            "an address must be an integer, not {}",
+            obj.get_type().name()?
+        ))
+        .into());
     }
     if let Ok(v) = obj.extract::<u64>() {
         return Ok(v);
@@ -139,22 +164,49 @@ pub(crate) fn pointer_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevicePtr> {
     .into())
 }
 
-/// A stream from 0/None, an int handle, or an object with `.handle`
-/// (numba) or `.ptr` (CuPy).
-pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<RawStream> {
-    let Some(obj) = obj else { return Ok(0) };
+/// A stream argument: ``None`` (no stream), an int handle (0 and 1 are the
+/// legacy default stream, 2 the per-thread one), or a stream object: anything
+/// with ``__cuda_stream__()`` (cuda.core's protocol), ``.cuda_stream``
+/// (torch), ``.ptr`` (CuPy) or ``.handle`` (numba). Anything else is an
+/// `InvalidArgumentError`.
+pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawStream>> {
+    let Some(obj) = obj else { return Ok(None) };
     if obj.is_none() {
-        return Ok(0);
+        return Ok(None);
     }
-    if let Ok(v) = obj.extract::<usize>() {
-        return Ok(v);
+    let bad = || -> PyErr {
+        Error::InvalidArgument(format!(
+            "stream must be None, an int handle, or a stream object (numba, CuPy, torch, __cuda_stream__), not {}",
+            obj.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+        .into()
+    };
+    let handle = |h: &Bound<'_, PyAny>| -> PyResult<RawStream> {
+        if h.is_instance_of::<pyo3::types::PyBool>() || h.is_instance_of::<pyo3::types::PyFloat>() {
+            return Err(bad());
+        }
+        if let Ok(v) = h.extract::<usize>() {
+            return Ok(v);
+        }
+        // cuda-bindings' CUstream has __int__.
+        h.call_method0("__int__")
+            .and_then(|v| v.extract::<usize>())
+            .map_err(|_| bad())
+    };
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return handle(obj).map(Some);
     }
-    for attr in ["handle", "ptr"] {
+    if let Ok(f) = obj.getattr("__cuda_stream__") {
+        let t = f.call0().map_err(|_| bad())?;
+        let (_version, h): (Bound<'_, PyAny>, Bound<'_, PyAny>) = t.extract().map_err(|_| bad())?;
+        return handle(&h).map(Some);
+    }
+    for attr in ["cuda_stream", "ptr", "handle"] {
         if let Ok(h) = obj.getattr(attr) {
-            return Ok(pointer_arg(&h)? as RawStream);
+            return handle(&h).map(Some);
         }
     }
-    Err(Error::InvalidArgument("stream must be 0, an int handle, or a stream object".into()).into())
+    Err(bad())
 }
 
 /// The context a constructor argument names: a gpuptr context, a numba
@@ -200,7 +252,8 @@ impl PyMemoryPointer {
         let address = pointer_arg(pointer)?;
         let ctx = context_arg(context)?;
         let managed = finalizer.is_some();
-        let mem = runtime()?.wrap(address, size, ctx, keep_finalizer(finalizer))?;
+        let keep = keep_finalizer(pointer.py(), finalizer)?;
+        let mem = runtime()?.wrap(address, size, ctx, keep)?;
         Ok(PyMemoryPointer::wrapping(mem, owner, managed))
     }
 
@@ -276,10 +329,26 @@ impl PyMemoryPointer {
     /// The object that owns the memory: the given owner, else this pointer.
     #[getter]
     fn owner(slf: &Bound<'_, Self>) -> Py<PyAny> {
-        match &slf.get().owner {
-            Some(o) => o.clone_ref(slf.py()),
+        match slf.get().owner_ref(slf.py()) {
+            Some(o) => o,
             None => slf.clone().into_any().unbind(),
         }
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        // Only what this object holds alone: its owner, and (when no other
+        // pointer shares the allocation) a finalizer the allocation keeps.
+        if let Ok(owner) = self.owner.try_lock() {
+            if let Some(o) = owner.as_ref() {
+                visit.call(o)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        let owner = self.owner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(owner);
     }
 
     /// How many pointer objects (this one, its views, `own()` handles) share
@@ -311,16 +380,40 @@ impl PyMemoryPointer {
     /// Another handle on the same memory; the allocation lives while any does.
     fn own(slf: &Bound<'_, Self>) -> Self {
         let me = slf.get();
-        let owner = me.owner.as_ref().map(|o| o.clone_ref(slf.py()));
+        let owner = me.owner_ref(slf.py());
         me.sibling(me.view.clone(), me.managed, owner, slf.py())
     }
 
     /// Release the memory now. A second call, or a call on a view or a
     /// non-owning wrap, does nothing. Views of freed memory raise
     /// `InvalidPointerError` when used.
-    fn free(&self, py: Python<'_>) -> PyResult<()> {
+    ///
+    /// With ``stream``, the free is stream-ordered (as ``cudaFreeAsync``):
+    /// every use was queued on ``stream`` (or declared with
+    /// ``record_stream``), so the block is reused at once on that stream and
+    /// by others after a fence. Without it, the block is reused only once all
+    /// work queued before now, on every stream, is done. While numpy arrays
+    /// or memoryviews of host-reachable memory are alive this raises
+    /// ``BufferError``.
+    #[pyo3(signature = (stream=None))]
+    fn free(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream = stream_arg(stream)?;
         if self.managed {
-            py.detach(|| self.view.parent().free())?;
+            let parent = self.view.parent();
+            py.detach(|| match stream {
+                Some(s) => parent.free_on(s),
+                None => parent.free(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Declare that the memory is also used on ``stream`` (as torch's
+    /// ``record_stream``): its block is then reused only after all work on
+    /// every stream queued before its free is done.
+    fn record_stream(&self, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        if let Some(s) = stream_arg(Some(stream))? {
+            self.view.parent().record_stream(s);
         }
         Ok(())
     }
@@ -337,7 +430,9 @@ impl PyMemoryPointer {
     ) -> PyResult<()> {
         let count = count.map(size_arg).transpose()?;
         let stream = stream_arg(stream)?;
-        Ok(py.detach(|| self.view.memset(byte, count, stream))?)
+        // SAFETY: a stream handle is the caller's, as numba and CuPy take
+        // them; stream objects give their own live handle.
+        Ok(py.detach(|| unsafe { self.view.memset_on(byte, count, stream) })?)
     }
 
     /// A pointer to bytes ``[start, stop)`` of this one (``stop`` defaults to
@@ -358,31 +453,58 @@ impl PyMemoryPointer {
     }
 
     /// Copy a C-contiguous host buffer (bytes, numpy array, ...) to the
-    /// start of this memory. Other Python threads run during the copy, as
+    /// start of this memory, on ``stream`` if given (it returns once the
+    /// buffer may be reused). Other Python threads run during the copy, as
     /// they do during numba's.
-    fn copy_from_host(&self, py: Python<'_>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    #[pyo3(signature = (src, stream=None))]
+    fn copy_from_host(
+        &self,
+        py: Python<'_>,
+        src: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let stream = stream_arg(stream)?;
         let buf = PyUntypedBuffer::get(src)?;
         contiguous(&buf)?;
-        // SAFETY: the buffer is held (and so valid, and not resized) until
-        // `buf` drops, after the copy.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-        Ok(py.detach(|| self.view.copy_from_host(bytes))?)
+        let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+        // SAFETY: the buffer is held (valid, and not resized) until `buf`
+        // drops, after the copy; it is passed as a raw pointer, since it may
+        // overlap this memory (mapped memory). The stream is the caller's.
+        Ok(py.detach(|| unsafe { self.view.copy_from_host_raw(ptr as *const u8, len, stream) })?)
     }
 
     /// Copy this memory to the host: into the writable buffer ``dst`` if
-    /// given (its length bytes), else into new ``bytes`` of ``size``. Other
+    /// given (exactly this memory's size), else into new ``bytes``; on
+    /// ``stream`` if given (it returns once the bytes are there). Other
     /// Python threads run during the copy.
-    #[pyo3(signature = (dst=None))]
+    #[pyo3(signature = (dst=None, stream=None))]
     fn copy_to_host<'py>(
         &self,
         py: Python<'py>,
         dst: Option<&Bound<'py, PyAny>>,
+        stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let stream = stream_arg(stream)?;
+        let size = self.view.size();
         match dst {
             None => {
-                let v = py.detach(|| self.view.to_vec())?;
-                Ok(PyBytes::new(py, &v).into_any())
+                // Liveness first, then a fallible allocation of the result.
+                self.view.parent().check_live()?;
+                let out = PyBytes::new_with(py, size, |bytes: &mut [u8]| {
+                    let (p, n) = (bytes.as_mut_ptr() as usize, bytes.len());
+                    // SAFETY: `bytes` is the new object's buffer, exclusively ours
+                    // until it is returned; the stream is the caller's.
+                    py.detach(|| unsafe { self.view.copy_to_host_raw(p as *mut u8, n, stream) })?;
+                    Ok(())
+                })
+                .map_err(|e| {
+                    if e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py) {
+                        Error::HostOutOfMemory(size).into()
+                    } else {
+                        e
+                    }
+                })?;
+                Ok(out.into_any())
             }
             Some(dst) => {
                 let buf = PyUntypedBuffer::get(dst)?;
@@ -392,28 +514,37 @@ impl PyMemoryPointer {
                         Error::InvalidArgument("the host buffer is read-only".into()).into(),
                     );
                 }
-                // SAFETY: writable, contiguous, held until `buf` drops.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts_mut(buf.buf_ptr() as *mut u8, buf.len_bytes())
-                };
-                py.detach(|| self.view.copy_to_host(bytes))?;
+                if buf.len_bytes() < size {
+                    return Err(Error::InvalidArgument(format!(
+                        "the host buffer holds {} bytes; this memory has {size}",
+                        buf.len_bytes()
+                    ))
+                    .into());
+                }
+                let (p, n) = (buf.buf_ptr() as usize, buf.len_bytes());
+                // SAFETY: writable, contiguous, held until `buf` drops, after
+                // the copy; a raw pointer, since it may overlap this memory.
+                py.detach(|| unsafe { self.view.copy_to_host_raw(p as *mut u8, n, stream) })?;
                 Ok(dst.clone())
             }
         }
     }
 
     /// Copy ``count`` bytes (default: all of ``src``) from device memory
-    /// ``src`` to the start of this memory.
-    #[pyo3(signature = (src, count=None))]
+    /// ``src`` to the start of this memory, on ``stream`` if given.
+    #[pyo3(signature = (src, count=None, stream=None))]
     fn copy_from_device(
         &self,
         py: Python<'_>,
         src: &Bound<'_, PyMemoryPointer>,
         count: Option<isize>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let count = count.map(size_arg).transpose()?;
+        let stream = stream_arg(stream)?;
         let src = &src.get().view;
-        Ok(py.detach(|| self.view.copy_from_device(src, count))?)
+        // SAFETY: the stream is the caller's (see `memset`).
+        Ok(py.detach(|| unsafe { self.view.copy_from_device_on(src, count, stream) })?)
     }
 
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {

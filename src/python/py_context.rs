@@ -166,8 +166,12 @@ impl PyContext {
     /// Wait for the work queued on ``stream`` (an int handle, or a numba or
     /// CuPy stream object) to finish.
     fn stream_synchronize(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
-        let stream = super::pointer::stream_arg(Some(stream))?;
-        Ok(py.detach(|| self.inner.stream_synchronize(stream))?)
+        let Some(stream) = super::pointer::stream_arg(Some(stream))? else {
+            return Ok(());
+        };
+        // SAFETY: a stream handle is the caller's, as numba and CuPy take
+        // them; stream objects give their own live handle.
+        Ok(py.detach(|| unsafe { self.inner.stream_synchronize(stream) })?)
     }
 
     /// Make this context current on the calling thread.

@@ -1,0 +1,365 @@
+"""Memory safety on the simulator: every defect of the memory-safety issue
+has a test here. Cases that crashed the process run in a subprocess, so a
+regression fails the test instead of killing pytest."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import gpuptr
+from gpuptr import _core
+
+pytestmark = pytest.mark.sim
+
+
+def run_isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(256 << 20))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# 1. A buffer export outlives free() ------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: gpuptr.alloc_host(4096),
+    lambda: gpuptr.alloc_host(4096, mapped=True),
+    lambda: gpuptr.alloc_managed(4096),
+    lambda: gpuptr.alloc_host(4096).own(),
+])
+def test_free_refuses_while_a_buffer_export_is_alive(make):
+    p = make()
+    arr = np.asarray(p)
+    with pytest.raises(BufferError):
+        p.free()
+    arr[:] = 7                      # still the caller's own memory
+    assert (np.asarray(p) == 7).all()
+    del arr
+    gc.collect()
+    p.free()                        # no export left: released
+    with pytest.raises(gpuptr.InvalidPointerError):
+        memoryview(p)
+
+
+def test_a_stale_export_never_reads_or_writes_freed_memory_in_a_subprocess():
+    r = run_isolated("""
+        import numpy as np, gpuptr
+        p = gpuptr.alloc_host(16 << 20)
+        a = np.asarray(p)
+        try:
+            p.free()
+        except BufferError:
+            pass
+        else:
+            raise SystemExit("free() succeeded with an export alive")
+        q = gpuptr.alloc_host(16 << 20)
+        a[:] = 1                    # lands in p's (still live) memory, never in q's
+        assert not np.asarray(q).any()
+        print("ok", int(a.sum()))
+    """)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+
+
+def test_a_registered_bytearray_cannot_move_while_registered_or_exported():
+    b = bytearray(4096)
+    p = gpuptr.register_host(b)
+    with pytest.raises(BufferError):
+        b.extend(b"x" * 10)         # the registration pins it in place
+    v = memoryview(p)
+    with pytest.raises(BufferError):
+        p.free()
+    v.release()
+    p.free()
+    b.extend(b"x" * 10)             # released: the owner may resize again
+
+
+# 2. Read-only objects ----------------------------------------------------------
+
+def test_read_only_sources_are_exported_read_only_and_refuse_device_writes():
+    src = b"immutable" * 100
+    p = gpuptr.register_host(src)
+    assert p.readonly
+    with pytest.raises(TypeError):
+        memoryview(p)[:3] = b"abc"
+    assert not np.asarray(p).flags.writeable
+    src2 = b"unchanged" * 100
+    m = gpuptr.register_host(src2, mapped=True)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        m.copy_from_host(b"x" * len(src2))
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        m.memset(0)
+    assert src == b"immutable" * 100 and src2 == b"unchanged" * 100
+    assert m.copy_to_host()[:9] == b"unchanged"   # reads are fine
+
+
+# 3. free() racing a copy in another thread ------------------------------------
+
+def test_a_concurrent_free_never_lets_a_copy_write_into_reused_memory():
+    gpuptr.flush_pool()
+    failures = []
+    for _ in range(200):
+        p = gpuptr.alloc(1 << 16)
+        payload = b"\xaa" * (1 << 16)
+        start = threading.Barrier(2)
+
+        def copy():
+            start.wait()
+            try:
+                p.copy_from_host(payload)
+            except gpuptr.InvalidPointerError:
+                pass
+
+        t = threading.Thread(target=copy)
+        t.start()
+        start.wait()
+        p.free()
+        t.join()
+        q = gpuptr.alloc(1 << 16)
+        q.memset(0)
+        gpuptr.flush_pool()
+        r = gpuptr.alloc(1 << 16)   # may get p's block now that it is fenced
+        r.memset(0)
+        if q.copy_to_host().count(0xAA) or r.copy_to_host().count(0xAA):
+            failures.append(1)
+        q.free(); r.free()
+    assert not failures
+
+
+# 4. copy_to_host() with no destination ------------------------------------------
+
+def test_copy_to_host_checks_liveness_first_and_allocates_fallibly():
+    r = run_isolated("""
+        import gpuptr
+        mem = gpuptr.alloc(64 << 20)
+        v = mem.view(0)
+        mem.free()
+        try:
+            v.copy_to_host()
+        except gpuptr.InvalidPointerError:
+            print("freed: typed")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "freed: typed" in r.stdout
+
+
+def test_copy_to_host_into_a_buffer_of_the_wrong_size_is_refused():
+    p = gpuptr.alloc(64)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        p.copy_to_host(bytearray(32))
+    with pytest.raises(gpuptr.InvalidPointerError):
+        p.copy_to_host(bytearray(65))
+    assert len(p.copy_to_host(bytearray(64))) == 64
+
+
+# 5. Host-memory constructors validate ----------------------------------------
+
+@pytest.mark.parametrize("code", [
+    "gpuptr.PinnedMemory(None, 0x10, 100)",
+    "gpuptr.PinnedMemory(None, 0, 100)",
+    "gpuptr.MappedMemory(None, h.host_pointer, 1 << 40)",
+    "gpuptr.ManagedMemory(None, d.device_pointer_value, 64)",
+    "gpuptr.PinnedMemory(None, d.device_pointer_value, 64)",
+])
+def test_host_memory_constructors_refuse_what_is_not_theirs(code):
+    r = run_isolated(f"""
+        import gpuptr, numpy as np
+        h = gpuptr.alloc_host(4096, mapped=True)
+        d = gpuptr.alloc(4096)
+        try:
+            x = {code}
+            np.asarray(x).sum()
+            print("accepted")
+        except (gpuptr.InvalidPointerError, gpuptr.InvalidArgumentError) as e:
+            print("refused", type(e).__name__)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused"), r.stdout
+
+
+def test_register_host_ptr_refuses_unmapped_addresses():
+    with pytest.raises((gpuptr.CudaError, gpuptr.InvalidPointerError)):
+        _core.register_host_ptr(0x10, 4096)
+    with pytest.raises((gpuptr.CudaError, gpuptr.InvalidPointerError)):
+        _core.register_host_ptr(1 << 46, 4096)
+
+
+# 6. Cycles are collected ---------------------------------------------------------
+
+def test_an_exporter_caching_its_own_view_is_collected():
+    gc.collect()
+    live = gpuptr.stats()[0]["live_bytes"]
+
+    class Exporter:
+        def __init__(self):
+            self.mem = gpuptr.alloc(1 << 20)
+            self.__cuda_array_interface__ = {
+                "shape": (1 << 20,), "typestr": "|u1", "version": 3,
+                "data": (self.mem.device_pointer_value, False), "strides": None,
+            }
+            self.view = gpuptr.from_cuda_array_interface(self)
+
+    e = Exporter()
+    ref = weakref.ref(e)
+    del e
+    gc.collect()
+    assert ref() is None
+    assert gpuptr.stats()[0]["live_bytes"] == live
+
+
+def test_a_bytearray_subclass_holding_its_own_registration_is_collected():
+    class Buf(bytearray):
+        pass
+
+    regs = _core._sim_live_registrations()
+    b = Buf(8192)
+    b.reg = gpuptr.register_host(b)
+    ref = weakref.ref(b)
+    del b
+    gc.collect()
+    assert ref() is None
+    assert _core._sim_live_registrations() == regs
+
+
+# 7. fork ---------------------------------------------------------------------------
+
+def test_fork_while_another_thread_is_inside_gpuptr_never_hangs_the_child():
+    r = run_isolated("""
+        import os, threading, time, gpuptr
+        stop = False
+        def hammer():
+            while not stop:
+                p = gpuptr.alloc(4096); p.memset(1); p.copy_to_host(); p.free()
+        ts = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in ts: t.start()
+        results = []
+        for i in range(10):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    gpuptr.alloc(16)
+                    os._exit(3)
+                except gpuptr.NoDriverError as e:
+                    os._exit(0 if "fork" in str(e) else 4)
+                except BaseException:
+                    os._exit(5)
+            deadline = time.time() + 20
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    results.append(os.waitstatus_to_exitcode(status)); break
+                if time.time() > deadline:
+                    os.kill(pid, 9); os.waitpid(pid, 0); results.append("hang"); break
+                time.sleep(0.01)
+        stop = True
+        for t in ts: t.join()
+        print(results)
+    """, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str([0] * 10), r.stdout
+
+
+# 8. CAI item sizes ---------------------------------------------------------------
+
+def test_huge_cai_item_sizes_are_refused():
+    mem = gpuptr.alloc(64)
+    for typestr in ["|V18446744073709551615", "|V9223372036854775808", "|V9223372036854775807"]:
+        desc = {"shape": (1,), "typestr": typestr, "version": 3,
+                "data": (mem.device_pointer_value, False)}
+        with pytest.raises((gpuptr.InvalidArgumentError, gpuptr.InvalidPointerError)):
+            gpuptr.from_cuda_array_interface(desc)
+
+
+# 9. Mapped host memory is device memory ------------------------------------------
+
+def test_mapped_host_memory_is_accepted_as_device_memory():
+    h = gpuptr.alloc_host(4096, mapped=True)
+    addr = h.device_pointer_value
+    assert gpuptr.context_of(addr).device.id == h.context.device.id
+    w = gpuptr.wrap(addr, 4096, owner=h)
+    w.memset(3)
+    assert np.asarray(h)[0] == 3
+    desc = {"shape": (4096,), "typestr": "|u1", "version": 3, "data": (addr, False)}
+    assert gpuptr.from_cuda_array_interface(desc).pointer.size == 4096
+    # Unmapped pinned memory is not.
+    with pytest.raises(gpuptr.InvalidPointerError):
+        gpuptr.wrap(gpuptr.alloc_host(64).host_pointer, 64)
+
+
+def test_zero_size_mapped_allocations_work_like_unmapped_ones():
+    a = gpuptr.alloc_host(0, mapped=True)
+    b = gpuptr.alloc_host(0)
+    assert a.size == b.size == 0
+    assert bytes(memoryview(a)) == bytes(memoryview(b)) == b""
+
+
+# Smaller items ----------------------------------------------------------------------
+
+def test_finalizer_must_be_callable():
+    mem = gpuptr.alloc(64)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.MemoryPointer(None, mem.device_pointer_value, 64, finalizer=42)
+
+
+def test_floats_and_bools_are_not_addresses_sizes_or_devices():
+    mem = gpuptr.alloc(64)
+    with pytest.raises(gpuptr.InvalidPointerError):
+        gpuptr.wrap(float(mem.device_pointer_value), 64)
+    with pytest.raises(TypeError):
+        gpuptr.alloc(True)
+    with pytest.raises(TypeError):
+        gpuptr.alloc(64, device=True)
+    with pytest.raises(TypeError):
+        gpuptr.alloc(64.0)
+
+
+def test_a_bad_stream_gets_a_typed_error_that_names_streams():
+    mem = gpuptr.alloc(64)
+    for bad in ["s", 1.5, object(), True]:
+        with pytest.raises(gpuptr.InvalidArgumentError, match="stream"):
+            mem.memset(0, stream=bad)
+
+
+def test_absurd_simulator_device_counts_are_refused():
+    r = run_isolated("""
+        import os, gpuptr
+        try:
+            gpuptr.alloc(1)
+        except gpuptr.GpuptrError as e:
+            print("refused", type(e).__name__)
+    """.replace("import os, gpuptr", "import os; os.environ['GPUPTR_SIM_DEVICES'] = str(10**12); import gpuptr"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused"), r.stdout
+
+
+def test_overlapping_copies_through_mapped_memory_are_defined():
+    m = gpuptr.alloc_host(64, mapped=True)
+    np.asarray(m)[:] = np.arange(64, dtype=np.uint8)
+    m.view(1).copy_from_host(memoryview(m)[:-1])
+    assert list(np.asarray(m)[:4]) == [0, 0, 1, 2]
+
+
+def test_dlpack_capsules_are_consumed_on_import():
+    arr = np.arange(4, dtype=np.float32)
+    cap = arr.__dlpack__()
+    owner = _core._dlpack_consume(cap)
+    assert "used_dltensor" in repr(cap)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        _core._dlpack_consume(cap)          # consumed once only
+    del owner                               # the deleter runs once, here
+    gc.collect()
+    assert arr.sum() == 6
+
+
+# The simulator's poison ---------------------------------------------------------------
+
+def test_no_stale_host_write_reached_freed_memory_during_these_tests():
+    lost, stale = _core._sim_stale_writes()
+    assert (lost, stale) == (0, 0)

@@ -29,7 +29,8 @@ def spin(a, ms):
         cuda.nanosleep(1000000)
     a[0] = 1
 
-s = cuda.external_stream(cp.cuda.Stream(non_blocking=True).ptr)
+cs = cp.cuda.Stream(non_blocking=True)  # kept alive: the handle must stay valid
+s = cuda.external_stream(cs.ptr)
 flag = cuda.device_array(1, np.int32)
 for _ in range(20):  # warm up (and let the pool grow as an idle GPU lets it)
     cuda.device_array(1 << 20, np.uint8)

@@ -47,7 +47,8 @@ try:
 except Exception as e:
     print("no torch:", e)
 
-fill = cuda.external_stream(cp.cuda.Stream(non_blocking=True).ptr) if "cupy-non-blocking" in streams else cuda.stream()
+fill_cs = cp.cuda.Stream(non_blocking=True)   # kept alive: the handle must stay valid
+fill = cuda.external_stream(fill_cs.ptr)
 zeros = np.zeros(N, np.uint8)
 
 def numba_array():
@@ -75,7 +76,7 @@ for path, make in (("plugin", numba_array), ("gpuptr.alloc", gpuptr_array)):
             corrupted += sum(int(f.copy_to_host().any()) for f in fresh)
             del fresh
             gc.collect()
-        print(f"{path:13s} {name:18s} reps={REPS} corrupted={corrupted}")
+        print(f"{path:13s} {name:18s} reps={REPS} corrupted={corrupted}", flush=True)
         bad_total += corrupted
 print("stats", gpuptr.stats()[0])
 print("TOTAL_CORRUPTED", bad_total)

@@ -102,10 +102,9 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
     ``numba.cuda.set_memory_manager(gpuptr.numba.MemoryManager)``.
 
     Reuse of freed device memory follows gpuptr's pool rule: a freed block is
-    handed out again only after a fence on the legacy default stream, so work
-    the new owner queues on the default stream or any blocking stream runs
-    after all earlier work. Synchronize non-blocking streams before dropping
-    memory they use.
+    handed out again only after all work queued before its free, on every
+    stream (non-blocking CuPy and torch streams included), has finished; a
+    helper thread waits for that, never the allocating thread.
 
     ``get_memory_info()`` counts the bytes the pool caches as free: they are
     available to the next allocation.
@@ -160,8 +159,8 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
             _core._reset(self._device)
 
     def defer_cleanup(self):
-        """gpuptr frees into its fenced pool immediately and safely, so there
-        is nothing to defer."""
+        """gpuptr frees into its fenced pool at once, and safely on every
+        stream, so there is nothing to defer."""
         return contextlib.nullcontext()
 
     @property

@@ -10,9 +10,7 @@ use crate::driver::{
     HOST_ALLOC_WRITECOMBINED,
 };
 use crate::error::{Error, Result};
-use crate::memory::{
-    check_live, release_keepalive, DevicePointer, FreeStep, KeepAlive, Lifetime, View,
-};
+use crate::memory::{check_live, release_keepalive, DevicePointer, KeepAlive, Lifetime, View};
 
 /// How the host memory came to be pinned.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -90,9 +88,7 @@ pub(crate) struct HostUse<'a>(&'a HostMemory);
 
 impl Drop for HostUse<'_> {
     fn drop(&mut self) {
-        if self.0.life.end(Lifetime::OP) {
-            self.0.finish_release();
-        }
+        self.0.life.end(Lifetime::OP, || self.0.release());
     }
 }
 
@@ -105,43 +101,25 @@ impl HostMemory {
         flags: HostFlags,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
-        let device_address = if flags.mapped && size != 0 {
-            // SAFETY: the context is retained; only the driver's tables are read.
-            match unsafe { context.driver().host_device_pointer(context.raw(), ptr) } {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    // Release what was pinned before reporting.
-                    let mem = HostMemory {
-                        context: context.clone(),
-                        ptr,
-                        size,
-                        kind,
-                        mapped: false,
-                        readonly: flags.read_only,
-                        device_address: None,
-                        generation: context.generation(),
-                        life: Lifetime::default(),
-                        keepalive: Mutex::new(keepalive),
-                    };
-                    drop(mem);
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
-        Ok(Arc::new(HostMemory {
+        let mut mem = HostMemory {
             context: context.clone(),
             ptr,
             size,
             kind,
             mapped: flags.mapped,
             readonly: flags.read_only,
-            device_address,
+            device_address: None,
             generation: context.generation(),
             life: Lifetime::default(),
             keepalive: Mutex::new(keepalive),
-        }))
+        };
+        if flags.mapped && size != 0 {
+            // SAFETY: the context is retained; only the driver's tables are
+            // read. On failure `mem` drops here and releases what was pinned.
+            mem.device_address =
+                Some(unsafe { context.driver().host_device_pointer(context.raw(), ptr) }?);
+        }
+        Ok(Arc::new(mem))
     }
 
     /// Allocate `size` bytes of pinned host memory in `context`. Zero bytes
@@ -276,16 +254,8 @@ impl HostMemory {
 
     fn begin(&self, unit: u64) -> Result<()> {
         self.check_live()?;
-        if let Err(owed) = self.life.begin(unit) {
-            if owed {
-                self.finish_release();
-            }
-            return self.check_live().and(Err(Error::InvalidPointer(format!(
-                "host memory at {:#x} was freed",
-                self.ptr
-            ))));
-        }
-        Ok(())
+        let live = self.life.begin(unit, || self.release());
+        check_live("host memory", self.ptr as u64, !live, false)
     }
 
     /// Count a buffer export of the bytes: [`HostMemory::free`] refuses
@@ -296,9 +266,7 @@ impl HostMemory {
 
     /// End an export counted by [`HostMemory::begin_export`].
     pub fn end_export(&self) {
-        if self.life.end(Lifetime::EXPORT) {
-            self.finish_release();
-        }
+        self.life.end(Lifetime::EXPORT, || self.release());
     }
 
     /// A device view of mapped memory; it keeps this host memory alive, and
@@ -325,23 +293,7 @@ impl HostMemory {
         if crate::fork::forked() {
             return Ok(false);
         }
-        match self.life.free("host memory")? {
-            FreeStep::Already => Ok(false),
-            FreeStep::Deferred => Ok(true),
-            FreeStep::ReleaseNow => match self.release() {
-                Ok(()) => Ok(true),
-                Err(e) => {
-                    self.life.unfree();
-                    Err(e)
-                }
-            },
-        }
-    }
-
-    fn finish_release(&self) {
-        if self.release().is_err() {
-            self.life.unfree();
-        }
+        self.life.free("host memory", || self.release())
     }
 
     fn release(&self) -> Result<()> {

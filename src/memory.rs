@@ -54,28 +54,21 @@ const EXPORT: u64 = 1 << 32;
 const EXPORTS: u64 = ((1 << 30) - 1) << 32;
 const OPS: u64 = (1 << 32) - 1;
 
-/// What [`Lifetime::free`] decided.
-pub(crate) enum FreeStep {
-    /// Already freed: nothing to do.
-    Already,
-    /// The caller must release now.
-    ReleaseNow,
-    /// Operations are in flight; the last one releases.
-    Deferred,
-}
-
 impl Lifetime {
     #[inline]
     pub(crate) fn is_freed(&self) -> bool {
         self.0.load(Ordering::Acquire) & FREED != 0
     }
 
-    /// Ask for a free. `Err` while buffer exports are alive.
-    pub(crate) fn free(&self, what: &str) -> Result<FreeStep> {
+    /// Ask for a free. `release` runs now, or is left to the last operation
+    /// in flight (`Ok(true)` either way); `Ok(false)` if already freed, and
+    /// `Err` while buffer exports are alive or if `release` failed (the
+    /// memory then stays live, for a later retry).
+    pub(crate) fn free(&self, what: &str, release: impl FnOnce() -> Result<()>) -> Result<bool> {
         let mut s = self.0.load(Ordering::Acquire);
         loop {
             if s & FREED != 0 {
-                return Ok(FreeStep::Already);
+                return Ok(false);
             }
             if s & EXPORTS != 0 {
                 return Err(Error::BufferExported(format!(
@@ -88,14 +81,9 @@ impl Lifetime {
                 .0
                 .compare_exchange_weak(s, s | FREED, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) if s & OPS == 0 => {
-                    return Ok(if self.claim() {
-                        FreeStep::ReleaseNow
-                    } else {
-                        FreeStep::Already
-                    })
-                }
-                Ok(_) => return Ok(FreeStep::Deferred),
+                Ok(_) if s & OPS == 0 && self.claim() => return self.run(release).map(|()| true),
+                Ok(_) if s & OPS == 0 => return Ok(false),
+                Ok(_) => return Ok(true),
                 Err(now) => s = now,
             }
         }
@@ -106,22 +94,25 @@ impl Lifetime {
         self.0.fetch_or(RELEASED, Ordering::AcqRel) & RELEASED == 0
     }
 
-    /// A release failed: the memory is live again, for a later retry.
-    pub(crate) fn unfree(&self) {
-        self.0.fetch_and(!(FREED | RELEASED), Ordering::AcqRel);
+    /// Run a claimed release; if it fails, the memory is live again (a
+    /// later free or the deleter retries).
+    fn run(&self, release: impl FnOnce() -> Result<()>) -> Result<()> {
+        release().inspect_err(|_| {
+            self.0.fetch_and(!(FREED | RELEASED), Ordering::AcqRel);
+        })
     }
 
     /// Start a use (`unit` is one op, [`Lifetime::OP`], or one export,
-    /// [`Lifetime::EXPORT`]). `Err(owed)` if freed, where `owed` says the
-    /// caller must release (a free saw this transient use and left the
-    /// release to it).
+    /// [`Lifetime::EXPORT`]). `false` if freed; a free that saw this
+    /// transient use left the release to it, so `release` may run here.
     #[inline]
-    pub(crate) fn begin(&self, unit: u64) -> std::result::Result<(), bool> {
+    pub(crate) fn begin(&self, unit: u64, release: impl FnOnce() -> Result<()>) -> bool {
         let prev = self.0.fetch_add(unit, Ordering::Acquire);
         if prev & FREED != 0 {
-            return Err(self.end(unit));
+            self.end(unit, release);
+            return false;
         }
-        Ok(())
+        true
     }
 
     /// One operation.
@@ -129,13 +120,15 @@ impl Lifetime {
     /// One buffer export.
     pub(crate) const EXPORT: u64 = EXPORT;
 
-    /// End a use; `true` if the caller must now release (the last use after
-    /// a deferred free).
+    /// End a use; the last use after a deferred free runs `release` (a
+    /// deleter has no one to report a failure to).
     #[inline]
-    pub(crate) fn end(&self, unit: u64) -> bool {
+    pub(crate) fn end(&self, unit: u64, release: impl FnOnce() -> Result<()>) {
         let prev = self.0.fetch_sub(unit, Ordering::AcqRel);
         let after = prev - unit;
-        after & FREED != 0 && after & (OPS | EXPORTS) == 0 && self.claim()
+        if after & FREED != 0 && after & (OPS | EXPORTS) == 0 && self.claim() {
+            let _ = self.run(release);
+        }
     }
 
     /// Whether the release is still owed (for a deleter).
@@ -219,10 +212,8 @@ pub(crate) struct InUse<'a> {
 
 impl Drop for InUse<'_> {
     fn drop(&mut self) {
-        if self.ptr.life.end(Lifetime::OP) {
-            // The last operation after a deferred free releases.
-            self.ptr.finish_release();
-        }
+        // The last operation after a deferred free releases.
+        self.ptr.life.end(Lifetime::OP, || self.ptr.release());
     }
 }
 
@@ -285,22 +276,32 @@ impl DevicePointer {
             let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
             c.peak_bytes.fetch_max(live, Ordering::Relaxed);
         }
-        Arc::new(DevicePointer {
-            context: context.clone(),
+        let mut p = DevicePointer::base(context.clone(), address, size, origin);
+        p.managed = managed;
+        p.registration = registration;
+        p.pool_shard = pool_shard;
+        Arc::new(p)
+    }
+
+    /// A pointer with nothing optional set: not managed, writable, no
+    /// registration, keepalive or host memory, released without a stream.
+    fn base(context: Arc<Context>, address: DevicePtr, size: usize, origin: Origin) -> Self {
+        DevicePointer {
+            generation: context.generation(),
+            context,
             address,
             size,
             origin,
-            managed,
+            managed: false,
             readonly: false,
-            generation: context.generation(),
-            registration,
-            pool_shard,
+            registration: None,
+            pool_shard: 0,
             life: Lifetime::default(),
             stream: AtomicUsize::new(NO_STREAM),
             host: None,
             has_keepalive: false,
             keepalive: Mutex::new(None),
-        })
+        }
     }
 
     /// Allocate with `allocate` (a driver call freed by `cuMemFree`), then
@@ -340,23 +341,11 @@ impl DevicePointer {
         registration: Option<Registration>,
         keepalive: Option<KeepAlive>,
     ) -> Arc<Self> {
-        let generation = context.generation();
-        Arc::new(DevicePointer {
-            context,
-            address,
-            size,
-            origin: Origin::Foreign,
-            managed: false,
-            readonly: false,
-            generation,
-            registration,
-            pool_shard: 0,
-            life: Lifetime::default(),
-            stream: AtomicUsize::new(NO_STREAM),
-            host: None,
-            has_keepalive: keepalive.is_some(),
-            keepalive: Mutex::new(keepalive),
-        })
+        let mut p = DevicePointer::base(context, address, size, Origin::Foreign);
+        p.registration = registration;
+        p.has_keepalive = keepalive.is_some();
+        p.keepalive = Mutex::new(keepalive);
+        Arc::new(p)
     }
 
     /// The device view of mapped host memory: its operations hold `host`,
@@ -366,23 +355,10 @@ impl DevicePointer {
         address: DevicePtr,
         host: Arc<HostMemory>,
     ) -> Arc<Self> {
-        let generation = context.generation();
-        Arc::new(DevicePointer {
-            context,
-            address,
-            size: host.size(),
-            origin: Origin::Foreign,
-            managed: false,
-            readonly: host.is_readonly(),
-            generation,
-            registration: None,
-            pool_shard: 0,
-            life: Lifetime::default(),
-            stream: AtomicUsize::new(NO_STREAM),
-            host: Some(host),
-            has_keepalive: false,
-            keepalive: Mutex::new(None),
-        })
+        let mut p = DevicePointer::base(context, address, host.size(), Origin::Foreign);
+        p.readonly = host.is_readonly();
+        p.host = Some(host);
+        Arc::new(p)
     }
 
     /// The start address.
@@ -457,29 +433,13 @@ impl DevicePointer {
             ptr: self,
             _host: host,
         };
-        if self.is_stale() {
-            drop(guard);
-            return Err(check_live("memory", self.address, false, true).unwrap_err());
-        }
+        check_live("memory", self.address, false, self.is_stale())?;
         Ok(guard)
     }
 
     fn begin(&self, unit: u64) -> Result<()> {
-        if let Err(owed) = self.life.begin(unit) {
-            if owed {
-                self.finish_release();
-            }
-            return Err(check_live("memory", self.address, true, false).unwrap_err());
-        }
-        Ok(())
-    }
-
-    /// Release after a deferred free; a failure leaves the memory live for
-    /// the deleter to retry.
-    fn finish_release(&self) {
-        if self.release().is_err() {
-            self.life.unfree();
-        }
+        let live = self.life.begin(unit, || self.release());
+        check_live("memory", self.address, !live, false)
     }
 
     /// Count a buffer export (host-reachable managed memory): `free()`
@@ -491,9 +451,7 @@ impl DevicePointer {
 
     /// End a buffer export counted by [`DevicePointer::begin_export`].
     pub fn end_export(&self) {
-        if self.life.end(Lifetime::EXPORT) {
-            self.finish_release();
-        }
+        self.life.end(Lifetime::EXPORT, || self.release());
     }
 
     /// A view of the whole allocation.
@@ -523,18 +481,8 @@ impl DevicePointer {
         if crate::fork::forked() {
             return Ok(false);
         }
-        match self.life.free("memory")? {
-            FreeStep::Already => Ok(false),
-            FreeStep::Deferred => Ok(true),
-            FreeStep::ReleaseNow => match self.release() {
-                Ok(()) => Ok(true),
-                Err(e) => {
-                    // Still allocated: stay live so a later free or drop retries.
-                    self.life.unfree();
-                    Err(e)
-                }
-            },
-        }
+        // A failed release leaves it live, so a later free or drop retries.
+        self.life.free("memory", || self.release())
     }
 
     /// Release the memory on `stream` (stream-ordered, as `cudaFreeAsync`):
@@ -638,12 +586,23 @@ impl From<Arc<DevicePointer>> for View {
     }
 }
 
-/// Whether the driver says `[ptr, ...)` is page-locked host memory, which an
-/// async copy reads or writes after the call returns.
-fn is_pinned(ctx: &Context, ptr: usize) -> bool {
-    ctx.driver()
-        .pointer_attributes(ptr as DevicePtr)
-        .is_ok_and(|a| a.memory_type == MemoryType::Host)
+/// After a host copy queued on `stream`: the driver stages pageable memory
+/// before it returns, but reads or writes page-locked memory later, so for
+/// that, wait for the stream. Either way the caller may reuse the buffer.
+///
+/// # Safety
+/// `stream` is `None`, a default-stream handle or a live stream of `ctx`.
+unsafe fn settle_host_copy(ctx: &Context, host: usize, stream: Option<RawStream>) -> Result<()> {
+    let Some(s) = stream else { return Ok(()) };
+    let pinned = ctx
+        .driver()
+        .pointer_attributes(host as DevicePtr)
+        .is_ok_and(|a| a.memory_type == MemoryType::Host);
+    if pinned {
+        // SAFETY: the stream is this fn's contract; the context is retained.
+        unsafe { ctx.driver().stream_synchronize(ctx.raw(), s)? };
+    }
+    Ok(())
 }
 
 impl View {
@@ -791,15 +750,8 @@ impl View {
             ctx.driver()
                 .memcpy_htod(ctx.raw(), self.address(), src, len, stream)?
         };
-        if let Some(s) = stream {
-            if is_pinned(ctx, src as usize) {
-                // The driver reads pinned memory after it returns: wait, so
-                // the caller may reuse the buffer at once.
-                // SAFETY: the stream is the caller's contract.
-                unsafe { ctx.driver().stream_synchronize(ctx.raw(), s)? };
-            }
-        }
-        Ok(())
+        // SAFETY: the stream is the caller's contract.
+        unsafe { settle_host_copy(ctx, src as usize, stream) }
     }
 
     /// Copy the start of the view into `dst`.
@@ -831,13 +783,8 @@ impl View {
             ctx.driver()
                 .memcpy_dtoh(ctx.raw(), dst, self.address(), len, stream)?
         };
-        if let Some(s) = stream {
-            if is_pinned(ctx, dst as usize) {
-                // SAFETY: the stream is the caller's contract.
-                unsafe { ctx.driver().stream_synchronize(ctx.raw(), s)? };
-            }
-        }
-        Ok(())
+        // SAFETY: the stream is the caller's contract.
+        unsafe { settle_host_copy(ctx, dst as usize, stream) }
     }
 
     /// Copy `count` bytes (default: all of `src`) from `src` to this view.

@@ -524,10 +524,6 @@ pub(crate) struct Pool {
     /// The blocks this pool holds from the driver (cached or handed out),
     /// with their classes. Touched on misses, trims and resets only.
     held: Mutex<FastMap<DevicePtr, usize>>,
-    /// Blocks the out-of-memory path returned to the driver, for the owner
-    /// to unregister ([`Pool::take_freed`]).
-    freed: Mutex<Vec<DevicePtr>>,
-    has_freed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Pool {
@@ -556,18 +552,7 @@ impl Pool {
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect(),
             held: Mutex::new(FastMap::default()),
-            freed: Mutex::new(Vec::new()),
-            has_freed: std::sync::atomic::AtomicBool::new(false),
         }
-    }
-
-    /// The blocks an out-of-memory trim returned to the driver since the
-    /// last call (their registry entries are the owner's to remove).
-    pub(crate) fn take_freed(&self) -> Vec<DevicePtr> {
-        if !self.has_freed.swap(false, Ordering::AcqRel) {
-            return Vec::new();
-        }
-        std::mem::take(&mut *lock(&self.freed))
     }
 
     fn shard(&self, i: usize) -> MutexGuard<'_, Shard> {
@@ -682,10 +667,10 @@ impl Pool {
     }
 
     /// A fresh block from the driver. Out of memory: seal every shard, wait
-    /// for the fence, and take a block it freed; failing that, return the
-    /// whole cache to the driver and ask again (a few rounds, as other
-    /// threads may take what was freed). Returns the block and whether it
-    /// came from the cache.
+    /// for the fence, and take a block it made ready. Returns the block and
+    /// whether it came from the cache. Returning the cache to the driver
+    /// and retrying is the owner's step ([`Pool::trim`]), since the owner
+    /// keeps the blocks' registry entries.
     fn alloc_new_or_reclaim(
         &self,
         context: RawContext,
@@ -695,53 +680,44 @@ impl Pool {
         device: usize,
     ) -> Result<(DevicePtr, bool)> {
         let typed = |e: Error| e.oom_on(device, size);
-        let mut err = match self.alloc_new(context, class) {
-            Ok(p) => return Ok((p, false)),
-            Err(e) if e.is_oom() => e,
-            Err(e) => return Err(typed(e)),
-        };
-        for round in 0..4 {
-            if let Some(p) = self.fence_all_and_take(context, own, class) {
-                return Ok((p, true));
-            }
-            let freed = self.trim(context).map_err(typed)?;
-            if freed.is_empty() && round > 0 {
-                // Nothing more to give back: the device is full.
-                break;
-            }
-            if !freed.is_empty() {
-                lock(&self.freed).extend(freed.iter().map(|(p, _)| *p));
-                self.has_freed.store(true, Ordering::Release);
-            }
-            match self.alloc_new(context, class) {
-                Ok(p) => return Ok((p, false)),
-                Err(e) if e.is_oom() => err = e,
-                Err(e) => return Err(typed(e)),
-            }
+        match self.alloc_new(context, class) {
+            Ok(p) => Ok((p, false)),
+            Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
+                Some(p) => Ok((p, true)),
+                None => Err(typed(e)),
+            },
+            Err(e) => Err(typed(e)),
         }
-        Err(typed(err))
     }
 
-    /// Seal every shard, wait for the fence that covers them all, then take
-    /// a ready block of `class` from any shard.
+    /// Seal every shard (stream-held blocks too) and wait for the fence that
+    /// covers them all; `false` if it failed. Then make ready what it covers.
+    fn seal_all_and_wait(&self, context: RawContext) -> bool {
+        let mut newest = 0;
+        for i in 0..self.shards.len() {
+            let mut sh = self.shard(i);
+            sh.seal(&self.fencer, context, true);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
+        }
+        let ok = newest == 0 || self.fencer.wait(newest);
+        let done = self.fencer.done();
+        for i in 0..self.shards.len() {
+            self.shard(i).promote(done);
+        }
+        ok
+    }
+
+    /// Seal every shard, wait for the fence, then take a ready block of
+    /// `class` from any shard.
     fn fence_all_and_take(
         &self,
         context: RawContext,
         own: usize,
         class: usize,
     ) -> Option<DevicePtr> {
+        self.seal_all_and_wait(context);
         let n = self.shards.len();
-        let mut newest = 0;
-        for i in 0..n {
-            let mut sh = self.shard(i);
-            sh.seal(&self.fencer, context, true);
-            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
-        }
-        if newest > 0 {
-            self.fencer.wait(newest);
-        }
-        let done = self.fencer.done();
-        (0..n).find_map(|d| self.shard((own + d) % n).take(class, None, done))
+        (0..n).find_map(|d| self.shard((own + d) % n).take_ready(class))
     }
 
     fn alloc_new(&self, context: RawContext, class: usize) -> Result<DevicePtr> {
@@ -793,14 +769,15 @@ impl Pool {
     /// Return every cached block to the driver (`cuMemFree`, which waits for
     /// the device, so blocks still waiting for a fence are safe to free too).
     /// Blocks handed out are kept. Returns the blocks freed, with their
-    /// classes.
-    pub(crate) fn trim(&self, context: RawContext) -> Result<Vec<(DevicePtr, usize)>> {
+    /// classes, and the first driver error: a block whose free failed stays
+    /// cached, so nothing is lost, and the others are freed all the same.
+    pub(crate) fn trim(&self, context: RawContext) -> (Vec<(DevicePtr, usize)>, Result<()>) {
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
             cached.extend(self.shard(i).drain());
         }
         let mut freed = Vec::new();
-        let mut first_err = None;
+        let mut first_err = Ok(());
         for (ptr, class) in cached {
             // SAFETY: `ptr` is a block this pool allocated in `context` and
             // holds (cached, not handed out), so no one uses it after this.
@@ -810,16 +787,14 @@ impl Pool {
                     freed.push((ptr, class));
                 }
                 Err(e) => {
-                    // Still allocated: keep it cached, so nothing is lost.
                     self.shard(0).put_ready(ptr, class);
-                    first_err.get_or_insert(e);
+                    if first_err.is_ok() {
+                        first_err = Err(e);
+                    }
                 }
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(freed),
-        }
+        (freed, first_err)
     }
 
     /// Forget every block without freeing it (the context was reset and the
@@ -843,18 +818,7 @@ impl Pool {
     /// those blocks ready (tests and `synchronize` callers). `false` if the
     /// fence failed.
     pub(crate) fn flush(&self, context: RawContext) -> bool {
-        let mut newest = 0;
-        for i in 0..self.shards.len() {
-            let mut sh = self.shard(i);
-            sh.seal(&self.fencer, context, true);
-            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
-        }
-        let ok = newest == 0 || self.fencer.wait(newest);
-        let done = self.fencer.done();
-        for i in 0..self.shards.len() {
-            self.shard(i).promote(done);
-        }
-        ok
+        self.seal_all_and_wait(context)
     }
 }
 
@@ -888,7 +852,7 @@ mod tests {
             a.address
         );
         assert_eq!(pool.stats().live_count, 1);
-        let _ = pool.trim(ctx).unwrap();
+        assert!(pool.trim(ctx).1.is_ok());
         assert_eq!(pool.held_blocks(), 1);
     }
 

@@ -106,13 +106,22 @@ impl DeviceState {
         stream: Option<RawStream>,
     ) -> Result<Block> {
         let pool = self.pool.as_ref().expect("pooled device");
-        let block = pool.alloc(ctx.raw(), size, stream, self.device);
-        // An out-of-memory trim inside the pool returned blocks: unregister.
-        let freed = pool.take_freed();
-        if !freed.is_empty() {
-            self.unregister(ctx.runtime().registry(), freed);
+        let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device);
+        // Out of memory even after the fence: return the cache to the
+        // driver and ask again, while that frees something (other threads
+        // may take what it frees), at least once.
+        for round in 0..4 {
+            match &attempt {
+                Err(e) if e.is_oom() => {
+                    if self.trim(ctx)? == 0 && round > 0 {
+                        break;
+                    }
+                    attempt = pool.alloc(ctx.raw(), size, stream, self.device);
+                }
+                _ => break,
+            }
         }
-        let block = block?;
+        let block = attempt?;
         if block.fresh {
             let reg = ctx
                 .runtime()
@@ -153,14 +162,10 @@ impl DeviceState {
         let Some(pool) = &self.pool else {
             return Ok(0);
         };
-        let r = pool.trim(ctx.raw());
-        // Freed blocks are unregistered even when a later one failed.
-        let freed = match &r {
-            Ok(v) => v.clone(),
-            Err(_) => Vec::new(),
-        };
+        let (freed, r) = pool.trim(ctx.raw());
+        // Freed blocks are unregistered even when another one failed.
         self.unregister(ctx.runtime().registry(), freed.iter().map(|(p, _)| *p));
-        r.map(|v| v.iter().map(|(_, c)| c).sum())
+        r.map(|()| freed.iter().map(|(_, c)| c).sum())
     }
 
     /// Prepare for the context being reset (numba's `cuda.close()`): the
@@ -494,6 +499,27 @@ impl Runtime {
         }
         let reg = (range != 0).then(|| self.registry.insert(start, range, &ctx));
         Ok(DevicePointer::foreign(ctx, address, size, reg, keepalive))
+    }
+
+    /// `Ok` if `[address, address+size)` is managed (unified) memory inside
+    /// one allocation, as far as the driver says: memory the host may read
+    /// and write at the same address.
+    pub fn check_managed(&self, address: DevicePtr, size: usize) -> Result<()> {
+        crate::fork::check()?;
+        if size == 0 {
+            return Ok(());
+        }
+        let a = self.driver.pointer_attributes(address)?;
+        let inside = a.range_size == 0
+            || address
+                .checked_add(size as u64)
+                .is_some_and(|end| end <= a.range_start + a.range_size as u64);
+        if !a.is_managed || !inside {
+            return Err(Error::InvalidPointer(format!(
+                "[{address:#x}, +{size}) is not managed memory in one allocation"
+            )));
+        }
+        Ok(())
     }
 
     /// Wrap `[address, address+size)` in `context` without asking the

@@ -791,3 +791,18 @@ fn test_sixteen_threads_on_a_sharded_pool_balance_the_books() {
     assert_eq!(drv.live_bytes(), 0);
     assert!(rt.registered_ranges() == 0);
 }
+
+#[test]
+fn test_a_failed_free_during_trim_still_unregisters_the_blocks_that_were_freed() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    drop((0..4).map(|_| ctx.alloc(4096).unwrap()).collect::<Vec<_>>());
+    assert_eq!(rt.registered_ranges(), 4);
+    drv.fail_nth(CallKind::MemFree, 2, codes::CUDA_ERROR_UNKNOWN);
+    assert!(rt.trim().is_err());
+    // Three blocks went back to the driver; only the one still cached is known.
+    assert_eq!(drv.live_bytes(), 4096);
+    assert_eq!(rt.registered_ranges(), 1);
+    rt.trim().unwrap();
+    assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
+}

@@ -875,10 +875,14 @@ impl Driver for SimDriver {
         if count == 0 {
             return Ok(());
         }
-        st.span_mut(ptr, count, "cuMemsetD8")?;
-        if let Some(s) = stream.map(normal_stream) {
-            if st.busy(device, Some(s), u64::MAX) {
-                // Stream order: it runs after the work queued before it.
+        let behind = stream
+            .map(normal_stream)
+            .filter(|s| st.busy(device, Some(*s), u64::MAX));
+        let span = st.span_mut(ptr, count, "cuMemsetD8")?;
+        match behind {
+            None => span.fill(value),
+            // Stream order: it runs after the work queued before it.
+            Some(s) => {
                 let seq = st.next_op;
                 st.next_op += 1;
                 st.ops.push_back(Op {
@@ -888,10 +892,8 @@ impl Driver for SimDriver {
                     ptr,
                     bytes: vec![value; count],
                 });
-                return Ok(());
             }
         }
-        st.span_mut(ptr, count, "cuMemsetD8")?.fill(value);
         Ok(())
     }
 
@@ -911,7 +913,6 @@ impl Driver for SimDriver {
         if count == 0 {
             return Ok(());
         }
-        st.span_mut(dst, count, "cuMemcpyHtoD")?;
         // SAFETY: `src` is readable for `count` bytes (this fn's contract).
         // Copy it out first: it may overlap the destination (mapped memory).
         let bytes = unsafe { std::slice::from_raw_parts(src, count) }.to_vec();

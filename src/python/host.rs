@@ -182,12 +182,17 @@ impl Owned {
         Ok(())
     }
 
+    /// Let go of the objects (once the memory is released).
+    fn release(&self) {
+        let taken = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(taken);
+    }
+
     /// Release `host` (unregister), then let go of the objects. Memory that
     /// cannot be released now (buffer exports alive) keeps them.
     fn clear(&self, host: &HostMemory) {
         if host.free().is_ok() {
-            let taken = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
-            drop(taken);
+            self.release();
         }
     }
 }
@@ -276,7 +281,7 @@ impl PyPinnedMemory {
         if self.managed {
             py.detach(|| self.host.free())?;
             // Released: let go of the export that pinned the owner's memory.
-            self.owned.clear(&self.host);
+            self.owned.release();
         }
         Ok(())
     }
@@ -391,7 +396,7 @@ impl PyMappedMemory {
                 host.free()?;
                 base.view.parent().free()
             })?;
-            slf.get().owned.clear(host);
+            slf.get().owned.release();
         }
         Ok(())
     }
@@ -433,20 +438,7 @@ impl PyManagedMemory {
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         // The host reads its bytes at the address: it must be managed memory.
-        let address = pointer_arg(pointer)?;
-        let n = size_arg(size)?;
-        if n != 0 {
-            let a = super::runtime()?.driver().pointer_attributes(address)?;
-            let end = address.checked_add(n as u64);
-            let inside =
-                a.range_size == 0 || end.is_some_and(|e| e <= a.range_start + a.range_size as u64);
-            if !a.is_managed || !inside {
-                return Err(Error::InvalidPointer(format!(
-                    "[{address:#x}, +{n}) is not managed memory in one allocation"
-                ))
-                .into());
-            }
-        }
+        super::runtime()?.check_managed(pointer_arg(pointer)?, size_arg(size)?)?;
         let base = PyMemoryPointer::py_new(context, pointer, size, owner, finalizer)?;
         Ok(PyManagedMemory::init(base))
     }

@@ -454,6 +454,17 @@ impl DevicePointer {
         self.life.end(Lifetime::EXPORT, || self.release());
     }
 
+    /// Call `f` with what the pointer keeps alive until release, if anything
+    /// and if no other thread holds it now (it never waits: a garbage
+    /// collector's traversal calls this).
+    pub fn inspect_keepalive<R>(&self, f: impl FnOnce(&(dyn Any + Send + Sync)) -> R) -> Option<R> {
+        if !self.has_keepalive {
+            return None;
+        }
+        let slot = self.keepalive.try_lock().ok()?;
+        slot.as_deref().map(f)
+    }
+
     /// A view of the whole allocation.
     pub fn view_all(self: &Arc<Self>) -> View {
         View::from(self.clone())

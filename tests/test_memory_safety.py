@@ -228,6 +228,35 @@ def test_a_bytearray_subclass_holding_its_own_registration_is_collected():
     assert _core._sim_live_registrations() == regs
 
 
+def test_a_cycle_through_a_finalizer_is_collected_and_calls_it_once():
+    calls = []
+    box = []
+    mem = gpuptr.alloc(4096)
+    p = gpuptr.MemoryPointer(None, mem.device_pointer_value, 4096,
+                             finalizer=lambda keep=box: calls.append(len(keep)))
+    box.append(p)           # p -> finalizer -> its default (box) -> p
+    ref = weakref.ref(p)
+    del p, box
+    gc.collect()
+    assert ref() is None
+    assert len(calls) == 1, "called exactly once (the collector may clear the list first)"
+    mem.free()
+
+
+def test_a_finalizer_shared_with_a_view_is_not_collected_early():
+    calls = []
+    mem = gpuptr.alloc(4096)
+    p = gpuptr.MemoryPointer(None, mem.device_pointer_value, 4096, finalizer=lambda: calls.append(1))
+    v = p.view(0, 16)
+    del p
+    gc.collect()
+    assert calls == [] and not v.freed
+    del v
+    gc.collect()
+    assert calls == [1]
+    mem.free()
+
+
 # 7. fork ---------------------------------------------------------------------------
 
 def test_fork_while_another_thread_is_inside_gpuptr_never_hangs_the_child():

@@ -126,6 +126,11 @@ impl PyMemoryPointer {
     fn address(&self) -> DevicePtr {
         self.view.address()
     }
+
+    /// Whether this object is the only holder of its allocation.
+    fn sole_holder(&self) -> bool {
+        Arc::strong_count(self.view.parent()) == 1
+    }
 }
 
 /// An address from an int, `ctypes.c_void_p`, `CUdeviceptr` or anything
@@ -336,11 +341,23 @@ impl PyMemoryPointer {
     }
 
     fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
-        // Only what this object holds alone: its owner, and (when no other
-        // pointer shares the allocation) a finalizer the allocation keeps.
+        // Only references this object holds alone: its owner, and the
+        // finalizer its allocation keeps while no other pointer (a view, an
+        // `own()` handle) shares the allocation. A reference visited from
+        // two objects would make the collector miscount.
         if let Ok(owner) = self.owner.try_lock() {
             if let Some(o) = owner.as_ref() {
                 visit.call(o)?;
+            }
+        }
+        if self.sole_holder() {
+            let finalizer = self.view.parent().inspect_keepalive(|k| {
+                k.downcast_ref::<PyFinalizer>()
+                    .and_then(|f| f.0.as_ref())
+                    .map(|f| visit.call(f))
+            });
+            if let Some(Some(r)) = finalizer {
+                r?;
             }
         }
         Ok(())
@@ -349,6 +366,12 @@ impl PyMemoryPointer {
     fn __clear__(&self) {
         let owner = self.owner.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(owner);
+        // The collector breaks a cycle through the finalizer: release the
+        // memory as its last holder's deallocation would (which calls the
+        // finalizer once and lets go of it).
+        if self.sole_holder() && self.managed {
+            let _ = self.view.parent().free();
+        }
     }
 
     /// How many pointer objects (this one, its views, `own()` handles) share

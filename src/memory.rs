@@ -529,7 +529,7 @@ impl DevicePointer {
                     address: self.address,
                     class,
                     shard: self.pool_shard,
-                    fresh: false,
+                    new_allocation: None,
                 };
                 let stream = match self.stream.load(Ordering::Relaxed) {
                     NO_STREAM | MANY_STREAMS => None,

@@ -24,8 +24,15 @@
 //!   fence, and retries, before the cache is trimmed and the driver asked
 //!   once more.
 //!
-//! Blocks are whole `cuMemAlloc` allocations, never carved, so IPC
-//! (`cuIpcGetMemHandle` on the block) works for pooled pointers.
+//! **Growth.** On an idle device a miss allocates one block
+//! (`cuMemAlloc`). While a fence is outstanding (a busy GPU holds freed
+//! blocks back), a miss allocates up to [`CARVE_MAX`] blocks of its class
+//! in one allocation of about [`CARVE_BYTES`] and keeps the rest ready:
+//! fresh memory is safe for anyone, and one driver call serves several
+//! misses. A carved block lies inside one driver allocation, so IPC
+//! (`cuMemGetAddressRange` gives the base, plus an offset) works for pooled
+//! pointers, and [`Pool::trim`] frees an allocation once all its blocks are
+//! cached. Each block is registered with its own range.
 //!
 //! **Shards.** The cache is split into shards, each behind its own lock, so
 //! threads do not queue on one mutex. A thread allocates from its own shard
@@ -42,7 +49,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -146,6 +153,8 @@ struct FenceShared {
     /// Wakes threads waiting for a fence (out of memory).
     finished: Condvar,
     done: AtomicU64,
+    /// The newest number handed out, readable without the lock.
+    requested: AtomicU64,
 }
 
 #[derive(Default)]
@@ -161,6 +170,13 @@ struct FenceState {
     shutdown: bool,
 }
 
+/// Carve blocks up to this size from allocations of about this many bytes
+/// when the pool grows while a fence is outstanding (a busy GPU): one
+/// driver call then serves several misses.
+const CARVE_BYTES: usize = 8 << 20;
+/// At most this many blocks per allocation.
+const CARVE_MAX: usize = 16;
+
 impl Fencer {
     pub(crate) fn new(driver: Arc<dyn Driver>) -> Self {
         Fencer {
@@ -170,6 +186,7 @@ impl Fencer {
                 work: Condvar::new(),
                 finished: Condvar::new(),
                 done: AtomicU64::new(0),
+                requested: AtomicU64::new(0),
             }),
         }
     }
@@ -178,6 +195,13 @@ impl Fencer {
     #[inline]
     pub(crate) fn done(&self) -> u64 {
         self.shared.done.load(Ordering::Acquire)
+    }
+
+    /// Whether a requested fence has not finished yet: freed memory is held
+    /// back now (the GPU is busy, or the fence is on its way).
+    #[inline]
+    pub(crate) fn outstanding(&self) -> bool {
+        self.shared.requested.load(Ordering::Relaxed) > self.done()
     }
 
     /// Ask for a fence of `context` that starts after now; its number.
@@ -190,6 +214,7 @@ impl Fencer {
         }
         st.context = context;
         let n = st.requested;
+        sh.requested.store(n, Ordering::Relaxed);
         if !st.spawned {
             st.spawned = true;
             let shared = sh.clone();
@@ -505,14 +530,66 @@ pub(crate) struct PoolStats {
     pub fences: u64,
 }
 
+/// New memory from the driver: the first block, and the rest carved from
+/// the same allocation.
+struct Fresh {
+    first: DevicePtr,
+    extra: Vec<DevicePtr>,
+}
+
 /// A block handed out by [`Pool::alloc`]: where it is and where it goes back.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
     pub address: DevicePtr,
     pub class: usize,
     pub shard: u32,
-    /// Whether it came fresh from the driver (its owner registers it).
-    pub fresh: bool,
+    /// The driver allocation this request made, if it made one: its base
+    /// (this block) and how many blocks of `class` it holds. Its owner
+    /// registers each block's range.
+    pub new_allocation: Option<(DevicePtr, usize)>,
+}
+
+/// A driver allocation the pool gave back (or forgot): its base, and its
+/// `blocks` blocks of `class` bytes each.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Returned {
+    pub base: DevicePtr,
+    pub class: usize,
+    pub blocks: usize,
+}
+
+impl Returned {
+    /// The allocation's size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.class * self.blocks
+    }
+
+    /// The addresses of its blocks.
+    pub fn block_addresses(self) -> impl Iterator<Item = DevicePtr> {
+        (0..self.blocks).map(move |i| self.base + (i * self.class) as u64)
+    }
+}
+
+/// A driver allocation the pool holds: one block, or several carved ones.
+#[derive(Copy, Clone, Debug)]
+struct Allocation {
+    class: usize,
+    blocks: usize,
+}
+
+/// What the pool holds from the driver. Touched on misses, trims and resets.
+#[derive(Default)]
+struct Held {
+    /// Allocations by base address.
+    allocations: FastMap<DevicePtr, Allocation>,
+    /// The base of each carved block that is not its allocation's first.
+    carved: FastMap<DevicePtr, DevicePtr>,
+}
+
+impl Held {
+    fn base_of(&self, block: DevicePtr) -> DevicePtr {
+        self.carved.get(&block).copied().unwrap_or(block)
+    }
 }
 
 /// A device's caching pool, over the driver alone.
@@ -521,9 +598,7 @@ pub(crate) struct Pool {
     driver: Arc<dyn Driver>,
     shards: Box<[Padded]>,
     fencer: Fencer,
-    /// The blocks this pool holds from the driver (cached or handed out),
-    /// with their classes. Touched on misses, trims and resets only.
-    held: Mutex<FastMap<DevicePtr, usize>>,
+    held: Mutex<Held>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -551,7 +626,7 @@ impl Pool {
             shards: (0..n)
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect(),
-            held: Mutex::new(FastMap::default()),
+            held: Mutex::new(Held::default()),
         }
     }
 
@@ -640,54 +715,49 @@ impl Pool {
     ) -> Result<Block> {
         let class = size_class(size);
         let own = self.own_shard();
-        let block = |address, fresh| Block {
+        let block = |address, new_allocation| Block {
             address,
             class,
             shard: own as u32,
-            fresh,
+            new_allocation,
         };
         {
             // The fast path: one lock, the thread's own shard, no driver call.
             let mut sh = self.shard(own);
             if let Some(p) = sh.take(class, stream, self.fencer.done()) {
                 Self::handed_out(&mut sh, size, true);
-                return Ok(block(p, false));
+                return Ok(block(p, None));
             }
             // A miss: start a fence for what this shard holds back, so that
             // it is ready for a later request. Nothing waits for it now.
             let streams = sh.streams_due(&self.config);
             sh.seal(&self.fencer, context, streams);
         }
-        let (p, hit) = match self.steal(context, own, class, stream) {
-            Some(p) => (p, true),
-            None => self.alloc_new_or_reclaim(context, own, class, size, device)?,
-        };
-        Self::handed_out(&mut self.shard(own), size, hit);
-        Ok(block(p, !hit))
-    }
-
-    /// A fresh block from the driver. Out of memory: seal every shard, wait
-    /// for the fence, and take a block it made ready. Returns the block and
-    /// whether it came from the cache. Returning the cache to the driver
-    /// and retrying is the owner's step ([`Pool::trim`]), since the owner
-    /// keeps the blocks' registry entries.
-    fn alloc_new_or_reclaim(
-        &self,
-        context: RawContext,
-        own: usize,
-        class: usize,
-        size: usize,
-        device: usize,
-    ) -> Result<(DevicePtr, bool)> {
-        let typed = |e: Error| e.oom_on(device, size);
-        match self.alloc_new(context, class) {
-            Ok(p) => Ok((p, false)),
-            Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
-                Some(p) => Ok((p, true)),
-                None => Err(typed(e)),
-            },
-            Err(e) => Err(typed(e)),
+        if let Some(p) = self.steal(context, own, class, stream) {
+            Self::handed_out(&mut self.shard(own), size, true);
+            return Ok(block(p, None));
         }
+        let fresh = match self.alloc_new(context, class) {
+            Ok(fresh) => fresh,
+            Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
+                Some(p) => {
+                    Self::handed_out(&mut self.shard(own), size, true);
+                    return Ok(block(p, None));
+                }
+                // Returning the cache to the driver and retrying is the
+                // owner's step (`trim`): it keeps the registry entries.
+                None => return Err(e.oom_on(device, size)),
+            },
+            Err(e) => return Err(e.oom_on(device, size)),
+        };
+        let blocks = fresh.extra.len() + 1;
+        let mut sh = self.shard(own);
+        for p in fresh.extra {
+            // Never used: ready for anyone at once.
+            sh.put_ready(p, class);
+        }
+        Self::handed_out(&mut sh, size, false);
+        Ok(block(fresh.first, Some((fresh.first, blocks))))
     }
 
     /// Seal every shard (stream-held blocks too) and wait for the fence that
@@ -720,11 +790,32 @@ impl Pool {
         (0..n).find_map(|d| self.shard((own + d) % n).take_ready(class))
     }
 
-    fn alloc_new(&self, context: RawContext, class: usize) -> Result<DevicePtr> {
+    /// New memory from the driver for blocks of `class`: one block, or,
+    /// while a fence is outstanding (a busy GPU), several carved from one
+    /// allocation, so that one driver call serves several misses.
+    fn alloc_new(&self, context: RawContext, class: usize) -> Result<Fresh> {
+        let carve = if self.fencer.outstanding() {
+            (CARVE_BYTES / class).clamp(1, CARVE_MAX)
+        } else {
+            1
+        };
         // SAFETY: the pool's owner passes its live, retained context.
-        let p = unsafe { self.driver.mem_alloc(context, class) }?;
-        lock(&self.held).insert(p, class);
-        Ok(p)
+        let (base, blocks) = match unsafe { self.driver.mem_alloc(context, carve * class) } {
+            Ok(p) => (p, carve),
+            // Too big a request for a tight device: one block will do.
+            Err(e) if carve > 1 && e.is_oom() => {
+                // SAFETY: as above.
+                (unsafe { self.driver.mem_alloc(context, class) }?, 1)
+            }
+            Err(e) => return Err(e),
+        };
+        let extra: Vec<DevicePtr> = (1..blocks).map(|i| base + (i * class) as u64).collect();
+        let mut held = lock(&self.held);
+        held.allocations.insert(base, Allocation { class, blocks });
+        for p in &extra {
+            held.carved.insert(*p, base);
+        }
+        Ok(Fresh { first: base, extra })
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes,
@@ -766,52 +857,92 @@ impl Pool {
         }
     }
 
-    /// Return every cached block to the driver (`cuMemFree`, which waits for
-    /// the device, so blocks still waiting for a fence are safe to free too).
-    /// Blocks handed out are kept. Returns the blocks freed, with their
-    /// classes, and the first driver error: a block whose free failed stays
+    /// Return every allocation whose blocks are all cached to the driver
+    /// (`cuMemFree`, which waits for the device, so blocks still waiting for
+    /// a fence are safe to free too). Blocks handed out, and the other
+    /// blocks of their allocations, stay. Returns the allocations freed,
+    /// and the first driver error: an allocation whose free failed stays
     /// cached, so nothing is lost, and the others are freed all the same.
-    pub(crate) fn trim(&self, context: RawContext) -> (Vec<(DevicePtr, usize)>, Result<()>) {
+    pub(crate) fn trim(&self, context: RawContext) -> (Vec<Returned>, Result<()>) {
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
             cached.extend(self.shard(i).drain());
         }
+        // Group the cached blocks by allocation.
+        let mut by_base: FastMap<DevicePtr, Vec<(DevicePtr, usize)>> = FastMap::default();
+        {
+            let held = lock(&self.held);
+            for (p, class) in cached {
+                by_base.entry(held.base_of(p)).or_default().push((p, class));
+            }
+        }
         let mut freed = Vec::new();
+        let mut keep = Vec::new();
         let mut first_err = Ok(());
-        for (ptr, class) in cached {
-            // SAFETY: `ptr` is a block this pool allocated in `context` and
-            // holds (cached, not handed out), so no one uses it after this.
-            match unsafe { self.driver.mem_free(context, ptr) } {
+        for (base, blocks) in by_base {
+            let whole = lock(&self.held)
+                .allocations
+                .get(&base)
+                .is_some_and(|a| a.blocks == blocks.len());
+            if !whole {
+                keep.extend(blocks);
+                continue;
+            }
+            // SAFETY: an allocation this pool made in `context` whose blocks
+            // are all cached (none handed out), so no one uses it after this.
+            match unsafe { self.driver.mem_free(context, base) } {
                 Ok(()) => {
-                    lock(&self.held).remove(&ptr);
-                    freed.push((ptr, class));
+                    let mut held = lock(&self.held);
+                    if let Some(a) = held.allocations.remove(&base) {
+                        freed.push(Returned {
+                            base,
+                            class: a.class,
+                            blocks: a.blocks,
+                        });
+                    }
+                    for (p, _) in &blocks {
+                        held.carved.remove(p);
+                    }
                 }
                 Err(e) => {
-                    self.shard(0).put_ready(ptr, class);
+                    keep.extend(blocks);
                     if first_err.is_ok() {
                         first_err = Err(e);
                     }
                 }
             }
         }
+        let mut sh = self.shard(0);
+        for (p, class) in keep {
+            sh.put_ready(p, class);
+        }
         (freed, first_err)
     }
 
     /// Forget every block without freeing it (the context was reset and the
     /// memory is gone), and zero the live counts; the blocks it held.
-    pub(crate) fn forget(&self) -> Vec<DevicePtr> {
+    pub(crate) fn forget(&self) -> Vec<Returned> {
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);
             sh.drain();
             sh.live_bytes = 0;
             sh.live_count = 0;
         }
-        lock(&self.held).drain().map(|(p, _)| p).collect()
+        let mut held = lock(&self.held);
+        held.carved.clear();
+        held.allocations
+            .drain()
+            .map(|(base, a)| Returned {
+                base,
+                class: a.class,
+                blocks: a.blocks,
+            })
+            .collect()
     }
 
-    /// Number of blocks the pool holds from the driver (cached or handed out).
+    /// Number of driver allocations the pool holds (cached or handed out).
     pub(crate) fn held_blocks(&self) -> usize {
-        lock(&self.held).len()
+        lock(&self.held).allocations.len()
     }
 
     /// Wait for the fence that covers every block freed so far, and make
@@ -834,7 +965,7 @@ mod tests {
         let ctx = sim.primary_context_retain(0).unwrap();
         let pool = Pool::new(PoolConfig::default(), sim.clone());
         let a = pool.alloc(ctx, 4096, None, 0).unwrap();
-        assert!(a.fresh);
+        assert!(a.new_allocation.is_some());
         sim.queue_write(0x99, a.address, &[1; 4]).unwrap();
         pool.release(ctx, a, 4096, None, || true);
         let b = pool.alloc(ctx, 4096, None, 0).unwrap();
@@ -844,7 +975,7 @@ mod tests {
         assert!(pool.flush(ctx));
         let c = pool.alloc(ctx, 4096, None, 0).unwrap();
         assert_eq!(c.address, a.address);
-        assert!(!c.fresh);
+        assert!(c.new_allocation.is_none());
         pool.release(ctx, b, 4096, None, || true);
         pool.release(ctx, c, 4096, Some(5), || true);
         assert_eq!(

@@ -10,7 +10,7 @@ use crate::context::Context;
 use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType, RawStream};
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, KeepAlive};
-use crate::pool::{Block, Pool, PoolConfig};
+use crate::pool::{Block, Pool, PoolConfig, Returned};
 use crate::registry::{Registration, Registry};
 
 /// Allocation counters of one device (allocations made outside the pool).
@@ -57,6 +57,7 @@ pub(crate) struct DeviceState {
     slot: Mutex<Weak<Context>>,
     pool: Option<Pool>,
     counters: DeviceCounters,
+    /// Registry entries of the pool's blocks, by address.
     block_regs: Mutex<HashMap<DevicePtr, Registration>>,
 }
 
@@ -97,8 +98,8 @@ impl DeviceState {
         Ok(ctx)
     }
 
-    /// A pool block of `size` bytes for an owner on `stream`; fresh blocks
-    /// are registered, so their context resolves by address.
+    /// A pool block of `size` bytes for an owner on `stream`; new driver
+    /// allocations are registered, so their context resolves by address.
     pub(crate) fn pool_alloc(
         &self,
         ctx: &Arc<Context>,
@@ -122,12 +123,19 @@ impl DeviceState {
             }
         }
         let block = attempt?;
-        if block.fresh {
-            let reg = ctx
-                .runtime()
-                .registry()
-                .insert(block.address, block.class, ctx);
-            lock(&self.block_regs).insert(block.address, reg);
+        if let Some((base, blocks)) = block.new_allocation {
+            // Each block its own range, so a wrap inside one is bound-checked
+            // against that block, not its neighbours in the allocation.
+            let new = Returned {
+                base,
+                class: block.class,
+                blocks,
+            };
+            let registry = ctx.runtime().registry();
+            let mut regs = lock(&self.block_regs);
+            for p in new.block_addresses() {
+                regs.insert(p, registry.insert(p, block.class, ctx));
+            }
         }
         Ok(block)
     }
@@ -148,9 +156,9 @@ impl DeviceState {
         }
     }
 
-    fn unregister(&self, registry: &Registry, blocks: impl IntoIterator<Item = DevicePtr>) {
+    fn unregister(&self, registry: &Registry, gone: impl IntoIterator<Item = Returned>) {
         let mut regs = lock(&self.block_regs);
-        for p in blocks {
+        for p in gone.into_iter().flat_map(Returned::block_addresses) {
             if let Some(reg) = regs.remove(&p) {
                 registry.remove(reg);
             }
@@ -164,8 +172,9 @@ impl DeviceState {
         };
         let (freed, r) = pool.trim(ctx.raw());
         // Freed blocks are unregistered even when another one failed.
-        self.unregister(ctx.runtime().registry(), freed.iter().map(|(p, _)| *p));
-        r.map(|()| freed.iter().map(|(_, c)| c).sum())
+        let bytes = freed.iter().map(Returned::bytes).sum();
+        self.unregister(ctx.runtime().registry(), freed);
+        r.map(|()| bytes)
     }
 
     /// Prepare for the context being reset (numba's `cuda.close()`): the

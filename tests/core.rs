@@ -613,7 +613,12 @@ fn test_pool_fence_failure_hands_out_nothing_unfenced_and_loses_no_block() {
     assert!(rt.flush_pool(0).unwrap());
     let s = rt.stats()[0];
     assert_eq!(s.pending_bytes, 0);
-    assert_eq!(s.cached_bytes, (n + 1) * size_class(1000));
+    assert!(s.cached_bytes >= (n + 1) * size_class(1000));
+    assert_eq!(
+        s.cached_bytes,
+        drv.live_bytes(),
+        "all the pool holds is cached"
+    );
     let again: Vec<_> = (0..n).map(|_| ctx.alloc(1000).unwrap()).collect();
     assert!(again.iter().any(|p| addrs.contains(&p.address())));
     drop(again);

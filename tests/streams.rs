@@ -211,3 +211,70 @@ fn test_reset_does_not_wait_for_the_fence_thread() {
     fresh.view_all().memset(0, None).unwrap();
     assert_eq!(drv.lost_writes(), 0);
 }
+
+#[test]
+fn test_growth_on_a_busy_device_carves_several_blocks_from_one_allocation() {
+    let (drv, rt) = sim_pooled(256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let a = ctx.alloc(1 << 20).unwrap();
+    let a_addr = a.address();
+    drv.queue_write(NON_BLOCKING, a_addr, &[1; 8]).unwrap();
+    drop(a);
+    drop(ctx.alloc(1 << 20).unwrap()); // a miss seals A: a fence is outstanding
+    let calls = drv.calls(CallKind::MemAlloc);
+    let blocks: Vec<_> = (0..40).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    let fresh_calls = drv.calls(CallKind::MemAlloc) - calls;
+    assert!(fresh_calls <= 6, "{fresh_calls} driver calls for 40 blocks");
+    let mut addrs: Vec<_> = blocks.iter().map(|p| p.address()).collect();
+    addrs.sort_unstable();
+    addrs.dedup();
+    assert_eq!(addrs.len(), 40, "distinct blocks");
+    assert!(
+        !addrs.contains(&a_addr),
+        "never A's block while the write is queued"
+    );
+    for p in &blocks {
+        assert!(Arc::ptr_eq(&rt.context_of(p.address() + 7).unwrap(), &ctx));
+        p.view_all().memset(3, None).unwrap();
+    }
+    // Blocks do not overlap: each still holds its own bytes.
+    blocks[0].view_all().memset(9, None).unwrap();
+    assert!(blocks[1]
+        .view_all()
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|b| *b == 3));
+    drv.complete(None);
+    // Trim frees only allocations none of whose blocks is handed out.
+    let keep = blocks[5].address();
+    let kept: Vec<_> = blocks.into_iter().filter(|p| p.address() == keep).collect();
+    assert!(rt.flush_pool(0).unwrap());
+    rt.trim().unwrap();
+    assert!(
+        drv.live_bytes() >= 1 << 20,
+        "the allocation of the kept block stays"
+    );
+    assert!(
+        rt.registered_ranges() >= 1,
+        "the kept allocation's blocks stay registered"
+    );
+    kept[0].view_all().memset(1, None).unwrap();
+    drop(kept);
+    rt.trim().unwrap();
+    assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
+}
+
+#[test]
+fn test_an_idle_device_grows_one_block_at_a_time() {
+    let (drv, rt) = sim_pooled(256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let held: Vec<_> = (0..10).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    assert_eq!(drv.calls(CallKind::MemAlloc), 10);
+    assert_eq!(
+        drv.live_bytes(),
+        10 << 20,
+        "no fence outstanding: nothing carved"
+    );
+    drop(held);
+}

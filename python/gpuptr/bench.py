@@ -92,6 +92,59 @@ def _devarray_ns(manager: Optional[str], n: int, repeat: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+_BUSY_CHILD = r"""
+import json, sys, time, statistics
+import numpy as np
+manager, pairs = sys.argv[1], int(sys.argv[2])
+if manager == "rmm.allocators.numba":
+    import rmm
+    rmm.reinitialize(pool_allocator=True)
+from numba import cuda
+import cupy as cp
+
+@cuda.jit
+def spin(a, ms):
+    for _ in range(ms):
+        cuda.nanosleep(1000000)
+    a[0] = 1
+
+cs = cp.cuda.Stream(non_blocking=True)  # kept alive: its handle must stay valid
+s = cuda.external_stream(cs.ptr)
+flag = cuda.device_array(1, np.int32)
+for _ in range(20):  # warm up, on an idle GPU
+    cuda.device_array(1 << 20, np.uint8)
+cuda.synchronize()
+spin[1, 1, s](flag, 1500)
+times = []
+t0 = time.perf_counter()
+for _ in range(pairs):
+    t = time.perf_counter()
+    a = cuda.device_array(1 << 20, np.uint8)
+    del a
+    times.append(time.perf_counter() - t)
+total = time.perf_counter() - t0
+busy = not cs.done  # the kernel outlasted the loop
+s.synchronize()
+print(json.dumps({"median_ns": statistics.median(times) * 1e9, "worst_ns": max(times) * 1e9,
+                  "total_ns": total * 1e9, "busy": busy}))
+"""
+
+
+def busy_devarray(manager: Optional[str], pairs: int = 300) -> dict:
+    """Host-side numba ``device_array(1 MiB)`` alloc+free while a 1.5 s
+    kernel runs on a non-blocking CuPy stream, in a child process under
+    ``manager`` (None: numba's own): median, worst and total, in ns."""
+    env = dict(os.environ)
+    env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
+    if manager:
+        env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
+    out = subprocess.run([sys.executable, "-c", _BUSY_CHILD, manager or "", str(pairs)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run(quick: bool = False, out=sys.stderr) -> dict:
     """Run every row; returns ``{"meta": ..., "rows": [...]}``."""
     import gpuptr
@@ -226,6 +279,29 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
         except Exception as e:
             b.add(Result("numba device_array(1 MiB) alloc+free", name, skipped=f"{type(e).__name__}: {e}"))
 
+    # A busy GPU: device_array alloc+free while a kernel runs on a
+    # non-blocking stream. The ratio is of the totals; median and worst are
+    # in `extra`.
+    pairs = 300
+    ours_busy = None
+    for name, manager in (("numba default manager", None), ("RMM pool (rmm.allocators.numba)", "rmm.allocators.numba")):
+        row = f"busy GPU: {pairs} device_array(1 MiB) pairs, total"
+        print(f"  measuring: {row} under gpuptr vs {name} ...", file=out, flush=True)
+        try:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            if manager:
+                __import__(manager.rsplit(".", 2)[0])
+            if ours_busy is None:
+                ours_busy = busy_devarray("gpuptr.numba", pairs)
+            busy_theirs = busy_devarray(manager, pairs)
+            b.add(Result(row, name, round(ours_busy["total_ns"] / pairs, 1),
+                         round(busy_theirs["total_ns"] / pairs, 1),
+                         round(busy_theirs["total_ns"] / ours_busy["total_ns"], 2),
+                         extra={"gpuptr": ours_busy, "baseline": busy_theirs}))
+        except Exception as e:
+            b.add(Result(row, name, skipped=f"{type(e).__name__}: {e}"))
+
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "driver": info["driver"],
@@ -249,9 +325,17 @@ def format_table(report: dict) -> str:
     for r in report["rows"]:
         if r["skipped"]:
             lines.append(f"{r['row']:40s} {'-':>10s}  {r['baseline']:44s} {'skipped':>10s}   ({r['skipped'][:60]})")
-        else:
+            continue
+        lines.append(
+            f"{r['row']:40s} {r['gpuptr_ns']:8.0f}ns  {r['baseline']:44s} {r['baseline_ns']:8.0f}ns {r['ratio']:6.1f}x"
+        )
+        e = r.get("extra") or {}
+        if "gpuptr" in e:
+            mine, other = e["gpuptr"], e["baseline"]
             lines.append(
-                f"{r['row']:40s} {r['gpuptr_ns']:8.0f}ns  {r['baseline']:44s} {r['baseline_ns']:8.0f}ns {r['ratio']:6.1f}x"
+                f"{'':40s} median {mine['median_ns'] / 1e3:.1f} vs {other['median_ns'] / 1e3:.1f} us;"
+                f" worst {mine['worst_ns'] / 1e3:.1f} vs {other['worst_ns'] / 1e3:.1f} us;"
+                f" kernel still running after the loop: {mine['busy']} / {other['busy']}"
             )
     return "\n".join(lines)
 

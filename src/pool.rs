@@ -168,7 +168,16 @@ struct FenceState {
     context: RawContext,
     spawned: bool,
     shutdown: bool,
+    /// The helper waits on `work` (a request must wake it).
+    sleeping: bool,
+    /// Threads waiting on `finished`.
+    waiters: usize,
 }
+
+/// How long the helper looks for a new request before it sleeps: a busy
+/// allocator asks again within microseconds, and waking a sleeping thread
+/// would cost the allocating thread a system call.
+const FENCE_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// Carve blocks up to this size from allocations of about this many bytes
 /// when the pool grows while a fence is outstanding (a busy GPU): one
@@ -226,8 +235,11 @@ impl Fencer {
                 st.spawned = false;
             }
         }
+        let wake = st.sleeping;
         drop(st);
-        sh.work.notify_one();
+        if wake {
+            sh.work.notify_one();
+        }
         n
     }
 
@@ -255,7 +267,9 @@ impl Fencer {
                 }
                 return ok && self.done() >= n;
             }
+            st.waiters += 1;
             st = sh.finished.wait(st).unwrap_or_else(|p| p.into_inner());
+            st.waiters -= 1;
         }
     }
 
@@ -277,8 +291,22 @@ impl Drop for Fencer {
 fn fence_loop(sh: &FenceShared) {
     let mut st = lock(&sh.state);
     loop {
-        while st.requested == st.started && !st.shutdown {
-            st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
+        if st.requested == st.started && !st.shutdown {
+            // Look for a new request a little before sleeping.
+            let started = st.started;
+            drop(st);
+            let t = std::time::Instant::now();
+            while sh.requested.load(Ordering::Relaxed) == started && t.elapsed() < FENCE_SPIN {
+                std::thread::yield_now();
+            }
+            st = lock(&sh.state);
+            // `sleeping` is set and read under the lock with `requested`,
+            // so a request either is seen here or wakes the wait.
+            while st.requested == st.started && !st.shutdown {
+                st.sleeping = true;
+                st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
+                st.sleeping = false;
+            }
         }
         if st.shutdown {
             return;
@@ -303,7 +331,9 @@ fn fence_loop(sh: &FenceShared) {
             // request retries and covers them.
             Err(_) => st.failed = st.failed.max(target),
         }
-        sh.finished.notify_all();
+        if st.waiters > 0 {
+            sh.finished.notify_all();
+        }
     }
 }
 
@@ -329,6 +359,9 @@ struct Shard {
     /// Sealed batches, oldest first.
     sealed: VecDeque<Sealed>,
     sealed_bytes: usize,
+    /// Emptied batch vectors, reused as the next `pending` (no allocation
+    /// per batch in steady state).
+    spare: Vec<Vec<(DevicePtr, usize)>>,
     // Statistics, kept under the lock the allocation takes anyway (an atomic
     // counter shared by all threads would cost more than the rest of the
     // fast path). A block comes back to the shard that handed it out, so
@@ -354,6 +387,7 @@ impl Default for Shard {
             stream_bytes: 0,
             sealed: VecDeque::new(),
             sealed_bytes: 0,
+            spare: Vec::new(),
             live_bytes: 0,
             live_count: 0,
             peak_bytes: 0,
@@ -397,11 +431,12 @@ impl Shard {
     fn promote(&mut self, done: u64) -> bool {
         let mut any = false;
         while self.sealed.front().is_some_and(|b| b.seq <= done) {
-            let batch = self.sealed.pop_front().expect("checked");
+            let mut batch = self.sealed.pop_front().expect("checked");
             self.sealed_bytes -= batch.bytes;
-            for (ptr, class) in batch.blocks {
+            for (ptr, class) in batch.blocks.drain(..) {
                 self.put_ready(ptr, class);
             }
+            self.spare.push(batch.blocks);
             self.fences += 1;
             any = true;
         }
@@ -415,7 +450,8 @@ impl Shard {
         if self.pending.is_empty() && !streams {
             return;
         }
-        let mut blocks = std::mem::take(&mut self.pending);
+        let next = self.spare.pop().unwrap_or_default();
+        let mut blocks = std::mem::replace(&mut self.pending, next);
         let mut bytes = self.pending_bytes;
         self.pending_bytes = 0;
         if streams {
@@ -429,8 +465,9 @@ impl Shard {
         match self.sealed.back_mut() {
             // Requests before the helper starts share its fence.
             Some(last) if last.seq == seq => {
-                last.blocks.extend(blocks);
+                last.blocks.append(&mut blocks);
                 last.bytes += bytes;
+                self.spare.push(blocks);
             }
             _ => self.sealed.push_back(Sealed { seq, blocks, bytes }),
         }

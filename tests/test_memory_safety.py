@@ -21,8 +21,8 @@ from gpuptr import _core
 pytestmark = pytest.mark.sim
 
 
-def run_isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(256 << 20))
+def run_isolated(code: str, timeout: int = 120, memory: int = 256 << 20) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(memory))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -148,6 +148,25 @@ def test_copy_to_host_checks_liveness_first_and_allocates_fallibly():
     """)
     assert r.returncode == 0, r.stderr
     assert "freed: typed" in r.stdout
+
+
+def test_copy_to_host_larger_than_host_memory_is_out_of_memory_not_an_abort():
+    # The simulated device holds 1 GiB; the address-space limit then leaves
+    # room for far less, so the host copy cannot be allocated.
+    r = run_isolated("""
+        import resource, gpuptr
+        big = gpuptr.alloc(1 << 30)
+        big.memset(1)
+        vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
+        try:
+            big.copy_to_host()
+            print("copied")
+        except gpuptr.OutOfMemoryError as e:
+            print("oom: typed", isinstance(e, MemoryError))
+    """, memory=2 << 30)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "oom: typed True", r.stdout
 
 
 def test_copy_to_host_into_a_buffer_of_the_wrong_size_is_refused():
@@ -299,11 +318,20 @@ def test_fork_while_another_thread_is_inside_gpuptr_never_hangs_the_child():
 
 def test_huge_cai_item_sizes_are_refused():
     mem = gpuptr.alloc(64)
-    for typestr in ["|V18446744073709551615", "|V9223372036854775808", "|V9223372036854775807"]:
-        desc = {"shape": (1,), "typestr": typestr, "version": 3,
-                "data": (mem.device_pointer_value, False)}
-        with pytest.raises((gpuptr.InvalidArgumentError, gpuptr.InvalidPointerError)):
-            gpuptr.from_cuda_array_interface(desc)
+    def desc(typestr):
+        return {"shape": (1,), "typestr": typestr, "version": 3, "data": (mem.device_pointer_value, False)}
+
+    # Item sizes that wrap a signed 64-bit stride are bad descriptors, also
+    # for an empty array at address 0 (once accepted as a 0-byte array).
+    for typestr in ["|V18446744073709551615", "|V9223372036854775808"]:
+        with pytest.raises(gpuptr.InvalidArgumentError):
+            gpuptr.from_cuda_array_interface(desc(typestr))
+        empty = {"shape": (0,), "typestr": typestr, "version": 3, "data": (0, False)}
+        with pytest.raises(gpuptr.InvalidArgumentError):
+            gpuptr.from_cuda_array_interface(empty)
+    # The largest that does not wrap is an array far larger than its memory.
+    with pytest.raises((gpuptr.InvalidArgumentError, gpuptr.InvalidPointerError)):
+        gpuptr.from_cuda_array_interface(desc("|V9223372036854775807"))
 
 
 # 9. Mapped host memory is device memory ------------------------------------------

@@ -567,35 +567,27 @@ pub(crate) struct PoolStats {
     pub fences: u64,
 }
 
-/// New memory from the driver: the first block, and the rest carved from
-/// the same allocation.
-struct Fresh {
-    first: DevicePtr,
-    extra: Vec<DevicePtr>,
-}
-
 /// A block handed out by [`Pool::alloc`]: where it is and where it goes back.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
     pub address: DevicePtr,
     pub class: usize,
     pub shard: u32,
-    /// The driver allocation this request made, if it made one: its base
-    /// (this block) and how many blocks of `class` it holds. Its owner
-    /// registers each block's range.
-    pub new_allocation: Option<(DevicePtr, usize)>,
+    /// The driver allocation this request made, if it made one (this block
+    /// is its first). Its owner registers each block's range.
+    pub new_allocation: Option<Allocation>,
 }
 
-/// A driver allocation the pool gave back (or forgot): its base, and its
-/// `blocks` blocks of `class` bytes each.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Returned {
+/// A driver allocation of the pool: at `base`, `blocks` blocks of `class`
+/// bytes each (one, or several carved from it).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Allocation {
     pub base: DevicePtr,
     pub class: usize,
     pub blocks: usize,
 }
 
-impl Returned {
+impl Allocation {
     /// The allocation's size in bytes.
     pub fn bytes(&self) -> usize {
         self.class * self.blocks
@@ -605,13 +597,6 @@ impl Returned {
     pub fn block_addresses(self) -> impl Iterator<Item = DevicePtr> {
         (0..self.blocks).map(move |i| self.base + (i * self.class) as u64)
     }
-}
-
-/// A driver allocation the pool holds: one block, or several carved ones.
-#[derive(Copy, Clone, Debug)]
-struct Allocation {
-    class: usize,
-    blocks: usize,
 }
 
 /// What the pool holds from the driver. Touched on misses, trims and resets.
@@ -774,8 +759,8 @@ impl Pool {
             Self::handed_out(&mut self.shard(own), size, true);
             return Ok(block(p, None));
         }
-        let fresh = match self.alloc_new(context, class) {
-            Ok(fresh) => fresh,
+        let new = match self.alloc_new(context, class) {
+            Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {
                     Self::handed_out(&mut self.shard(own), size, true);
@@ -787,14 +772,13 @@ impl Pool {
             },
             Err(e) => return Err(e.oom_on(device, size)),
         };
-        let blocks = fresh.extra.len() + 1;
         let mut sh = self.shard(own);
-        for p in fresh.extra {
+        for p in new.block_addresses().skip(1) {
             // Never used: ready for anyone at once.
             sh.put_ready(p, class);
         }
         Self::handed_out(&mut sh, size, false);
-        Ok(block(fresh.first, Some((fresh.first, blocks))))
+        Ok(block(new.base, Some(new)))
     }
 
     /// Seal every shard (stream-held blocks too) and wait for the fence that
@@ -830,7 +814,7 @@ impl Pool {
     /// New memory from the driver for blocks of `class`: one block, or,
     /// while a fence is outstanding (a busy GPU), several carved from one
     /// allocation, so that one driver call serves several misses.
-    fn alloc_new(&self, context: RawContext, class: usize) -> Result<Fresh> {
+    fn alloc_new(&self, context: RawContext, class: usize) -> Result<Allocation> {
         let carve = if self.fencer.outstanding() {
             (CARVE_BYTES / class).clamp(1, CARVE_MAX)
         } else {
@@ -846,13 +830,17 @@ impl Pool {
             }
             Err(e) => return Err(e),
         };
-        let extra: Vec<DevicePtr> = (1..blocks).map(|i| base + (i * class) as u64).collect();
+        let new = Allocation {
+            base,
+            class,
+            blocks,
+        };
         let mut held = lock(&self.held);
-        held.allocations.insert(base, Allocation { class, blocks });
-        for p in &extra {
-            held.carved.insert(*p, base);
+        held.allocations.insert(base, new);
+        for p in new.block_addresses().skip(1) {
+            held.carved.insert(p, base);
         }
-        Ok(Fresh { first: base, extra })
+        Ok(new)
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes,
@@ -900,7 +888,7 @@ impl Pool {
     /// blocks of their allocations, stay. Returns the allocations freed,
     /// and the first driver error: an allocation whose free failed stays
     /// cached, so nothing is lost, and the others are freed all the same.
-    pub(crate) fn trim(&self, context: RawContext) -> (Vec<Returned>, Result<()>) {
+    pub(crate) fn trim(&self, context: RawContext) -> (Vec<Allocation>, Result<()>) {
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
             cached.extend(self.shard(i).drain());
@@ -931,11 +919,7 @@ impl Pool {
                 Ok(()) => {
                     let mut held = lock(&self.held);
                     if let Some(a) = held.allocations.remove(&base) {
-                        freed.push(Returned {
-                            base,
-                            class: a.class,
-                            blocks: a.blocks,
-                        });
+                        freed.push(a);
                     }
                     for (p, _) in &blocks {
                         held.carved.remove(p);
@@ -958,7 +942,7 @@ impl Pool {
 
     /// Forget every block without freeing it (the context was reset and the
     /// memory is gone), and zero the live counts; the blocks it held.
-    pub(crate) fn forget(&self) -> Vec<Returned> {
+    pub(crate) fn forget(&self) -> Vec<Allocation> {
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);
             sh.drain();
@@ -967,14 +951,7 @@ impl Pool {
         }
         let mut held = lock(&self.held);
         held.carved.clear();
-        held.allocations
-            .drain()
-            .map(|(base, a)| Returned {
-                base,
-                class: a.class,
-                blocks: a.blocks,
-            })
-            .collect()
+        held.allocations.drain().map(|(_, a)| a).collect()
     }
 
     /// Number of driver allocations the pool holds (cached or handed out).

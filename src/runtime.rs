@@ -10,7 +10,7 @@ use crate::context::Context;
 use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType, RawStream};
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, KeepAlive};
-use crate::pool::{Block, Pool, PoolConfig, Returned};
+use crate::pool::{Allocation, Block, Pool, PoolConfig};
 use crate::registry::{Registration, Registry};
 
 /// Allocation counters of one device (allocations made outside the pool).
@@ -123,14 +123,9 @@ impl DeviceState {
             }
         }
         let block = attempt?;
-        if let Some((base, blocks)) = block.new_allocation {
+        if let Some(new) = block.new_allocation {
             // Each block its own range, so a wrap inside one is bound-checked
             // against that block, not its neighbours in the allocation.
-            let new = Returned {
-                base,
-                class: block.class,
-                blocks,
-            };
             let registry = ctx.runtime().registry();
             let mut regs = lock(&self.block_regs);
             for p in new.block_addresses() {
@@ -156,9 +151,9 @@ impl DeviceState {
         }
     }
 
-    fn unregister(&self, registry: &Registry, gone: impl IntoIterator<Item = Returned>) {
+    fn unregister(&self, registry: &Registry, gone: impl IntoIterator<Item = Allocation>) {
         let mut regs = lock(&self.block_regs);
-        for p in gone.into_iter().flat_map(Returned::block_addresses) {
+        for p in gone.into_iter().flat_map(Allocation::block_addresses) {
             if let Some(reg) = regs.remove(&p) {
                 registry.remove(reg);
             }
@@ -172,7 +167,7 @@ impl DeviceState {
         };
         let (freed, r) = pool.trim(ctx.raw());
         // Freed blocks are unregistered even when another one failed.
-        let bytes = freed.iter().map(Returned::bytes).sum();
+        let bytes = freed.iter().map(Allocation::bytes).sum();
         self.unregister(ctx.runtime().registry(), freed);
         r.map(|()| bytes)
     }
@@ -281,7 +276,7 @@ impl Runtime {
         self.devices.get(device).is_some_and(DeviceState::pooled)
     }
 
-    /// Blocks `device`'s pool holds from the driver (cached or handed out).
+    /// Driver allocations `device`'s pool holds (cached or handed out).
     pub fn pool_held_blocks(&self, device: usize) -> usize {
         self.devices
             .get(device)

@@ -3,7 +3,10 @@
 alloc+free while a 1.5 s kernel runs on a non-blocking stream, under
 numba's default manager, RMM's pool and gpuptr, each in its own process.
 
-Usage: python benches/busy_gpu.py [pairs]   (on the GPU machine)
+Usage: python benches/busy_gpu.py [pairs] [--gc]   (on the GPU machine)
+
+Python's garbage collector is off while timing (as in ``timeit``); with
+``--gc`` it stays on, and its pauses land in the worst case of every manager.
 """
 
 from __future__ import annotations
@@ -14,18 +17,21 @@ from gpuptr.bench import busy_devarray
 
 
 def main() -> int:
-    pairs = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+    args = [a for a in sys.argv[1:] if a != "--gc"]
+    keep_gc = "--gc" in sys.argv[1:]
+    pairs = int(args[0]) if args else 300
     rows = {}
     for name, manager in (("numba", None), ("rmm", "rmm.allocators.numba"), ("gpuptr", "gpuptr.numba")):
         try:
-            rows[name] = busy_devarray(manager, pairs)
+            rows[name] = busy_devarray(manager, pairs, keep_gc)
         except Exception as e:
             print(f"{name}: failed: {e}", file=sys.stderr)
-    print(f"busy GPU (1.5 s kernel on a non-blocking stream), {pairs} device_array(1 MiB) alloc+free pairs")
+    print(f"busy GPU (1.5 s kernel on a non-blocking stream), {pairs} device_array(1 MiB) alloc+free pairs,"
+          f" garbage collector {'on' if keep_gc else 'off'} while timing")
     print(f"{'manager':8s} {'median µs':>10s} {'p99 µs':>8s} {'worst µs':>12s} {'total ms':>10s}  kernel still running")
     for name, r in rows.items():
         print(f"{name:8s} {r['median_ns'] / 1e3:10.1f} {r['p99_ns'] / 1e3:8.1f} {r['worst_ns'] / 1e3:12.1f}"
-              f" {r['total_ns'] / 1e6:10.2f}  {r['busy']}")
+              f" {r['total_ns'] / 1e6:10.2f}  {r['busy']}  slowest pairs {r['slowest_pairs']}")
     g = rows.get("gpuptr")
     for other in ("numba", "rmm"):
         if g and other in rows:

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use gpuptr::driver::{self, DriverChoice};
-use gpuptr::{Driver, Runtime, SimConfig, SimDriver};
+use gpuptr::{Driver, PoolConfig, Runtime, SimConfig, SimDriver};
 
 fn runtimes() -> Vec<(&'static str, Arc<Runtime>)> {
     let mut out = vec![(
@@ -108,5 +108,48 @@ fn driver_calls(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench, driver_calls);
+/// What the fence thread's pace buys: the pool pair with the helper fencing
+/// back to back (pace 0) against the default pace, one thread and four.
+fn fence_pace(c: &mut Criterion) {
+    let mut drivers: Vec<(&str, Arc<dyn Driver>)> =
+        vec![("sim", Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30))))];
+    if let Ok(d) = driver::open(DriverChoice::Cuda) {
+        drivers.push(("cuda", d));
+    }
+    for (name, drv) in drivers {
+        for pace_us in [0u64, 20] {
+            let config = PoolConfig {
+                fence_pace: std::time::Duration::from_micros(pace_us),
+                ..PoolConfig::default()
+            };
+            let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
+            let ctx = rt.context(0).unwrap();
+            c.bench_function(
+                &format!("{name}/pace_{pace_us}us/pool_alloc_free_1MiB"),
+                |b| b.iter(|| black_box(ctx.alloc(1 << 20).unwrap())),
+            );
+            c.bench_function(
+                &format!("{name}/pace_{pace_us}us/pool_alloc_free_1MiB_4_threads"),
+                |b| {
+                    b.iter_custom(|iters| {
+                        let start = std::time::Instant::now();
+                        std::thread::scope(|s| {
+                            for _ in 0..4 {
+                                let ctx = ctx.clone();
+                                s.spawn(move || {
+                                    for _ in 0..iters {
+                                        black_box(ctx.alloc(1 << 20).unwrap());
+                                    }
+                                });
+                            }
+                        });
+                        start.elapsed() / 4
+                    })
+                },
+            );
+        }
+    }
+}
+
+criterion_group!(benches, bench, driver_calls, fence_pace);
 criterion_main!(benches);

@@ -481,6 +481,12 @@ impl DevicePointer {
         }
     }
 
+    /// Whether releasing this memory may wait for the device (a
+    /// `cuMemFree`): a pool block's release never does.
+    pub fn release_may_block(&self) -> bool {
+        !matches!(self.origin, Origin::Pool(_))
+    }
+
     /// Release the memory now. Returns `Ok(true)` if this call freed it and
     /// `Ok(false)` if it was already free (a second free is a no-op). Foreign
     /// memory is never freed; the pointer just lets go of its owner. Memory

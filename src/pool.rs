@@ -47,6 +47,7 @@ use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
 use crate::error::Result;
@@ -61,6 +62,11 @@ pub struct PoolConfig {
     /// Number of shards, rounded up to a power of two. The default is the
     /// number of CPUs, at most 16.
     pub shards: usize,
+    /// The least time between the starts of two fences: after each one the
+    /// helper thread rests this long (unless an out-of-memory waiter needs
+    /// the next), so frees gather into fewer fences and the helper takes
+    /// little CPU from the threads that allocate. Zero: back to back.
+    pub fence_pace: Duration,
 }
 
 impl Default for PoolConfig {
@@ -71,6 +77,7 @@ impl Default for PoolConfig {
             fence_count: 32,
             fence_bytes: 64 << 20,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
+            fence_pace: Duration::from_micros(20),
         }
     }
 }
@@ -143,6 +150,7 @@ type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>
 /// `done() >= n`.
 pub(crate) struct Fencer {
     shared: Arc<FenceShared>,
+    pace: Duration,
 }
 
 struct FenceShared {
@@ -174,10 +182,13 @@ struct FenceState {
     waiters: usize,
 }
 
-/// How long the helper looks for a new request before it sleeps: a busy
-/// allocator asks again within microseconds, and waking a sleeping thread
-/// would cost the allocating thread a system call.
-const FENCE_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+/// After its last fence the helper looks for a new request every
+/// [`FENCE_POLL`] (or every pace, if longer) for this long before it sleeps
+/// until woken: a busy allocator asks again within microseconds, and waking
+/// a sleeping thread would cost the allocating thread a system call. Polling
+/// with timed sleeps, not spinning, leaves the CPU to the allocating threads.
+const FENCE_IDLE_POLL: Duration = Duration::from_millis(2);
+const FENCE_POLL: Duration = Duration::from_micros(20);
 
 /// Carve blocks up to this size from allocations of about this many bytes
 /// when the pool grows while a fence is outstanding (a busy GPU): one
@@ -187,8 +198,9 @@ const CARVE_BYTES: usize = 8 << 20;
 const CARVE_MAX: usize = 16;
 
 impl Fencer {
-    pub(crate) fn new(driver: Arc<dyn Driver>) -> Self {
+    pub(crate) fn new(driver: Arc<dyn Driver>, pace: Duration) -> Self {
         Fencer {
+            pace,
             shared: Arc::new(FenceShared {
                 driver,
                 state: Mutex::new(FenceState::default()),
@@ -227,9 +239,10 @@ impl Fencer {
         if !st.spawned {
             st.spawned = true;
             let shared = sh.clone();
+            let pace = self.pace;
             let spawned = std::thread::Builder::new()
                 .name("gpuptr-fence".into())
-                .spawn(move || fence_loop(&shared));
+                .spawn(move || fence_loop(&shared, pace));
             if spawned.is_err() {
                 // No thread: fence inline on the next waiter instead.
                 st.spawned = false;
@@ -268,6 +281,8 @@ impl Fencer {
                 return ok && self.done() >= n;
             }
             st.waiters += 1;
+            // Cut the helper's rest short: this thread needs the fence now.
+            sh.work.notify_one();
             st = sh.finished.wait(st).unwrap_or_else(|p| p.into_inner());
             st.waiters -= 1;
         }
@@ -288,21 +303,23 @@ impl Drop for Fencer {
     }
 }
 
-fn fence_loop(sh: &FenceShared) {
+fn fence_loop(sh: &FenceShared, pace: Duration) {
+    short_timer_slack();
+    let poll = pace.max(FENCE_POLL);
     let mut st = lock(&sh.state);
     loop {
-        if st.requested == st.started && !st.shutdown {
-            // Look for a new request a little before sleeping.
-            let started = st.started;
-            drop(st);
-            let t = std::time::Instant::now();
-            while sh.requested.load(Ordering::Relaxed) == started && t.elapsed() < FENCE_SPIN {
-                std::thread::yield_now();
-            }
-            st = lock(&sh.state);
-            // `sleeping` is set and read under the lock with `requested`,
-            // so a request either is seen here or wakes the wait.
-            while st.requested == st.started && !st.shutdown {
+        // Wait for a request: poll for a while (a request then needs no
+        // wake-up), then sleep until a request wakes this thread.
+        let idle = Instant::now();
+        while st.requested == st.started && !st.shutdown {
+            if idle.elapsed() < FENCE_IDLE_POLL {
+                st = sh
+                    .work
+                    .wait_timeout(st, poll)
+                    .map_or_else(|p| p.into_inner().0, |r| r.0);
+            } else {
+                // `sleeping` is set and read under the lock with `requested`,
+                // so a request either is seen here or wakes the wait.
                 st.sleeping = true;
                 st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
                 st.sleeping = false;
@@ -333,9 +350,30 @@ fn fence_loop(sh: &FenceShared) {
         }
         if st.waiters > 0 {
             sh.finished.notify_all();
+        } else if !pace.is_zero() && !st.shutdown {
+            // Rest, so that frees gather into the next fence; an
+            // out-of-memory waiter cuts this short.
+            st = sh
+                .work
+                .wait_timeout(st, pace)
+                .map_or_else(|p| p.into_inner().0, |r| r.0);
         }
     }
 }
+
+/// Let this thread's short sleeps be short: Linux otherwise lets a timed
+/// wait run up to 50 µs late.
+fn short_timer_slack() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_TIMERSLACK takes an integer and changes only the
+    // calling thread's timer slack; no memory is passed.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong);
+    }
+}
+
+/// A cached block and its class.
+type Cached = (DevicePtr, usize);
 
 /// A batch of freed blocks waiting for fence `seq`.
 struct Sealed {
@@ -492,27 +530,29 @@ impl Shard {
         None
     }
 
-    /// Empty the cache: every block the shard holds, with its class.
-    fn drain(&mut self) -> Vec<(DevicePtr, usize)> {
-        let mut out = std::mem::take(&mut self.pending);
+    /// Empty the cache: every block the shard holds, with its class, as
+    /// (fenced: safe for anyone now, unfenced: waiting for a fence).
+    fn drain(&mut self) -> (Vec<Cached>, Vec<Cached>) {
+        let mut unfenced = std::mem::take(&mut self.pending);
         for ((_, class), v) in self.on_stream.drain() {
-            out.extend(v.into_iter().map(|p| (p, class)));
+            unfenced.extend(v.into_iter().map(|p| (p, class)));
         }
         for batch in self.sealed.drain(..) {
-            out.extend(batch.blocks);
+            unfenced.extend(batch.blocks);
         }
+        let mut fenced = Vec::new();
         for (i, v) in self.ready.iter_mut().enumerate() {
             let class = class_of_index(i);
-            out.extend(v.drain(..).map(|p| (p, class)));
+            fenced.extend(v.drain(..).map(|p| (p, class)));
         }
         for (class, v) in self.large.drain() {
-            out.extend(v.into_iter().map(|p| (p, class)));
+            fenced.extend(v.into_iter().map(|p| (p, class)));
         }
         self.pending_bytes = 0;
         self.stream_bytes = 0;
         self.sealed_bytes = 0;
         self.ready_bytes = 0;
-        out
+        (fenced, unfenced)
     }
 }
 
@@ -612,6 +652,25 @@ impl Held {
     fn base_of(&self, block: DevicePtr) -> DevicePtr {
         self.carved.get(&block).copied().unwrap_or(block)
     }
+
+    fn record(&mut self, a: Allocation) {
+        self.allocations.insert(a.base, a);
+        for p in a.block_addresses().skip(1) {
+            self.carved.insert(p, a.base);
+        }
+    }
+
+    /// Take the record of the allocation at `base` out.
+    fn forget(&mut self, base: DevicePtr) -> Allocation {
+        let a = self
+            .allocations
+            .remove(&base)
+            .expect("a recorded allocation");
+        for p in a.block_addresses().skip(1) {
+            self.carved.remove(&p);
+        }
+        a
+    }
 }
 
 /// A device's caching pool, over the driver alone.
@@ -643,7 +702,7 @@ impl Pool {
                 shards: n,
                 ..config
             },
-            fencer: Fencer::new(driver.clone()),
+            fencer: Fencer::new(driver.clone(), config.fence_pace),
             driver,
             shards: (0..n)
                 .map(|_| Padded(Mutex::new(Shard::default())))
@@ -835,11 +894,7 @@ impl Pool {
             class,
             blocks,
         };
-        let mut held = lock(&self.held);
-        held.allocations.insert(base, new);
-        for p in new.block_addresses().skip(1) {
-            held.carved.insert(p, base);
-        }
+        lock(&self.held).record(new);
         Ok(new)
     }
 
@@ -885,47 +940,60 @@ impl Pool {
     /// Return every allocation whose blocks are all cached to the driver
     /// (`cuMemFree`, which waits for the device, so blocks still waiting for
     /// a fence are safe to free too). Blocks handed out, and the other
-    /// blocks of their allocations, stay. Returns the allocations freed,
-    /// and the first driver error: an allocation whose free failed stays
-    /// cached, so nothing is lost, and the others are freed all the same.
-    pub(crate) fn trim(&self, context: RawContext) -> (Vec<Allocation>, Result<()>) {
+    /// blocks of their allocations, stay. `before_free` sees each allocation
+    /// before its free (the driver may reuse its addresses at once after),
+    /// and `failed_free` each one whose free failed: it stays cached, so
+    /// nothing is lost, and the others are freed all the same. Returns the
+    /// allocations freed, and the first driver error.
+    pub(crate) fn trim(
+        &self,
+        context: RawContext,
+        mut before_free: impl FnMut(&Allocation),
+        mut failed_free: impl FnMut(&Allocation),
+    ) -> (Vec<Allocation>, Result<()>) {
+        // Each cached block with whether its fence is done.
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
-            cached.extend(self.shard(i).drain());
+            let (fenced, unfenced) = self.shard(i).drain();
+            cached.extend(fenced.into_iter().map(|(p, c)| (p, c, true)));
+            cached.extend(unfenced.into_iter().map(|(p, c)| (p, c, false)));
         }
         // Group the cached blocks by allocation.
-        let mut by_base: FastMap<DevicePtr, Vec<(DevicePtr, usize)>> = FastMap::default();
+        let mut by_base: FastMap<DevicePtr, Vec<(DevicePtr, usize, bool)>> = FastMap::default();
         {
             let held = lock(&self.held);
-            for (p, class) in cached {
-                by_base.entry(held.base_of(p)).or_default().push((p, class));
+            for b in cached {
+                by_base.entry(held.base_of(b.0)).or_default().push(b);
             }
         }
         let mut freed = Vec::new();
         let mut keep = Vec::new();
         let mut first_err = Ok(());
         for (base, blocks) in by_base {
-            let whole = lock(&self.held)
-                .allocations
-                .get(&base)
-                .is_some_and(|a| a.blocks == blocks.len());
-            if !whole {
+            // Take the record of an allocation whose blocks are all here
+            // out of `held` in one step with the check.
+            let taken = {
+                let mut held = lock(&self.held);
+                let whole = held
+                    .allocations
+                    .get(&base)
+                    .is_some_and(|a| a.blocks == blocks.len());
+                whole.then(|| held.forget(base))
+            };
+            let Some(a) = taken else {
                 keep.extend(blocks);
                 continue;
-            }
+            };
+            // The owner forgets the blocks before the driver may hand the
+            // same addresses to another thread's new allocation.
+            before_free(&a);
             // SAFETY: an allocation this pool made in `context` whose blocks
             // are all cached (none handed out), so no one uses it after this.
             match unsafe { self.driver.mem_free(context, base) } {
-                Ok(()) => {
-                    let mut held = lock(&self.held);
-                    if let Some(a) = held.allocations.remove(&base) {
-                        freed.push(a);
-                    }
-                    for (p, _) in &blocks {
-                        held.carved.remove(p);
-                    }
-                }
+                Ok(()) => freed.push(a),
                 Err(e) => {
+                    lock(&self.held).record(a);
+                    failed_free(&a);
                     keep.extend(blocks);
                     if first_err.is_ok() {
                         first_err = Err(e);
@@ -933,9 +1001,19 @@ impl Pool {
                 }
             }
         }
+        // What stays goes back as it was: a block whose fence is not done
+        // is pending again (sealed with the next batch), never ready.
         let mut sh = self.shard(0);
-        for (p, class) in keep {
-            sh.put_ready(p, class);
+        for (p, class, fenced) in keep {
+            if fenced {
+                sh.put_ready(p, class);
+            } else {
+                sh.pending.push((p, class));
+                sh.pending_bytes += class;
+            }
+        }
+        if !sh.pending.is_empty() {
+            sh.seal(&self.fencer, context, false);
         }
         (freed, first_err)
     }
@@ -997,7 +1075,7 @@ mod tests {
             a.address
         );
         assert_eq!(pool.stats().live_count, 1);
-        assert!(pool.trim(ctx).1.is_ok());
+        assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
         assert_eq!(pool.held_blocks(), 1);
     }
 

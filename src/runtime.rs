@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::context::Context;
-use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType, RawStream};
+use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType, RawContext, RawStream};
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, KeepAlive};
 use crate::pool::{Allocation, Block, Pool, PoolConfig};
@@ -59,6 +59,13 @@ pub(crate) struct DeviceState {
     counters: DeviceCounters,
     /// Registry entries of the pool's blocks, by address.
     block_regs: Mutex<HashMap<DevicePtr, Registration>>,
+    /// Held while the cache goes back to the driver (a trim, or an
+    /// out-of-memory retry), so no thread's trim holds blocks in transit
+    /// that another thread's retry looks for.
+    recovery: Mutex<()>,
+    /// The raw handle of the live context (0: none), so the current
+    /// device is found from `cuCtxGetCurrent` alone.
+    raw: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -73,6 +80,8 @@ impl DeviceState {
             pool: pool.map(|c| Pool::new(c, driver.clone())),
             counters: DeviceCounters::default(),
             block_regs: Mutex::new(HashMap::new()),
+            recovery: Mutex::new(()),
+            raw: AtomicUsize::new(0),
         }
     }
 
@@ -95,6 +104,7 @@ impl DeviceState {
         }
         let ctx = Arc::new(Context::retain(rt.clone(), self.device)?);
         *slot = Arc::downgrade(&ctx);
+        self.raw.store(ctx.raw(), Ordering::Release);
         Ok(ctx)
     }
 
@@ -108,29 +118,25 @@ impl DeviceState {
     ) -> Result<Block> {
         let pool = self.pool.as_ref().expect("pooled device");
         let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device);
-        // Out of memory even after the fence: return the cache to the
-        // driver and ask again, while that frees something (other threads
-        // may take what it frees), at least once.
-        for round in 0..4 {
-            match &attempt {
-                Err(e) if e.is_oom() => {
-                    if self.trim(ctx)? == 0 && round > 0 {
-                        break;
-                    }
-                    attempt = pool.alloc(ctx.raw(), size, stream, self.device);
+        if attempt.as_ref().is_err_and(Error::is_oom) {
+            // Out of memory even after the fence: return the cache to the
+            // driver and ask again, while that frees something (other
+            // threads may take what it frees), at least once. One thread
+            // at a time.
+            let _recovering = lock(&self.recovery);
+            for round in 0..4 {
+                if self.trim_locked(ctx)? == 0 && round > 0 {
+                    break;
                 }
-                _ => break,
+                attempt = pool.alloc(ctx.raw(), size, stream, self.device);
+                if !attempt.as_ref().is_err_and(Error::is_oom) {
+                    break;
+                }
             }
         }
         let block = attempt?;
         if let Some(new) = block.new_allocation {
-            // Each block its own range, so a wrap inside one is bound-checked
-            // against that block, not its neighbours in the allocation.
-            let registry = ctx.runtime().registry();
-            let mut regs = lock(&self.block_regs);
-            for p in new.block_addresses() {
-                regs.insert(p, registry.insert(p, block.class, ctx));
-            }
+            self.register(ctx, &new);
         }
         Ok(block)
     }
@@ -151,6 +157,17 @@ impl DeviceState {
         }
     }
 
+    /// Register each block of a pool allocation with its own range, so a
+    /// wrap inside one is bound-checked against that block, not its
+    /// neighbours in the allocation.
+    fn register(&self, ctx: &Arc<Context>, a: &Allocation) {
+        let registry = ctx.runtime().registry();
+        let mut regs = lock(&self.block_regs);
+        for p in a.block_addresses() {
+            regs.insert(p, registry.insert(p, a.class, ctx));
+        }
+    }
+
     fn unregister(&self, registry: &Registry, gone: impl IntoIterator<Item = Allocation>) {
         let mut regs = lock(&self.block_regs);
         for p in gone.into_iter().flat_map(Allocation::block_addresses) {
@@ -162,13 +179,29 @@ impl DeviceState {
 
     /// Return the pool's cache to the driver; the bytes freed.
     pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
+        let _recovering = lock(&self.recovery);
+        self.trim_locked(ctx)
+    }
+
+    fn trim_locked(&self, ctx: &Context) -> Result<usize> {
         let Some(pool) = &self.pool else {
             return Ok(0);
         };
-        let (freed, r) = pool.trim(ctx.raw());
-        // Freed blocks are unregistered even when another one failed.
+        let registry = ctx.runtime().registry();
+        let (freed, r) = pool.trim(
+            ctx.raw(),
+            // Before the free: the driver may hand the addresses to another
+            // thread's allocation, registered anew, at once after it.
+            |a| self.unregister(registry, [*a]),
+            // A failed free leaves the allocation cached: known again (unless
+            // the context is going away).
+            |a| {
+                if let Some(live) = self.existing().filter(|c| std::ptr::eq(&**c, ctx)) {
+                    self.register(&live, a);
+                }
+            },
+        );
         let bytes = freed.iter().map(Allocation::bytes).sum();
-        self.unregister(ctx.runtime().registry(), freed);
         r.map(|()| bytes)
     }
 
@@ -180,6 +213,7 @@ impl DeviceState {
         let Some(ctx) = self.existing() else {
             return Ok(());
         };
+        self.forget_raw(ctx.raw());
         let trimmed = self.trim(&ctx);
         // Invalidate first: the pool then refuses blocks of this context,
         // and forgets the ones it has under the same locks.
@@ -200,9 +234,17 @@ impl DeviceState {
     /// the retain that keeps it valid goes. A context detached by a reset no
     /// longer owns the pool (its successor does).
     pub(crate) fn teardown(&self, ctx: &Context) {
+        // Before the release: the handle may name another context after it.
+        self.forget_raw(ctx.raw());
         if ctx.generation() == 0 {
             let _ = self.trim(ctx);
         }
+    }
+
+    fn forget_raw(&self, raw: RawContext) {
+        let _ = self
+            .raw
+            .compare_exchange(raw, 0, Ordering::AcqRel, Ordering::Relaxed);
     }
 
     fn stats(&self) -> DeviceStats {
@@ -386,6 +428,18 @@ impl Runtime {
     /// The device of the calling thread's current context, or 0 when none
     /// is current (CuPy's and numba's default device).
     pub fn current_device(&self) -> Result<usize> {
+        let raw = self.driver.current_context()?;
+        if raw == 0 {
+            return Ok(0);
+        }
+        // A live context gpuptr retained: no second driver call.
+        if let Some(d) = self
+            .devices
+            .iter()
+            .position(|d| d.raw.load(Ordering::Acquire) == raw)
+        {
+            return Ok(d);
+        }
         Ok(self.driver.current_device()?.unwrap_or(0))
     }
 

@@ -95,7 +95,8 @@ def _devarray_ns(manager: Optional[str], n: int, repeat: int) -> float:
 _BUSY_CHILD = r"""
 import json, sys, time, statistics
 import numpy as np
-manager, pairs = sys.argv[1], int(sys.argv[2])
+import gc
+manager, pairs, keep_gc = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "gc"
 if manager == "rmm.allocators.numba":
     import rmm
     rmm.reinitialize(pool_allocator=True)
@@ -116,6 +117,9 @@ for _ in range(20):  # warm up, on an idle GPU
 cuda.synchronize()
 spin[1, 1, s](flag, 1500)
 times = []
+if not keep_gc:
+    gc.collect()
+    gc.disable()  # as timeit does: a collection's pause is not the allocator's
 t0 = time.perf_counter()
 for _ in range(pairs):
     t = time.perf_counter()
@@ -123,23 +127,28 @@ for _ in range(pairs):
     del a
     times.append(time.perf_counter() - t)
 total = time.perf_counter() - t0
+gc.enable()
 busy = not cs.done  # the kernel outlasted the loop
 s.synchronize()
+slowest = sorted(range(pairs), key=times.__getitem__)[-5:][::-1]
 times.sort()
 print(json.dumps({"median_ns": statistics.median(times) * 1e9, "p99_ns": times[int(0.99 * len(times))] * 1e9,
-                  "worst_ns": times[-1] * 1e9, "total_ns": total * 1e9, "busy": busy}))
+                  "worst_ns": times[-1] * 1e9, "total_ns": total * 1e9, "busy": busy, "gc": keep_gc,
+                  "slowest_pairs": slowest}))
 """
 
 
-def busy_devarray(manager: Optional[str], pairs: int = 300) -> dict:
+def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = False) -> dict:
     """Host-side numba ``device_array(1 MiB)`` alloc+free while a 1.5 s
     kernel runs on a non-blocking CuPy stream, in a child process under
-    ``manager`` (None: numba's own): median, worst and total, in ns."""
+    ``manager`` (None: numba's own): median, p99, worst and total, in ns.
+    Python's garbage collector is off while timing (as in ``timeit``)
+    unless ``keep_gc``."""
     env = dict(os.environ)
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     if manager:
         env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
-    out = subprocess.run([sys.executable, "-c", _BUSY_CHILD, manager or "", str(pairs)], env=env,
+    out = subprocess.run([sys.executable, "-c", _BUSY_CHILD, manager or "", str(pairs), "gc" if keep_gc else "nogc"], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")

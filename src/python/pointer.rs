@@ -423,10 +423,17 @@ impl PyMemoryPointer {
         let stream = stream_arg(stream)?;
         if self.managed {
             let parent = self.view.parent();
-            py.detach(|| match stream {
+            let free = || match stream {
                 Some(s) => parent.free_on(s),
                 None => parent.free(),
-            })?;
+            };
+            // A pool block goes back to the cache without a driver call:
+            // releasing the GIL would cost more than the free.
+            if parent.release_may_block() {
+                py.detach(free)?;
+            } else {
+                free()?;
+            }
         }
         Ok(())
     }

@@ -31,7 +31,7 @@ def main() -> int:
     print(f"{'manager':8s} {'median µs':>10s} {'p99 µs':>8s} {'worst µs':>12s} {'total ms':>10s}  kernel still running")
     for name, r in rows.items():
         print(f"{name:8s} {r['median_ns'] / 1e3:10.1f} {r['p99_ns'] / 1e3:8.1f} {r['worst_ns'] / 1e3:12.1f}"
-              f" {r['total_ns'] / 1e6:10.2f}  {r['busy']}  slowest pairs {r['slowest_pairs']}")
+              f" {r['total_ns'] / 1e6:10.2f}  {r['busy']}  slowest pairs {r['slowest_pairs']} ({r['slowest_us']} µs)")
     g = rows.get("gpuptr")
     for other in ("numba", "rmm"):
         if g and other in rows:

@@ -42,6 +42,10 @@ def main() -> None:
     s = cuda.external_stream(cs.ptr)
     spin[1, 1, s](flag, 1500)
     busy, ptrs = timed_allocs(40, 8 << 20)
+    bigger = {}
+    for mib in (32, 64, 128):
+        bigger[mib], more = timed_allocs(8, mib << 20)
+        ptrs += more
     still = not cs.done
     s.synchronize()
     for p in ptrs:
@@ -49,6 +53,8 @@ def main() -> None:
     fmt = lambda ts: " ".join(f"{t:.0f}" for t in ts)  # noqa: E731
     print(f"cuMemAlloc(8 MiB), µs each, in order; idle: {fmt(idle)}")
     print(f"busy (kernel still running: {still}): {fmt(busy)}")
+    for mib, ts in bigger.items():
+        print(f"busy, cuMemAlloc({mib} MiB): {fmt(ts)}")
 
 
 if __name__ == "__main__":

@@ -266,6 +266,28 @@ fn test_growth_on_a_busy_device_carves_several_blocks_from_one_allocation() {
 }
 
 #[test]
+fn test_growth_under_one_long_fence_doubles_up_to_64_mib_per_driver_call() {
+    let (drv, rt) = sim_pooled(1 << 30);
+    let ctx = rt.context(0).unwrap();
+    let first = ctx.alloc(1 << 20).unwrap();
+    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
+        .unwrap();
+    drop(first);
+    drop(ctx.alloc(1 << 20).unwrap()); // a fence is outstanding from here
+    let calls = drv.calls(CallKind::MemAlloc);
+    let blocks: Vec<_> = (0..300).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    // 8 + 16 + 32 + 64 + 64 + 64 + 64 MiB: seven calls, not 38 of 8 MiB.
+    let grew = drv.calls(CallKind::MemAlloc) - calls;
+    assert!(grew <= 8, "{grew} driver calls for 300 blocks");
+    assert!(
+        drv.live_bytes() <= (300 + 2 + 64) << 20,
+        "at most one carve ahead of demand"
+    );
+    drop(blocks);
+    drv.complete(None);
+}
+
+#[test]
 fn test_an_idle_device_grows_one_block_at_a_time() {
     let (drv, rt) = sim_pooled(256 << 20);
     let ctx = rt.context(0).unwrap();

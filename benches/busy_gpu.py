@@ -7,6 +7,8 @@ Usage: python benches/busy_gpu.py [pairs] [--gc]   (on the GPU machine)
 
 Python's garbage collector is off while timing (as in ``timeit``); with
 ``--gc`` it stays on, and its pauses land in the worst case of every manager.
+The ``gpuptr+r`` row fills gpuptr's pool with 512 MiB first
+(``gpuptr.reserve``), as RMM's pool reserves memory up front.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ def main() -> int:
     keep_gc = "--gc" in sys.argv[1:]
     pairs = int(args[0]) if args else 300
     rows = {}
-    for name, manager in (("numba", None), ("rmm", "rmm.allocators.numba"), ("gpuptr", "gpuptr.numba")):
+    for name, manager, reserve in (("numba", None, 0), ("rmm", "rmm.allocators.numba", 0),
+                                   ("gpuptr", "gpuptr.numba", 0), ("gpuptr+r", "gpuptr.numba", 512 << 20)):
         try:
-            rows[name] = busy_devarray(manager, pairs, keep_gc)
+            rows[name] = busy_devarray(manager, pairs, keep_gc, reserve)
         except Exception as e:
             print(f"{name}: failed: {e}", file=sys.stderr)
     print(f"busy GPU (1.5 s kernel on a non-blocking stream), {pairs} device_array(1 MiB) alloc+free pairs,"
@@ -33,6 +36,8 @@ def main() -> int:
         print(f"{name:8s} {r['median_ns'] / 1e3:10.1f} {r['p99_ns'] / 1e3:8.1f} {r['worst_ns'] / 1e3:12.1f}"
               f" {r['total_ns'] / 1e6:10.2f}  {r['busy']}  slowest pairs {r['slowest_pairs']} ({r['slowest_us']} µs)")
     g = rows.get("gpuptr")
+    print("worst after the first pair (slow under every manager):",
+          ", ".join(f"{n} {r['worst_after_first_ns'] / 1e3:.1f} µs" for n, r in rows.items()))
     for other in ("numba", "rmm"):
         if g and other in rows:
             o = rows[other]

@@ -97,6 +97,17 @@ impl Context {
         DevicePointer::alloc(self, size, None)
     }
 
+    /// Fill this device's pool ahead of demand with about `bytes` of ready
+    /// blocks the size of `size` (as RMM's initial pool size): allocations
+    /// of that size then make no driver call until the blocks are used,
+    /// also while the GPU is busy and freed blocks wait for their fence.
+    /// Returns the bytes reserved, fewer if the device ran out of memory
+    /// part way. [`Runtime::trim`] gives them back.
+    pub fn reserve(self: &Arc<Self>, size: usize, bytes: usize) -> Result<usize> {
+        crate::fork::check()?;
+        self.state().reserve(self, size, bytes)
+    }
+
     /// Allocate `size` bytes for use on `stream` (stream-ordered, as
     /// `cudaMallocAsync`): a block freed on `stream` is reused at once, and
     /// dropping the pointer frees it on `stream`. Use

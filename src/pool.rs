@@ -200,6 +200,8 @@ const CARVE_BYTES: usize = 8 << 20;
 const CARVE_BYTES_MAX: usize = 64 << 20;
 /// At most this many blocks per allocation.
 const CARVE_MAX: usize = 64;
+/// At most this many blocks per allocation of a reservation.
+const RESERVE_MAX: usize = 1024;
 
 impl Fencer {
     pub(crate) fn new(driver: Arc<dyn Driver>, pace: Duration) -> Self {
@@ -917,6 +919,51 @@ impl Pool {
         };
         lock(&self.held).record(new);
         Ok(new)
+    }
+
+    /// Fill the cache ahead of demand with blocks of `size`'s class, about
+    /// `bytes` in all, ready at once (fresh memory is safe for anyone),
+    /// spread over the shards. Returns the driver allocations made (their
+    /// owner registers them); stops early, keeping what it got, when the
+    /// driver runs out of memory.
+    pub(crate) fn reserve(
+        &self,
+        context: RawContext,
+        size: usize,
+        bytes: usize,
+    ) -> (Vec<Allocation>, Result<()>) {
+        let class = size_class(size.max(1));
+        let mut want = bytes.div_ceil(class);
+        let mut per_chunk = (CARVE_BYTES_MAX / class).clamp(1, RESERVE_MAX);
+        let mut made = Vec::new();
+        let mut next_shard = 0;
+        while want > 0 {
+            let blocks = want.min(per_chunk);
+            // SAFETY: the pool's owner passes its live, retained context.
+            let base = match unsafe { self.driver.mem_alloc(context, blocks * class) } {
+                Ok(p) => p,
+                // A tight device: smaller allocations may still fit.
+                Err(e) if e.is_oom() && blocks > 1 => {
+                    per_chunk = blocks / 2;
+                    continue;
+                }
+                Err(e) => return (made, Err(e)),
+            };
+            let a = Allocation {
+                base,
+                class,
+                blocks,
+            };
+            lock(&self.held).record(a);
+            for p in a.block_addresses() {
+                self.shard(next_shard % self.shards.len())
+                    .put_ready(p, class);
+                next_shard += 1;
+            }
+            made.push(a);
+            want -= blocks;
+        }
+        (made, Ok(()))
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes,

@@ -141,6 +141,25 @@ impl DeviceState {
         Ok(block)
     }
 
+    /// Fill the pool with about `bytes` of ready blocks of `size`'s class;
+    /// the bytes reserved (an unpooled device reserves nothing).
+    pub(crate) fn reserve(&self, ctx: &Arc<Context>, size: usize, bytes: usize) -> Result<usize> {
+        let Some(pool) = &self.pool else {
+            return Ok(0);
+        };
+        let (made, r) = pool.reserve(ctx.raw(), size, bytes);
+        for a in &made {
+            self.register(ctx, a);
+        }
+        let reserved = made.iter().map(Allocation::bytes).sum();
+        match r {
+            // Out of memory part way: what was reserved stays; say so only
+            // when nothing could be.
+            Err(e) if e.is_oom() && reserved > 0 => Ok(reserved),
+            r => r.map(|()| reserved),
+        }
+    }
+
     /// Give a block back to the pool (see [`Pool::release`]).
     pub(crate) fn pool_release(
         &self,

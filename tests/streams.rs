@@ -288,6 +288,37 @@ fn test_growth_under_one_long_fence_doubles_up_to_64_mib_per_driver_call() {
 }
 
 #[test]
+fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
+    let (drv, rt) = sim_pooled(1 << 30);
+    let ctx = rt.context(0).unwrap();
+    assert_eq!(ctx.reserve(1 << 20, 100 << 20).unwrap(), 100 << 20);
+    assert_eq!(rt.stats()[0].cached_bytes, 100 << 20);
+    // A kernel holds every freed block back (the fence cannot finish).
+    let first = ctx.alloc(1 << 20).unwrap();
+    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
+        .unwrap();
+    drop(first);
+    let calls = drv.calls(CallKind::MemAlloc);
+    for _ in 0..90 {
+        let p = ctx.alloc(1 << 20).unwrap();
+        assert!(Arc::ptr_eq(&rt.context_of(p.address() + 5).unwrap(), &ctx));
+    }
+    assert_eq!(drv.calls(CallKind::MemAlloc), calls, "no driver call");
+    drv.complete(None);
+    // A device too small for the whole reservation keeps what it got.
+    let (_, small) = sim_pooled(10 << 20);
+    let got = small
+        .context(0)
+        .unwrap()
+        .reserve(4 << 20, 64 << 20)
+        .unwrap();
+    assert!(got > 0 && got <= 10 << 20, "{got}");
+    small.trim().unwrap();
+    rt.trim().unwrap();
+    assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
+}
+
+#[test]
 fn test_an_idle_device_grows_one_block_at_a_time() {
     let (drv, rt) = sim_pooled(256 << 20);
     let ctx = rt.context(0).unwrap();

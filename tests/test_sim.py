@@ -151,3 +151,35 @@ def test_cli_info_falls_back_to_the_simulator_and_says_so():
 def test_sim_helpers_refuse_on_the_wrong_kind():
     with pytest.raises(gpuptr.InvalidArgumentError):
         _core._sim_fail_nth("no_such_call", 1, 1)
+
+
+def test_reserve_fills_the_pool_ahead_of_demand_and_trim_gives_it_back(no_leaks):
+    base = _driver_bytes()
+    calls = _core._sim_calls("mem_alloc")
+    assert gpuptr.reserve(8 << 20, block_size=1 << 20) == 8 << 20
+    assert gpuptr.stats()[0]["cached_bytes"] >= 8 << 20
+    made = _core._sim_calls("mem_alloc") - calls
+    assert made == 1, "one driver allocation, carved into eight blocks"
+    hits = gpuptr.stats()[0]["pool_hits"]
+    held = [gpuptr.alloc(1 << 20) for _ in range(8)]
+    assert _core._sim_calls("mem_alloc") - calls == made, "served from the reservation"
+    assert gpuptr.stats()[0]["pool_hits"] - hits == 8
+    for p in held:
+        assert gpuptr.context_of(p.device_pointer_value + 100).device.id == 0
+    del held, p
+    assert _driver_bytes() == base
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"nbytes": -1}, gpuptr.InvalidArgumentError),
+        ({"nbytes": 1 << 20, "block_size": 0}, gpuptr.InvalidArgumentError),
+        ({"nbytes": 1 << 20, "block_size": True}, TypeError),
+        ({"nbytes": 1.5}, TypeError),
+        ({"nbytes": 1 << 20, "device": 99}, gpuptr.InvalidArgumentError),
+    ],
+)
+def test_reserve_rejects_bad_arguments_with_typed_errors(kwargs, error):
+    with pytest.raises(error):
+        gpuptr.reserve(**kwargs)

@@ -96,7 +96,7 @@ _BUSY_CHILD = r"""
 import json, sys, time, statistics
 import numpy as np
 import gc
-manager, pairs, keep_gc = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "gc"
+manager, pairs, keep_gc, reserve = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "gc", int(sys.argv[4])
 if manager == "rmm.allocators.numba":
     import rmm
     rmm.reinitialize(pool_allocator=True)
@@ -114,6 +114,9 @@ s = cuda.external_stream(cs.ptr)
 flag = cuda.device_array(1, np.int32)
 for _ in range(20):  # warm up, on an idle GPU
     cuda.device_array(1 << 20, np.uint8)
+if reserve:  # gpuptr's pool filled ahead of demand, as RMM's pool is
+    import gpuptr
+    gpuptr.reserve(reserve, 1 << 20)
 cuda.synchronize()
 spin[1, 1, s](flag, 1500)
 times = []
@@ -140,17 +143,18 @@ print(json.dumps({"median_ns": statistics.median(times) * 1e9, "p99_ns": times[i
 """
 
 
-def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = False) -> dict:
+def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = False, reserve: int = 0) -> dict:
     """Host-side numba ``device_array(1 MiB)`` alloc+free while a 1.5 s
     kernel runs on a non-blocking CuPy stream, in a child process under
     ``manager`` (None: numba's own): median, p99, worst and total, in ns.
     Python's garbage collector is off while timing (as in ``timeit``)
-    unless ``keep_gc``."""
+    unless ``keep_gc``. ``reserve``: bytes of 1 MiB blocks gpuptr's pool
+    is filled with first (``gpuptr.reserve``; RMM's pool reserves up front)."""
     env = dict(os.environ)
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     if manager:
         env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
-    out = subprocess.run([sys.executable, "-c", _BUSY_CHILD, manager or "", str(pairs), "gc" if keep_gc else "nogc"], env=env,
+    out = subprocess.run([sys.executable, "-c", _BUSY_CHILD, manager or "", str(pairs), "gc" if keep_gc else "nogc", str(reserve)], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")

@@ -213,6 +213,36 @@ fn flush_pool(py: Python<'_>, device: Option<usize>) -> PyResult<bool> {
     .map_err(|e: Error| e.into())
 }
 
+/// Fill the pool ahead of demand with about ``nbytes`` of ready blocks of
+/// ``block_size`` bytes (default 1 MiB; as RMM's initial pool size), on ``device`` (default:
+/// the current one). Allocations of that size then make no driver call
+/// until the blocks are used, also while a busy GPU holds freed blocks back.
+/// Returns the bytes reserved (fewer if the device ran out part way);
+/// ``trim()`` gives them back.
+#[pyfunction]
+#[pyo3(signature = (nbytes, block_size=None, device=None))]
+fn reserve(
+    py: Python<'_>,
+    nbytes: &Bound<'_, PyAny>,
+    block_size: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<usize> {
+    let bytes = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let size = match block_size.filter(|b| !b.is_none()) {
+        Some(b) => size_arg(int_arg(b, "block_size")?)?,
+        None => 1 << 20,
+    };
+    if size == 0 {
+        return Err(Error::InvalidArgument("block_size must be positive".into()).into());
+    }
+    let device = device
+        .filter(|d| !d.is_none())
+        .map(|d| int_arg(d, "device").and_then(device_arg))
+        .transpose()?;
+    let ctx = device_context(device)?;
+    Ok(py.detach(|| ctx.reserve(size, bytes))?)
+}
+
 /// Make every device's peak bytes equal to its live bytes now.
 #[pyfunction]
 fn reset_peak_stats() -> PyResult<()> {
@@ -356,6 +386,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release_contexts, m)?)?;
     m.add_function(wrap_pyfunction!(trim, m)?)?;
     m.add_function(wrap_pyfunction!(flush_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_queue_write, m)?)?;
     m.add_function(wrap_pyfunction!(_sim_complete, m)?)?;

@@ -20,6 +20,23 @@ fn runtimes() -> Vec<(&'static str, Arc<Runtime>)> {
     out
 }
 
+/// Wall time per 1 MiB alloc+free pair with `threads` threads each making
+/// `iters` pairs, all contending for the pool.
+fn pairs_on_threads(ctx: &Arc<gpuptr::Context>, threads: u32, iters: u64) -> std::time::Duration {
+    let start = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            let ctx = ctx.clone();
+            s.spawn(move || {
+                for _ in 0..iters {
+                    black_box(ctx.alloc(1 << 20).unwrap());
+                }
+            });
+        }
+    });
+    start.elapsed() / threads
+}
+
 fn bench(c: &mut Criterion) {
     for (name, rt) in runtimes() {
         let ctx = rt.context(0).unwrap();
@@ -50,23 +67,7 @@ fn bench(c: &mut Criterion) {
         for threads in [4u32, 16] {
             c.bench_function(
                 &format!("{name}/pool_alloc_free_1MiB_{threads}_threads"),
-                |b| {
-                    b.iter_custom(|iters| {
-                        let start = std::time::Instant::now();
-                        std::thread::scope(|s| {
-                            for _ in 0..threads {
-                                let ctx = ctx.clone();
-                                s.spawn(move || {
-                                    for _ in 0..iters {
-                                        black_box(ctx.alloc(1 << 20).unwrap());
-                                    }
-                                });
-                            }
-                        });
-                        // wall time per alloc+free pair, all threads contending
-                        start.elapsed() / threads
-                    })
-                },
+                |b| b.iter_custom(|iters| pairs_on_threads(&ctx, threads, iters)),
             );
         }
         let mem = ctx.alloc(1 << 20).unwrap();
@@ -130,22 +131,7 @@ fn fence_pace(c: &mut Criterion) {
             );
             c.bench_function(
                 &format!("{name}/pace_{pace_us}us/pool_alloc_free_1MiB_4_threads"),
-                |b| {
-                    b.iter_custom(|iters| {
-                        let start = std::time::Instant::now();
-                        std::thread::scope(|s| {
-                            for _ in 0..4 {
-                                let ctx = ctx.clone();
-                                s.spawn(move || {
-                                    for _ in 0..iters {
-                                        black_box(ctx.alloc(1 << 20).unwrap());
-                                    }
-                                });
-                            }
-                        });
-                        start.elapsed() / 4
-                    })
-                },
+                |b| b.iter_custom(|iters| pairs_on_threads(&ctx, 4, iters)),
             );
         }
     }

@@ -33,6 +33,15 @@ pub(crate) fn device_context(device: Option<usize>) -> PyResult<Arc<crate::Conte
     Ok(rt.context(d)?)
 }
 
+/// An optional device ordinal (`None` or Python's ``None``: the current
+/// device).
+fn optional_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    device
+        .filter(|d| !d.is_none())
+        .map(|d| int_arg(d, "device").and_then(device_arg))
+        .transpose()
+}
+
 /// A byte count: negative is an `InvalidArgumentError`.
 pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
     usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
@@ -87,10 +96,7 @@ fn alloc(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
     let size = size_arg(int_arg(nbytes, "nbytes")?)?;
-    let device = device
-        .filter(|d| !d.is_none())
-        .map(|d| int_arg(d, "device").and_then(device_arg))
-        .transpose()?;
+    let device = optional_device(device)?;
     let stream = pointer::stream_arg(stream)?;
     let ctx = device_context(device)?;
     let pyctx = py_context(py, &ctx)?;
@@ -235,10 +241,7 @@ fn reserve(
     if size == 0 {
         return Err(Error::InvalidArgument("block_size must be positive".into()).into());
     }
-    let device = device
-        .filter(|d| !d.is_none())
-        .map(|d| int_arg(d, "device").and_then(device_arg))
-        .transpose()?;
+    let device = optional_device(device)?;
     let ctx = device_context(device)?;
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }

@@ -372,9 +372,17 @@ fn fence_loop(sh: &FenceShared, pace: Duration) {
 fn short_timer_slack() {
     #[cfg(target_os = "linux")]
     // SAFETY: PR_SET_TIMERSLACK takes an integer and changes only the
-    // calling thread's timer slack; no memory is passed.
+    // calling thread's timer slack; no memory is passed. prctl is variadic
+    // and reads five words: pass them all, so none is uninitialised.
     unsafe {
-        libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong);
+        let zero: libc::c_ulong = 0;
+        libc::prctl(
+            libc::PR_SET_TIMERSLACK,
+            1000 as libc::c_ulong,
+            zero,
+            zero,
+            zero,
+        );
     }
 }
 

@@ -424,7 +424,6 @@ impl Driver for CudaDriver {
 
     fn pointer_attributes(&self, ptr: DevicePtr) -> Result<PointerAttributes> {
         use sys::CUpointer_attribute_enum as A;
-        let mut context: sys::CUcontext = std::ptr::null_mut();
         let mut memory_type: c_uint = 0;
         let mut ordinal: c_int = -1;
         // IS_MANAGED is a C bool; read it through a zeroed word.
@@ -433,7 +432,6 @@ impl Driver for CudaDriver {
         let mut size: usize = 0;
         let mut device_pointer: sys::CUdeviceptr = 0;
         let mut attrs = [
-            A::CU_POINTER_ATTRIBUTE_CONTEXT,
             A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
@@ -441,8 +439,7 @@ impl Driver for CudaDriver {
             A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
             A::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
         ];
-        let mut data: [*mut c_void; 7] = [
-            &mut context as *mut _ as *mut c_void,
+        let mut data: [*mut c_void; 6] = [
             &mut memory_type as *mut _ as *mut c_void,
             &mut ordinal as *mut _ as *mut c_void,
             &mut managed as *mut _ as *mut c_void,
@@ -468,7 +465,6 @@ impl Driver for CudaDriver {
             _ => MemoryType::Unregistered,
         };
         Ok(PointerAttributes {
-            context: context as RawContext,
             device: ordinal.max(0) as usize,
             memory_type,
             is_managed: managed & 0xff != 0,

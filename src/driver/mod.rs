@@ -67,8 +67,6 @@ pub enum MemoryType {
 /// What the driver knows about an address (`cuPointerGetAttributes`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PointerAttributes {
-    /// The context the memory was allocated in (0 if none).
-    pub context: RawContext,
     /// The device ordinal the memory lives on.
     pub device: usize,
     /// Device, host or unregistered.

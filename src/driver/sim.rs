@@ -970,7 +970,6 @@ impl Driver for SimDriver {
         st.enter(CallKind::PointerAttributes, "cuPointerGetAttributes")?;
         Ok(match st.find(ptr) {
             Some((start, block)) => PointerAttributes {
-                context: Self::context_of(block.device),
                 device: block.device,
                 memory_type: match block.kind {
                     Kind::Device | Kind::Managed => MemoryType::Device,
@@ -985,7 +984,6 @@ impl Driver for SimDriver {
                 },
             },
             None => PointerAttributes {
-                context: 0,
                 device: 0,
                 memory_type: MemoryType::Unregistered,
                 is_managed: false,

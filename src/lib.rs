@@ -42,7 +42,10 @@ mod runtime;
 mod python;
 
 pub use context::Context;
-pub use driver::{CudaDriver, Driver, DriverKind, SimConfig, SimDriver};
+pub use driver::{
+    CallKind, CudaDriver, DevicePtr, Driver, DriverKind, RawContext, RawStream, SimConfig,
+    SimDriver,
+};
 pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};

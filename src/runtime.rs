@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::context::Context;
-use crate::driver::{self, DevicePtr, Driver, DriverChoice, MemoryType, RawContext, RawStream};
+use crate::driver::{
+    self, DevicePtr, Driver, DriverChoice, DriverKind, MemoryType, RawContext, RawStream, SimDriver,
+};
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, KeepAlive};
 use crate::pool::{Allocation, Block, Pool, PoolConfig};
@@ -384,6 +386,47 @@ impl Runtime {
         for d in &self.devices {
             d.reset_peak();
         }
+    }
+
+    /// Whether the CUDA driver can be used here, without opening it for
+    /// use: its version, or why not.
+    pub fn probe_cuda() -> Result<i32> {
+        driver::probe_cuda()
+    }
+
+    /// Which driver is in use.
+    pub fn driver_kind(&self) -> DriverKind {
+        self.driver.kind()
+    }
+
+    /// The driver's CUDA version, as `cuDriverGetVersion` (13000 for 13.0).
+    pub fn driver_version(&self) -> Result<i32> {
+        self.driver.version()
+    }
+
+    /// The name of `device`.
+    pub fn device_name(&self, device: usize) -> Result<String> {
+        self.check_device(device)?;
+        self.driver.device_name(device)
+    }
+
+    /// The total memory of `device`, in bytes.
+    pub fn device_total_memory(&self, device: usize) -> Result<usize> {
+        self.check_device(device)?;
+        self.driver.device_total_memory(device)
+    }
+
+    /// `cuDevicePrimaryCtxGetState(device)`: `(flags, active)`.
+    pub fn primary_context_state(&self, device: usize) -> Result<(u32, bool)> {
+        self.check_device(device)?;
+        let s = self.driver.primary_context_state(device)?;
+        Ok((s.flags, s.active))
+    }
+
+    /// The simulator, when it is the driver (tests reach its fault
+    /// injection and counters through this).
+    pub fn sim(&self) -> Option<&SimDriver> {
+        self.driver.as_sim()
     }
 
     /// The process-wide runtime, over the driver `GPUPTR_DRIVER` names

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuptr
-from gpuptr import _core
+from gpuptr import _testing
 
 pytestmark = pytest.mark.sim
 
@@ -50,7 +50,7 @@ def canary():
     c = Canary()
     yield c
     assert c.intact()
-    assert _core._sim_stale_writes() == (0, 0)
+    assert _testing.sim_stale_writes() == (0, 0)
 
 
 addresses = st.one_of(st.integers(-2, 2**64 + 2), st.floats(allow_nan=True), st.none(),

@@ -52,19 +52,19 @@ def test_primary_context_retain_count_returns_to_its_start():
     out = _run(
         """
         import gc, gpuptr
-        from gpuptr import _core
-        print(_core._primary_context_state(0)[1])
+        from gpuptr import _testing
+        print(_testing.primary_context_state(0)[1])
         mem = gpuptr.alloc(1 << 20)
         v = mem.view(10)
-        print(_core._primary_context_state(0)[1])
+        print(_testing.primary_context_state(0)[1])
         del mem
         gpuptr.release_contexts()
         gc.collect()
-        print(_core._primary_context_state(0)[1])
+        print(_testing.primary_context_state(0)[1])
         v.memset(1)
         del v
         gc.collect()
-        print(_core._primary_context_state(0)[1])
+        print(_testing.primary_context_state(0)[1])
         """
     )
     assert out.split() == ["False", "True", "True", "False"]
@@ -79,7 +79,7 @@ def test_context_stays_usable_by_cupy_and_numba_after_gpuptr_lets_go():
         mem = gpuptr.alloc(1 << 20)
         mem.free(); del mem
         gpuptr.release_contexts(); gc.collect()
-        print(_core._primary_context_state(0)[1], int((a * 2).sum()))
+        print(_testing.primary_context_state(0)[1], int((a * 2).sum()))
         """
     )
     assert out.split() == ["True", "90"]

@@ -106,35 +106,35 @@ def test_zero_byte_host_allocations():
 
 @pytest.mark.sim
 def test_host_memory_is_released_and_faults_leak_nothing():
-    from gpuptr import _core
+    from gpuptr import _testing
 
     gc.collect()
-    base = _core._sim_live_bytes()
-    host_base, reg_base = _core._sim_live_host_bytes(), _core._sim_live_registrations()
+    base = _testing.sim_live_bytes()
+    host_base, reg_base = _testing.sim_live_host_bytes(), _testing.sim_live_registrations()
     mem = gpuptr.alloc_host(1000, mapped=True)
-    assert _core._sim_live_host_bytes() == host_base + 1000
+    assert _testing.sim_live_host_bytes() == host_base + 1000
     v = mem.view(0)
     del mem
     gc.collect()
     assert np.frombuffer(v.copy_to_host(), dtype=np.uint8).size == 1000
     del v
     gc.collect()
-    assert _core._sim_live_host_bytes() == host_base
+    assert _testing.sim_live_host_bytes() == host_base
     arr = np.zeros(16)
     reg = gpuptr.register_host(arr)
-    assert _core._sim_live_registrations() == reg_base + 1
+    assert _testing.sim_live_registrations() == reg_base + 1
     del reg
     gc.collect()
-    assert _core._sim_live_registrations() == reg_base
-    _core._sim_fail_nth("host_alloc", 1, 2)
+    assert _testing.sim_live_registrations() == reg_base
+    _testing.sim_fail_nth("host_alloc", 1, 2)
     with pytest.raises(gpuptr.OutOfMemoryError):
         gpuptr.alloc_host(64)
-    _core._sim_fail_nth("host_device_pointer", 1, 999)
+    _testing.sim_fail_nth("host_device_pointer", 1, 999)
     with pytest.raises(gpuptr.CudaError):
         gpuptr.alloc_host(64, mapped=True)
-    _core._sim_fail_nth("mem_alloc_managed", 1, 2)
+    _testing.sim_fail_nth("mem_alloc_managed", 1, 2)
     with pytest.raises(gpuptr.OutOfMemoryError):
         gpuptr.alloc_managed(64)
-    assert _core._sim_live_bytes() == base
-    assert _core._sim_live_host_bytes() == host_base
-    assert _core._sim_calls("host_alloc") >= 3
+    assert _testing.sim_live_bytes() == base
+    assert _testing.sim_live_host_bytes() == host_base
+    assert _testing.sim_calls("host_alloc") >= 3

@@ -99,14 +99,14 @@ def test_stream_is_synchronized_when_named(mem):
 
 @pytest.mark.sim
 def test_stream_sync_reaches_the_driver(mem):
-    from gpuptr import _core
+    from gpuptr import _testing
 
-    before = _core._sim_calls("synchronize")
+    before = _testing.sim_calls("synchronize")
     gpuptr.from_cuda_array_interface(desc(mem.device_pointer_value, (4,), stream=1))
-    assert _core._sim_calls("synchronize") == before + 1
+    assert _testing.sim_calls("synchronize") == before + 1
     gpuptr.from_cuda_array_interface(desc(mem.device_pointer_value, (4,), stream=1), sync=False)
     gpuptr.from_cuda_array_interface(desc(mem.device_pointer_value, (4,)))
-    assert _core._sim_calls("synchronize") == before + 1
+    assert _testing.sim_calls("synchronize") == before + 1
 
 
 @pytest.mark.parametrize(

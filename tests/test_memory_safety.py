@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpuptr
-from gpuptr import _core
+from gpuptr import _core, _testing
 
 pytestmark = pytest.mark.sim
 
@@ -237,14 +237,14 @@ def test_a_bytearray_subclass_holding_its_own_registration_is_collected():
     class Buf(bytearray):
         pass
 
-    regs = _core._sim_live_registrations()
+    regs = _testing.sim_live_registrations()
     b = Buf(8192)
     b.reg = gpuptr.register_host(b)
     ref = weakref.ref(b)
     del b
     gc.collect()
     assert ref() is None
-    assert _core._sim_live_registrations() == regs
+    assert _testing.sim_live_registrations() == regs
 
 
 def test_a_cycle_through_a_finalizer_is_collected_and_calls_it_once():
@@ -418,5 +418,5 @@ def test_dlpack_capsules_are_consumed_on_import():
 # The simulator's poison ---------------------------------------------------------------
 
 def test_no_stale_host_write_reached_freed_memory_during_these_tests():
-    lost, stale = _core._sim_stale_writes()
+    lost, stale = _testing.sim_stale_writes()
     assert (lost, stale) == (0, 0)

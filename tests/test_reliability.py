@@ -14,7 +14,7 @@ import threading
 import pytest
 
 import gpuptr
-from gpuptr import _core
+from gpuptr import _testing
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -162,7 +162,7 @@ BAD_INPUT = [
 def test_bad_input_gets_its_typed_error_and_leaks_nothing(name, call, error):
     mem = gpuptr.alloc(4096)
     before = live()
-    host_before = _core._sim_live_host_bytes() if DRIVER == "sim" else None
+    host_before = _testing.sim_live_host_bytes() if DRIVER == "sim" else None
     with pytest.raises(error):
         call(mem)
     del mem
@@ -172,7 +172,7 @@ def test_bad_input_gets_its_typed_error_and_leaks_nothing(name, call, error):
     assert after[0][0] <= before[0][0] and after[1][0] <= before[1][0]
     assert after[0][1:] == before[0][1:]
     if host_before is not None:
-        assert _core._sim_live_host_bytes() == host_before
+        assert _testing.sim_live_host_bytes() == host_before
 
 
 def test_there_are_at_least_twenty_bad_input_cases():
@@ -244,20 +244,20 @@ FAULTS = [
 def test_each_fault_surfaces_typed_and_the_books_stay_balanced(kind, op):
     gc.collect()
     gpuptr.trim()
-    base_dev, base_host = _core._sim_live_bytes(), _core._sim_live_host_bytes()
-    _core._sim_fail_nth(kind, 1, 999)  # CUDA_ERROR_UNKNOWN
+    base_dev, base_host = _testing.sim_live_bytes(), _testing.sim_live_host_bytes()
+    _testing.sim_fail_nth(kind, 1, 999)  # CUDA_ERROR_UNKNOWN
     if kind == "mem_alloc":
-        _core._sim_fail_nth(kind, 2, 999)  # beat the pool's one retry
+        _testing.sim_fail_nth(kind, 2, 999)  # beat the pool's one retry
     with pytest.raises(gpuptr.CudaError) as ei:
         op()
     assert ei.value.code == 999 and ei.value.name == "CUDA_ERROR_UNKNOWN"
-    _core._sim_clear_faults()
+    _testing.sim_clear_faults()
     gc.collect()
     gpuptr.trim()
     # Every block is accounted for: the driver holds exactly what gpuptr
     # says is live, and nothing more.
-    assert _core._sim_live_bytes() - base_dev == 0
-    assert _core._sim_live_host_bytes() == base_host
+    assert _testing.sim_live_bytes() - base_dev == 0
+    assert _testing.sim_live_host_bytes() == base_host
     assert all(s["live_count"] >= 0 for s in gpuptr.stats())
 
 

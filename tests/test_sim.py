@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import gpuptr
-from gpuptr import _core
+from gpuptr import _testing
 
 pytestmark = pytest.mark.sim
 
@@ -21,7 +21,7 @@ def _driver_bytes() -> int:
     what it caches."""
     gc.collect()
     gpuptr.trim()
-    return _core._sim_live_bytes()
+    return _testing.sim_live_bytes()
 
 
 def test_injected_oom_raises_out_of_memory_and_leaks_nothing(no_leaks):
@@ -30,14 +30,14 @@ def test_injected_oom_raises_out_of_memory_and_leaks_nothing(no_leaks):
     # An idle device (no fence outstanding) grows one block per driver call.
     gpuptr.flush_pool()
     # One OOM is absorbed: the pool releases its cache and retries once.
-    _core._sim_fail_nth("mem_alloc", 1, 2)
+    _testing.sim_fail_nth("mem_alloc", 1, 2)
     retried = gpuptr.alloc(4096)
     assert retried.size == 4096
     del retried
     gpuptr.flush_pool()
     # Two in a row surface as a typed error.
-    _core._sim_fail_nth("mem_alloc", 1, 2)
-    _core._sim_fail_nth("mem_alloc", 2, 2)
+    _testing.sim_fail_nth("mem_alloc", 1, 2)
+    _testing.sim_fail_nth("mem_alloc", 2, 2)
     with pytest.raises(gpuptr.OutOfMemoryError) as ei:
         gpuptr.alloc(1 << 20)
     assert isinstance(ei.value, MemoryError)
@@ -55,7 +55,7 @@ def test_capacity_oom_leaks_nothing(no_leaks):
 
 def test_cuda_error_carries_code_and_name(no_leaks):
     mem = gpuptr.alloc(64)
-    _core._sim_fail_nth("memset", 1, 719)
+    _testing.sim_fail_nth("memset", 1, 719)
     with pytest.raises(gpuptr.CudaError) as ei:
         mem.memset(0)
     assert ei.value.code == 719
@@ -70,11 +70,11 @@ def test_failed_driver_free_keeps_the_block_and_a_later_trim_succeeds(no_leaks):
     mem.free()  # back to the pool: no driver call
     cached = gpuptr.stats()[0]["cached_bytes"]
     assert cached >= 256
-    _core._sim_fail_nth("mem_free", 1, 719)
+    _testing.sim_fail_nth("mem_free", 1, 719)
     with pytest.raises(gpuptr.CudaError):
         gpuptr.trim()
     assert gpuptr.stats()[0]["cached_bytes"] == cached, "the block stays cached"
-    assert _core._sim_live_bytes() > base
+    assert _testing.sim_live_bytes() > base
     assert _driver_bytes() == base
 
 
@@ -82,23 +82,23 @@ def test_context_released_when_the_last_holder_goes():
     gc.collect()
     gpuptr.release_contexts()
     gc.collect()
-    assert _core._sim_retain_count(1) == 0
+    assert _testing.sim_retain_count(1) == 0
     mem = gpuptr.alloc(64, device=1)
-    assert _core._sim_retain_count(1) == 1
+    assert _testing.sim_retain_count(1) == 1
     ctx = mem.context
     gpuptr.release_contexts()  # gpuptr's own hold goes; the pointer's stays
-    assert _core._sim_retain_count(1) == 1
+    assert _testing.sim_retain_count(1) == 1
     del ctx
     gc.collect()
-    assert _core._sim_retain_count(1) == 1
+    assert _testing.sim_retain_count(1) == 1
     v = mem.view(8)
     del mem
     gc.collect()
-    assert _core._sim_retain_count(1) == 1, "the view holds the context"
+    assert _testing.sim_retain_count(1) == 1, "the view holds the context"
     del v
     gc.collect()
-    assert _core._sim_retain_count(1) == 0
-    assert _core._primary_context_state(1) == (0, False)
+    assert _testing.sim_retain_count(1) == 0
+    assert _testing.primary_context_state(1) == (0, False)
 
 
 def test_address_on_device_1_resolves_to_device_1_while_device_0_is_current(no_leaks):
@@ -106,11 +106,11 @@ def test_address_on_device_1_resolves_to_device_1_while_device_0_is_current(no_l
     mem1 = gpuptr.alloc(4096, device=1)
     ctx0.push()
     assert gpuptr.alloc(8).context is ctx0, "device 0 is current"
-    calls = _core._sim_calls("pointer_attributes")
+    calls = _testing.sim_calls("pointer_attributes")
     w = gpuptr.wrap(mem1.device_pointer_value + 100, 100)
     assert w.context is ctx1 and w.context.device.id == 1
     assert gpuptr.context_of(mem1.device_pointer_value) is ctx1
-    assert _core._sim_calls("pointer_attributes") == calls, "registry hits"
+    assert _testing.sim_calls("pointer_attributes") == calls, "registry hits"
     ctx1.push()
     assert gpuptr.alloc(8).context is ctx1
     ctx0.push()
@@ -150,19 +150,19 @@ def test_cli_info_falls_back_to_the_simulator_and_says_so():
 
 def test_sim_helpers_refuse_on_the_wrong_kind():
     with pytest.raises(gpuptr.InvalidArgumentError):
-        _core._sim_fail_nth("no_such_call", 1, 1)
+        _testing.sim_fail_nth("no_such_call", 1, 1)
 
 
 def test_reserve_fills_the_pool_ahead_of_demand_and_trim_gives_it_back(no_leaks):
     base = _driver_bytes()
-    calls = _core._sim_calls("mem_alloc")
+    calls = _testing.sim_calls("mem_alloc")
     assert gpuptr.reserve(8 << 20, block_size=1 << 20) == 8 << 20
     assert gpuptr.stats()[0]["cached_bytes"] >= 8 << 20
-    made = _core._sim_calls("mem_alloc") - calls
+    made = _testing.sim_calls("mem_alloc") - calls
     assert made == 1, "one driver allocation, carved into eight blocks"
     hits = gpuptr.stats()[0]["pool_hits"]
     held = [gpuptr.alloc(1 << 20) for _ in range(8)]
-    assert _core._sim_calls("mem_alloc") - calls == made, "served from the reservation"
+    assert _testing.sim_calls("mem_alloc") - calls == made, "served from the reservation"
     assert gpuptr.stats()[0]["pool_hits"] - hits == 8
     for p in held:
         assert gpuptr.context_of(p.device_pointer_value + 100).device.id == 0

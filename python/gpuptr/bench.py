@@ -164,7 +164,7 @@ def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = Fals
 def run(quick: bool = False, out=sys.stderr) -> dict:
     """Run every row; returns ``{"meta": ..., "rows": [...]}``."""
     import gpuptr
-    from gpuptr import _core
+    from gpuptr import _testing
 
     b = Bench(quick, out)
     info = gpuptr.driver_info()
@@ -179,7 +179,7 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
     b.row(
         "context of an address: registry hit",
         "driver query (cuPointerGetAttributes)",
-        lambda: (lambda: gpuptr.context_of(addr + 64), lambda: _core._query_context(addr + 64)),
+        lambda: (lambda: gpuptr.context_of(addr + 64), lambda: _testing.query_context(addr + 64)),
     )
 
     def cupy_array():

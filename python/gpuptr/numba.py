@@ -156,7 +156,7 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
         the context next (``cuda.close()``), and a stale pointer's free
         never touches memory a later allocation reuses."""
         if self._device is not None:
-            _core._reset(self._device)
+            _core.reset_context(self._device)
 
     def defer_cleanup(self):
         """gpuptr frees into its fenced pool at once, and safely on every

@@ -10,9 +10,9 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::pointer::{context_arg, keep_finalizer, pointer_arg, PyMemoryPointer};
+use super::args::{context_arg, device_context, optional_device, pointer_arg, size_arg};
+use super::pointer::{keep_finalizer, PyMemoryPointer};
 use super::py_context::{lazy_context, py_context, PyContext};
-use super::{device_context, size_arg};
 use crate::{Error, HostFlags, HostMemory};
 
 /// Fill a `Py_buffer` over `[ptr, ptr+len)`, exported by `owner`
@@ -485,9 +485,9 @@ pub(crate) fn alloc_host(
     mapped: bool,
     portable: bool,
     wc: bool,
-    device: Option<usize>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    let ctx = device_context(device)?;
+    let ctx = device_context(optional_device(device)?)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -510,7 +510,7 @@ pub(crate) fn register_host(
     obj: &Bound<'_, PyAny>,
     mapped: bool,
     portable: bool,
-    device: Option<usize>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     // A memoryview holds the buffer export that keeps obj's memory from
     // moving (a bytearray cannot resize meanwhile); it is a Python object, so
@@ -524,7 +524,7 @@ pub(crate) fn register_host(
     }
     let (ptr, len, readonly) = (buf.buf_ptr() as usize, buf.len_bytes(), buf.readonly());
     drop(buf);
-    let ctx = device_context(device)?;
+    let ctx = device_context(optional_device(device)?)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -550,10 +550,10 @@ pub(crate) fn register_host_ptr(
     owner: Option<Py<PyAny>>,
     mapped: bool,
     portable: bool,
-    device: Option<usize>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let ptr = pointer_arg(address)? as usize;
-    let ctx = device_context(device)?;
+    let ctx = device_context(optional_device(device)?)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -576,9 +576,9 @@ pub(crate) fn alloc_managed(
     py: Python<'_>,
     nbytes: isize,
     attach_global: bool,
-    device: Option<usize>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyManagedMemory>> {
-    let ctx = device_context(device)?;
+    let ctx = device_context(optional_device(device)?)?;
     let size = size_arg(nbytes)?;
     let mem = py.detach(|| ctx.alloc_managed(size, attach_global))?;
     let pyctx = py_context(py, &ctx)?;

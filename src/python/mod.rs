@@ -1,73 +1,28 @@
 //! The binding room: `gpuptr._core`. Thin wrappers over the core; every
 //! error goes through one `From<Error> for PyErr`.
 
+mod args;
 mod dlpack;
 mod errors;
 mod host;
 mod interop;
 mod pointer;
 mod py_context;
+mod testing;
 
 use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict, PyList};
 
-use crate::driver::{self, CallKind, SimDriver};
 use crate::{Error, Runtime};
-use pointer::{pointer_arg, PyMemoryPointer};
+use args::{device_arg, device_context, int_arg, optional_device, pointer_arg, size_arg};
+use pointer::PyMemoryPointer;
 use py_context::{py_context, PyContext, PyContextHandle, PyDevice};
 
 /// The process runtime (`GPUPTR_DRIVER` picks the driver on first use).
 pub(crate) fn runtime() -> PyResult<&'static Arc<Runtime>> {
     Ok(Runtime::global()?)
-}
-
-/// The context of `device`, or of the current device when `None`.
-pub(crate) fn device_context(device: Option<usize>) -> PyResult<Arc<crate::Context>> {
-    let rt = runtime()?;
-    let d = match device {
-        Some(d) => d,
-        None => rt.current_device()?,
-    };
-    Ok(rt.context(d)?)
-}
-
-/// An optional device ordinal (`None` or Python's ``None``: the current
-/// device).
-fn optional_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    device
-        .filter(|d| !d.is_none())
-        .map(|d| int_arg(d, "device").and_then(device_arg))
-        .transpose()
-}
-
-/// A byte count: negative is an `InvalidArgumentError`.
-pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
-    usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
-}
-
-/// An integer argument that must not be a bool (``True`` is not a size or
-/// a device): a `TypeError` names `what`.
-pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
-    let type_error = || {
-        let name = obj
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_default();
-        pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {name}"))
-    };
-    if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(type_error());
-    }
-    obj.extract::<isize>().map_err(|_| type_error())
-}
-
-/// A device ordinal: negative is an `InvalidArgumentError`.
-fn device_arg(d: isize) -> PyResult<usize> {
-    usize::try_from(d)
-        .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")).into())
 }
 
 /// The context of `device` (default 0): one object per device.
@@ -97,7 +52,7 @@ fn alloc(
 ) -> PyResult<PyMemoryPointer> {
     let size = size_arg(int_arg(nbytes, "nbytes")?)?;
     let device = optional_device(device)?;
-    let stream = pointer::stream_arg(stream)?;
+    let stream = args::stream_arg(stream)?;
     let ctx = device_context(device)?;
     let pyctx = py_context(py, &ctx)?;
     let mem = match stream {
@@ -133,21 +88,13 @@ fn context_of(py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<Py<PyConte
     py_context(py, &runtime()?.context_of(address)?)
 }
 
-/// The context of ``address`` from a driver query, bypassing the registry
-/// (the baseline the registry is measured against).
-#[pyfunction]
-fn _query_context(py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<Py<PyContext>> {
-    let address = pointer_arg(address)?;
-    py_context(py, &runtime()?.query_context(address)?)
-}
-
 /// Which driver is in use, its version and the device count.
 #[pyfunction]
 fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let rt = runtime()?;
     let d = PyDict::new(py);
-    let version = rt.driver().version()?;
-    d.set_item("driver", rt.driver().kind().as_str())?;
+    let version = rt.driver_version()?;
+    d.set_item("driver", rt.driver_kind().as_str())?;
     d.set_item("version", version)?;
     d.set_item(
         "version_string",
@@ -172,7 +119,7 @@ fn devices(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 /// ``(True, version)`` or ``(False, reason)``.
 #[pyfunction]
 fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
-    Ok(match driver::probe_cuda() {
+    Ok(match Runtime::probe_cuda() {
         Ok(v) => (true, v.into_pyobject(py)?.into_any().unbind()),
         Err(e) => (false, e.to_string().into_pyobject(py)?.into_any().unbind()),
     })
@@ -205,9 +152,9 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 /// allocator itself never waits. ``False`` if a fence failed.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
-fn flush_pool(py: Python<'_>, device: Option<usize>) -> PyResult<bool> {
+fn flush_pool(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
     let rt = runtime()?;
-    let devices: Vec<usize> = match device {
+    let devices: Vec<usize> = match optional_device(device)? {
         Some(d) => vec![d],
         None => (0..rt.device_count()).collect(),
     };
@@ -261,11 +208,13 @@ fn trim(py: Python<'_>) -> PyResult<usize> {
     Ok(py.detach(|| rt.trim())?)
 }
 
-/// Prepare for ``device``'s context being reset (numba's ``cuda.close()``):
-/// cached blocks go back to the driver, and every live pointer turns stale
-/// (using it raises `InvalidPointerError`; freeing it does nothing).
+/// gpuptr's side of a reset of ``device``'s context (numba's
+/// ``cuda.close()``, before numba resets it): cached blocks go back to the
+/// driver, and every live pointer turns stale (using it raises
+/// `InvalidPointerError`; freeing it does nothing).
 #[pyfunction]
-fn _reset(py: Python<'_>, device: usize) -> PyResult<()> {
+fn reset_context(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
+    let device = device_arg(int_arg(device, "device")?)?;
     let rt = runtime()?;
     Ok(py.detach(|| rt.reset(device))?)
 }
@@ -275,91 +224,6 @@ fn _reset(py: Python<'_>, device: usize) -> PyResult<()> {
 #[pyfunction]
 fn release_contexts() {
     py_context::release_contexts();
-}
-
-fn sim() -> PyResult<&'static SimDriver> {
-    runtime()?.driver().as_sim().ok_or_else(|| {
-        Error::NoDriver("this needs the simulator (GPUPTR_DRIVER=sim)".into()).into()
-    })
-}
-
-/// Simulator: fail the ``nth`` next call of ``kind`` with CUresult ``code``.
-#[pyfunction]
-fn _sim_fail_nth(kind: &str, nth: u64, code: i32) -> PyResult<()> {
-    sim()?.fail_nth(call_kind(kind)?, nth, code);
-    Ok(())
-}
-
-fn call_kind(name: &str) -> PyResult<CallKind> {
-    CallKind::from_name(name)
-        .ok_or_else(|| Error::InvalidArgument(format!("unknown call kind {name:?}")).into())
-}
-
-/// Simulator: drop every armed fault.
-#[pyfunction]
-fn _sim_clear_faults() -> PyResult<()> {
-    sim()?.clear_faults();
-    Ok(())
-}
-
-/// Simulator: queue a write of ``data`` at ``address`` on ``stream``, done
-/// only by ``_sim_complete`` (a kernel that is still running).
-#[pyfunction]
-fn _sim_queue_write(stream: usize, address: u64, data: &[u8]) -> PyResult<()> {
-    Ok(sim()?.queue_write(stream, address, data)?)
-}
-
-/// Simulator: run the oldest ``n`` queued operations (all with None).
-#[pyfunction]
-#[pyo3(signature = (n=None))]
-fn _sim_complete(py: Python<'_>, n: Option<usize>) -> PyResult<usize> {
-    let s = sim()?;
-    Ok(py.detach(|| s.complete(n)))
-}
-
-/// Simulator: queued writes that found their memory freed, and quarantined
-/// host buffers written after their free.
-#[pyfunction]
-fn _sim_stale_writes() -> PyResult<(u64, u64)> {
-    let s = sim()?;
-    Ok((s.lost_writes(), s.stale_host_writes()))
-}
-
-/// Simulator: device bytes allocated now (over all devices).
-#[pyfunction]
-fn _sim_live_bytes() -> PyResult<usize> {
-    Ok(sim()?.live_bytes())
-}
-
-/// Simulator: pinned host bytes allocated now.
-#[pyfunction]
-fn _sim_live_host_bytes() -> PyResult<usize> {
-    Ok(sim()?.live_host_bytes())
-}
-
-/// Simulator: host ranges registered now.
-#[pyfunction]
-fn _sim_live_registrations() -> PyResult<usize> {
-    Ok(sim()?.live_registrations())
-}
-
-/// Simulator: the primary-context retain count of ``device``.
-#[pyfunction]
-fn _sim_retain_count(device: usize) -> PyResult<u32> {
-    Ok(sim()?.retain_count(device))
-}
-
-/// Simulator: how many calls of ``kind`` were made.
-#[pyfunction]
-fn _sim_calls(kind: &str) -> PyResult<u64> {
-    Ok(sim()?.calls(call_kind(kind)?))
-}
-
-/// `cuDevicePrimaryCtxGetState(device)`: ``(flags, active)``.
-#[pyfunction]
-fn _primary_context_state(device: usize) -> PyResult<(u32, bool)> {
-    let s = runtime()?.driver().primary_context_state(device)?;
-    Ok((s.flags, s.active))
 }
 
 /// The native core of gpuptr. Use the `gpuptr` package, which re-exports it.
@@ -381,7 +245,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(alloc, m)?)?;
     m.add_function(wrap_pyfunction!(wrap, m)?)?;
     m.add_function(wrap_pyfunction!(context_of, m)?)?;
-    m.add_function(wrap_pyfunction!(_query_context, m)?)?;
     m.add_function(wrap_pyfunction!(driver_info, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(probe_cuda, m)?)?;
@@ -391,22 +254,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flush_pool, m)?)?;
     m.add_function(wrap_pyfunction!(reserve, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_queue_write, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_complete, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_stale_writes, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;
-    m.add_function(wrap_pyfunction!(_reset, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_fail_nth, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_clear_faults, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_live_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_retain_count, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_live_host_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_live_registrations, m)?)?;
-    m.add_function(wrap_pyfunction!(_sim_calls, m)?)?;
-    m.add_function(wrap_pyfunction!(_primary_context_state, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_context, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_describe, m)?)?;
     m.add_function(wrap_pyfunction!(interop::_import_cai, m)?)?;
     m.add_function(wrap_pyfunction!(interop::_import_strided, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    testing::register(m)?;
     Ok(())
 }

@@ -7,10 +7,10 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyAny, PyBytes};
 
+use super::args::{context_arg, pointer_arg, size_arg, stream_arg};
 use super::py_context::{lazy_context, PyContext};
-use super::{runtime, size_arg};
-use crate::driver::{DevicePtr, RawStream};
-use crate::{Context, DevicePointer, Error, View};
+use super::runtime;
+use crate::{DevicePointer, DevicePtr, Error, View};
 
 /// Calls a Python finalizer once, when the allocation it guards is released.
 /// Never raises; skipped while the interpreter shuts down.
@@ -131,108 +131,6 @@ impl PyMemoryPointer {
     fn sole_holder(&self) -> bool {
         Arc::strong_count(self.view.parent()) == 1
     }
-}
-
-/// An address from an int, `ctypes.c_void_p`, `CUdeviceptr` or anything
-/// with `__int__`.
-pub(crate) fn pointer_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevicePtr> {
-    if obj.is_none() {
-        return Ok(0);
-    }
-    if obj.is_instance_of::<pyo3::types::PyFloat>() || obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(Error::InvalidPointer(format!(
-            "an address must be an integer, not {}",
-            obj.get_type().name()?
-        ))
-        .into());
-    }
-    if let Ok(v) = obj.extract::<u64>() {
-        return Ok(v);
-    }
-    if let Ok(v) = obj.getattr("value") {
-        if v.is_none() {
-            return Ok(0);
-        }
-        if let Ok(v) = v.extract::<u64>() {
-            return Ok(v);
-        }
-    }
-    if let Ok(v) = obj.call_method0("__int__") {
-        if let Ok(v) = v.extract::<u64>() {
-            return Ok(v);
-        }
-    }
-    Err(Error::InvalidPointer(format!(
-        "{} is not a device address",
-        obj.repr().map(|r| r.to_string()).unwrap_or_default()
-    ))
-    .into())
-}
-
-/// A stream argument: ``None`` (no stream), an int handle (0 and 1 are the
-/// legacy default stream, 2 the per-thread one), or a stream object: anything
-/// with ``__cuda_stream__()`` (cuda.core's protocol), ``.cuda_stream``
-/// (torch), ``.ptr`` (CuPy) or ``.handle`` (numba). Anything else is an
-/// `InvalidArgumentError`.
-pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawStream>> {
-    let Some(obj) = obj else { return Ok(None) };
-    if obj.is_none() {
-        return Ok(None);
-    }
-    let bad = || -> PyErr {
-        Error::InvalidArgument(format!(
-            "stream must be None, an int handle, or a stream object (numba, CuPy, torch, __cuda_stream__), not {}",
-            obj.repr().map(|r| r.to_string()).unwrap_or_default()
-        ))
-        .into()
-    };
-    let handle = |h: &Bound<'_, PyAny>| -> PyResult<RawStream> {
-        if h.is_instance_of::<pyo3::types::PyBool>() || h.is_instance_of::<pyo3::types::PyFloat>() {
-            return Err(bad());
-        }
-        if let Ok(v) = h.extract::<usize>() {
-            return Ok(v);
-        }
-        // cuda-bindings' CUstream has __int__.
-        h.call_method0("__int__")
-            .and_then(|v| v.extract::<usize>())
-            .map_err(|_| bad())
-    };
-    if obj.is_instance_of::<pyo3::types::PyInt>() {
-        return handle(obj).map(Some);
-    }
-    if let Ok(f) = obj.getattr("__cuda_stream__") {
-        let t = f.call0().map_err(|_| bad())?;
-        let (_version, h): (Bound<'_, PyAny>, Bound<'_, PyAny>) = t.extract().map_err(|_| bad())?;
-        return handle(&h).map(Some);
-    }
-    for attr in ["cuda_stream", "ptr", "handle"] {
-        if let Ok(h) = obj.getattr(attr) {
-            return handle(&h).map(Some);
-        }
-    }
-    Err(bad())
-}
-
-/// The context a constructor argument names: a gpuptr context, a numba
-/// context (read through `.device.id`), or None (resolve by address).
-pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context>>> {
-    if obj.is_none() {
-        return Ok(None);
-    }
-    if let Ok(c) = obj.cast::<PyContext>() {
-        return Ok(Some(c.get().inner.clone()));
-    }
-    let id: usize = obj
-        .getattr("device")
-        .and_then(|d| d.getattr("id"))
-        .and_then(|i| i.extract())
-        .map_err(|_| {
-            Error::InvalidArgument(
-                "context must be a gpuptr Context, a numba Context or None".into(),
-            )
-        })?;
-    Ok(Some(runtime()?.context(id)?))
 }
 
 fn contiguous(buf: &PyUntypedBuffer) -> PyResult<()> {

@@ -37,13 +37,13 @@ impl PyDevice {
     /// The device's name (`cuDeviceGetName`).
     #[getter]
     fn name(&self) -> PyResult<String> {
-        Ok(runtime()?.driver().device_name(self.id)?)
+        Ok(runtime()?.device_name(self.id)?)
     }
 
     /// Total device memory in bytes (`cuDeviceTotalMem`).
     #[getter]
     fn total_memory(&self) -> PyResult<usize> {
-        Ok(runtime()?.driver().device_total_memory(self.id)?)
+        Ok(runtime()?.device_total_memory(self.id)?)
     }
 
     fn __int__(&self) -> usize {
@@ -166,7 +166,7 @@ impl PyContext {
     /// Wait for the work queued on ``stream`` (an int handle, or a numba or
     /// CuPy stream object) to finish.
     fn stream_synchronize(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
-        let Some(stream) = super::pointer::stream_arg(Some(stream))? else {
+        let Some(stream) = super::args::stream_arg(Some(stream))? else {
             return Ok(());
         };
         // SAFETY: a stream handle is the caller's, as numba and CuPy take

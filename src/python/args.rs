@@ -1,0 +1,160 @@
+//! Every argument converter of the binding, so that each bad argument gets
+//! one error type everywhere: sizes, devices, addresses, streams, contexts.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::PyAny;
+
+use super::py_context::PyContext;
+use super::runtime;
+use crate::{Context, DevicePtr, Error, RawStream};
+
+/// The context of `device`, or of the current device when `None`.
+pub(crate) fn device_context(device: Option<usize>) -> PyResult<Arc<crate::Context>> {
+    let rt = runtime()?;
+    let d = match device {
+        Some(d) => d,
+        None => rt.current_device()?,
+    };
+    Ok(rt.context(d)?)
+}
+
+/// An optional device ordinal (`None` or Python's ``None``: the current
+/// device).
+pub(crate) fn optional_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    device
+        .filter(|d| !d.is_none())
+        .map(|d| int_arg(d, "device").and_then(device_arg))
+        .transpose()
+}
+
+/// A byte count: negative is an `InvalidArgumentError`.
+pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
+    usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
+}
+
+/// An integer argument that must not be a bool (``True`` is not a size or
+/// a device): a `TypeError` names `what`.
+pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
+    let type_error = || {
+        let name = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {name}"))
+    };
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(type_error());
+    }
+    obj.extract::<isize>().map_err(|_| type_error())
+}
+
+/// A device ordinal: negative is an `InvalidArgumentError`.
+pub(crate) fn device_arg(d: isize) -> PyResult<usize> {
+    usize::try_from(d)
+        .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")).into())
+}
+
+/// An address from an int, `ctypes.c_void_p`, `CUdeviceptr` or anything
+/// with `__int__`.
+pub(crate) fn pointer_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevicePtr> {
+    if obj.is_none() {
+        return Ok(0);
+    }
+    if obj.is_instance_of::<pyo3::types::PyFloat>() || obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(Error::InvalidPointer(format!(
+            "an address must be an integer, not {}",
+            obj.get_type().name()?
+        ))
+        .into());
+    }
+    if let Ok(v) = obj.extract::<u64>() {
+        return Ok(v);
+    }
+    if let Ok(v) = obj.getattr("value") {
+        if v.is_none() {
+            return Ok(0);
+        }
+        if let Ok(v) = v.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    if let Ok(v) = obj.call_method0("__int__") {
+        if let Ok(v) = v.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    Err(Error::InvalidPointer(format!(
+        "{} is not a device address",
+        obj.repr().map(|r| r.to_string()).unwrap_or_default()
+    ))
+    .into())
+}
+
+/// A stream argument: ``None`` (no stream), an int handle (0 and 1 are the
+/// legacy default stream, 2 the per-thread one), or a stream object: anything
+/// with ``__cuda_stream__()`` (cuda.core's protocol), ``.cuda_stream``
+/// (torch), ``.ptr`` (CuPy) or ``.handle`` (numba). Anything else is an
+/// `InvalidArgumentError`.
+pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawStream>> {
+    let Some(obj) = obj else { return Ok(None) };
+    if obj.is_none() {
+        return Ok(None);
+    }
+    let bad = || -> PyErr {
+        Error::InvalidArgument(format!(
+            "stream must be None, an int handle, or a stream object (numba, CuPy, torch, __cuda_stream__), not {}",
+            obj.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+        .into()
+    };
+    let handle = |h: &Bound<'_, PyAny>| -> PyResult<RawStream> {
+        if h.is_instance_of::<pyo3::types::PyBool>() || h.is_instance_of::<pyo3::types::PyFloat>() {
+            return Err(bad());
+        }
+        if let Ok(v) = h.extract::<usize>() {
+            return Ok(v);
+        }
+        // cuda-bindings' CUstream has __int__.
+        h.call_method0("__int__")
+            .and_then(|v| v.extract::<usize>())
+            .map_err(|_| bad())
+    };
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return handle(obj).map(Some);
+    }
+    if let Ok(f) = obj.getattr("__cuda_stream__") {
+        let t = f.call0().map_err(|_| bad())?;
+        let (_version, h): (Bound<'_, PyAny>, Bound<'_, PyAny>) = t.extract().map_err(|_| bad())?;
+        return handle(&h).map(Some);
+    }
+    for attr in ["cuda_stream", "ptr", "handle"] {
+        if let Ok(h) = obj.getattr(attr) {
+            return handle(&h).map(Some);
+        }
+    }
+    Err(bad())
+}
+
+/// The context a constructor argument names: a gpuptr context, a numba
+/// context (read through `.device.id`), or None (resolve by address).
+pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context>>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    if let Ok(c) = obj.cast::<PyContext>() {
+        return Ok(Some(c.get().inner.clone()));
+    }
+    let id: usize = obj
+        .getattr("device")
+        .and_then(|d| d.getattr("id"))
+        .and_then(|i| i.extract())
+        .map_err(|_| {
+            Error::InvalidArgument(
+                "context must be a gpuptr Context, a numba Context or None".into(),
+            )
+        })?;
+    Ok(Some(runtime()?.context(id)?))
+}

@@ -1,0 +1,77 @@
+"""The public surface: no test hooks in ``gpuptr``, ``gpuptr._core`` or
+their stubs (they live in ``gpuptr._testing``), and one error type for each
+kind of bad argument, whichever function takes it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import gpuptr
+from gpuptr import _core, _testing
+
+HOOK_PREFIXES = ("_sim", "sim_", "_primary_context_state", "_query_context", "_reset")
+STUB = Path(__file__).resolve().parent.parent / "python" / "gpuptr" / "_core.pyi"
+
+
+def _stub_names() -> set[str]:
+    tree = ast.parse(STUB.read_text())
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets):
+            names |= {e.value for e in n.value.elts}  # type: ignore[attr-defined]
+    return names
+
+
+@pytest.mark.parametrize(
+    "where, names",
+    [
+        ("dir(gpuptr)", lambda: dir(gpuptr)),
+        ("gpuptr.__all__", lambda: gpuptr.__all__),
+        ("dir(gpuptr._core)", lambda: dir(_core)),
+        ("gpuptr._core.__all__", lambda: _core.__all__),
+        ("_core.pyi", _stub_names),
+    ],
+)
+def test_no_test_hooks_on_the_public_surface(where, names):
+    hooks = [n for n in names() if n.startswith(HOOK_PREFIXES)]
+    assert hooks == [], f"{where} has test hooks {hooks}"
+
+
+def test_the_hooks_live_in_gpuptr_testing_and_the_reset_has_a_public_name():
+    assert callable(_testing.sim_live_bytes) and callable(_testing.query_context)
+    assert "reset_context" in gpuptr.__all__ and gpuptr.reset_context is _core.reset_context
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: gpuptr.alloc(64, device=-1),
+        lambda: gpuptr.reserve(1 << 20, device=-1),
+        lambda: gpuptr.alloc_host(64, device=-1),
+        lambda: gpuptr.alloc_managed(64, device=-1),
+        lambda: gpuptr.register_host(bytearray(64), device=-1),
+        lambda: gpuptr.context(-1),
+        lambda: gpuptr.flush_pool(-1),
+        lambda: gpuptr.reset_context(-1),
+    ],
+)
+def test_a_negative_device_is_an_invalid_argument_everywhere(call):
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: gpuptr.alloc(64, device=True),
+        lambda: gpuptr.alloc_host(64, device=1.0),
+        lambda: gpuptr.flush_pool("0"),
+        lambda: gpuptr.reset_context(None),
+    ],
+)
+def test_a_device_that_is_not_an_int_is_a_type_error_everywhere(call):
+    with pytest.raises(TypeError):
+        call()

@@ -39,6 +39,19 @@ class ArrayView:
         self.offset: int = offset
         self.stream: Optional[int] = stream
 
+    @classmethod
+    def _of(cls, imported: _core.ImportedArray) -> "ArrayView":
+        return cls(
+            imported.pointer,
+            imported.shape,
+            imported.strides,
+            imported.typestr,
+            imported.itemsize,
+            imported.readonly,
+            imported.offset,
+            imported.stream,
+        )
+
     @property
     def owner(self) -> Any:
         """The exporter the memory belongs to (kept alive by ``pointer``)."""
@@ -110,7 +123,7 @@ def from_cuda_array_interface(obj_or_desc: Any, *, owner: Any = None, sync: bool
             ) from None
         if owner is None:
             owner = obj_or_desc
-    return ArrayView(*_core._import_cai(desc, owner, sync))
+    return ArrayView._of(_core._import_cai(desc, owner, sync))
 
 
 def from_dlpack(obj: Any) -> ArrayView:
@@ -129,8 +142,6 @@ def from_dlpack(obj: Any) -> ArrayView:
         capsule = obj.__dlpack__(stream=1)
     except TypeError:
         capsule = obj.__dlpack__()
-    address, _type, _dev, shape, strides, typestr, byte_offset = _core._dlpack_describe(capsule)
-    # Consume it, as the protocol asks: renamed, its deleter now ours.
-    owner = _core._dlpack_consume(capsule)
-    # The owner calls the tensor's deleter when the last pointer over it goes.
-    return ArrayView(*_core._import_strided(address + byte_offset, shape, strides, typestr, owner))
+    # Consumed, as the protocol asks: renamed, and its deleter called when
+    # the last pointer over the tensor goes.
+    return ArrayView._of(_core._import_dlpack(capsule))

@@ -51,11 +51,10 @@ def from_cuda_array_interface_numba(desc: dict, owner: Any = None, sync: bool = 
     DeviceNDArray that ``DeviceNDArray(shape, strides, dtype, stream,
     gpu_data)`` would build, without re-deriving what is already known."""
     # _import_cai checks every field, and that desc is a dict.
-    ptr, shape, strides, typestr, _itemsize, _ro, offset, stream = _core._import_cai(
-        desc, owner, bool(sync and config.CUDA_ARRAY_INTERFACE_SYNC)
-    )
-    attrs = dict(_array_attrs(shape, strides, typestr))
-    attrs["alloc_size"] = offset + ptr.size if attrs["size"] else 0
+    imp = _core._import_cai(desc, owner, bool(sync and config.CUDA_ARRAY_INTERFACE_SYNC))
+    ptr, stream = imp.pointer, imp.stream
+    attrs = dict(_array_attrs(imp.shape, imp.strides, imp.typestr))
+    attrs["alloc_size"] = imp.offset + ptr.size if attrs["size"] else 0
     attrs["gpu_data"] = ptr
     attrs["stream"] = 0 if stream is None else _external_stream(stream, ptr.context.device.id)
     arr = _new(DeviceNDArray)

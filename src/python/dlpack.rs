@@ -7,7 +7,7 @@
 use std::ffi::c_void;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyTuple};
+use pyo3::types::PyCapsule;
 
 use crate::Error;
 
@@ -49,7 +49,7 @@ impl Drop for DLPackOwner {
     }
 }
 
-/// Consume a `"dltensor"` capsule (after `_dlpack_describe` read it):
+/// Consume a `"dltensor"` capsule (after [`describe`] read it):
 /// rename it `"used_dltensor"` and return the owner that frees the tensor.
 #[pyfunction]
 pub(crate) fn _dlpack_consume(capsule: &Bound<'_, PyAny>) -> PyResult<DLPackOwner> {
@@ -103,11 +103,18 @@ fn typestr(dt: &DLDataType) -> PyResult<String> {
     Ok(format!("{order}{kind}{}", dt.bits / 8))
 }
 
-/// Read a `"dltensor"` capsule: ``(data, device_type, device_id, shape,
-/// strides_in_bytes_or_None, typestr, byte_offset)``.
-#[pyfunction]
-pub(crate) fn _dlpack_describe<'py>(capsule: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
-    let py = capsule.py();
+/// What a `"dltensor"` capsule describes.
+pub(crate) struct Described {
+    /// The data pointer plus the byte offset: element 0's address.
+    pub address: u64,
+    pub shape: Vec<i64>,
+    /// In bytes (DLPack counts elements); `None`: C-contiguous.
+    pub strides: Option<Vec<i64>>,
+    pub typestr: String,
+}
+
+/// Read a `"dltensor"` capsule without consuming it.
+pub(crate) fn describe(capsule: &Bound<'_, PyAny>) -> PyResult<Described> {
     let capsule = capsule
         .cast::<PyCapsule>()
         .map_err(|_| Error::InvalidArgument("__dlpack__() did not return a capsule".into()))?;
@@ -150,14 +157,13 @@ pub(crate) fn _dlpack_describe<'py>(capsule: &Bound<'py, PyAny>) -> PyResult<Bou
                 .ok_or_else(|| Error::InvalidArgument("DLPack strides overflow in bytes".into()))?,
         )
     };
-    (
-        t.data as usize as u64,
-        t.device.device_type,
-        t.device.device_id,
-        PyTuple::new(py, shape)?,
-        strides.map(|s| PyTuple::new(py, s)).transpose()?,
+    let address = (t.data as usize as u64)
+        .checked_add(t.byte_offset)
+        .ok_or_else(|| Error::InvalidArgument("DLPack byte_offset overflows the address".into()))?;
+    Ok(Described {
+        address,
+        shape,
+        strides,
         typestr,
-        t.byte_offset,
-    )
-        .into_pyobject(py)
+    })
 }

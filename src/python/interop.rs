@@ -5,6 +5,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
+use super::dlpack::{_dlpack_consume, describe};
 use super::pointer::PyMemoryPointer;
 use super::runtime;
 use crate::{typestr_itemsize, Error, Layout, View};
@@ -45,9 +46,40 @@ fn shape_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
         .collect()
 }
 
-/// The pointer over a layout, and the tuple the Python side unpacks. The
-/// exporter's own shape tuple and typestr are handed back when they are
-/// already exactly what we would build.
+/// An imported strided device array: a MemoryPointer starting where the
+/// array's memory starts, and the layout over it. The Python side reads it
+/// by name.
+#[pyclass(frozen, module = "gpuptr._core", name = "ImportedArray")]
+pub(crate) struct ImportedArray {
+    /// The memory the array spans, keeping the exporter alive.
+    #[pyo3(get)]
+    pointer: Py<PyMemoryPointer>,
+    /// Elements per dimension.
+    #[pyo3(get)]
+    shape: Py<PyTuple>,
+    /// Bytes between neighbours in each dimension.
+    #[pyo3(get)]
+    strides: Py<PyTuple>,
+    /// The element type, as the array interface writes it (``"<f4"``).
+    #[pyo3(get)]
+    typestr: Py<PyString>,
+    /// Bytes per element.
+    #[pyo3(get)]
+    itemsize: usize,
+    /// Whether the exporter marked it read-only.
+    #[pyo3(get)]
+    readonly: bool,
+    /// Bytes from the start of ``pointer`` to element 0 (non-zero only
+    /// with negative strides).
+    #[pyo3(get)]
+    offset: usize,
+    /// The stream the exporter named (the interface's v3), or None.
+    #[pyo3(get)]
+    stream: Option<usize>,
+}
+
+/// The pointer over a layout, as an [`ImportedArray`]. The exporter's own
+/// shape tuple is handed back when it is already exactly what we would build.
 fn finish<'py>(
     view: View,
     layout: Layout,
@@ -56,37 +88,34 @@ fn finish<'py>(
     readonly: bool,
     owner: Option<Py<PyAny>>,
     stream: Option<usize>,
-) -> PyResult<Bound<'py, PyTuple>> {
+) -> PyResult<ImportedArray> {
     let py = shape.py();
-    let offset = (-layout.lo) as usize;
-    let ptr = Py::new(py, PyMemoryPointer::over(view, owner))?;
     let shape = match shape.cast_exact::<PyTuple>() {
         Ok(t) => t.clone(),
         Err(_) => PyTuple::new(py, &layout.shape)?,
     };
-    (
-        ptr,
-        shape,
-        PyTuple::new(py, &layout.strides)?,
-        typestr,
-        layout.itemsize,
+    Ok(ImportedArray {
+        pointer: Py::new(py, PyMemoryPointer::over(view, owner))?,
+        shape: shape.unbind(),
+        strides: PyTuple::new(py, &layout.strides)?.unbind(),
+        typestr: typestr.unbind(),
+        itemsize: layout.itemsize,
         readonly,
-        offset,
+        offset: (-layout.lo) as usize,
         stream,
-    )
-        .into_pyobject(py)
+    })
 }
 
-/// Import a CUDA Array Interface dict (v0-v3): ``(pointer, shape, strides,
-/// typestr, itemsize, readonly, offset, stream)``. With ``sync`` and a
-/// named stream, waits for that stream (v3's rule) unless it is idle.
+/// Import a CUDA Array Interface dict (v0-v3) as an ``ImportedArray``.
+/// With ``sync`` and a named stream, waits for that stream (v3's rule)
+/// unless it is idle.
 #[pyfunction]
 #[pyo3(signature = (desc, owner=None, sync=true))]
 pub(crate) fn _import_cai<'py>(
     desc: &Bound<'py, PyAny>,
     owner: Option<Py<PyAny>>,
     sync: bool,
-) -> PyResult<Bound<'py, PyTuple>> {
+) -> PyResult<ImportedArray> {
     let py = desc.py();
     let desc = desc
         .cast::<PyDict>()
@@ -158,20 +187,26 @@ pub(crate) fn _import_cai<'py>(
     finish(view, layout, &shape, typestr, readonly, owner, stream)
 }
 
-/// Import a strided array at ``address`` given its layout (the DLPack path,
-/// strides in bytes or None): same tuple as ``_import_cai``.
+/// Import a DLPack ``"dltensor"`` capsule as an ``ImportedArray``,
+/// consuming it as the protocol asks: the capsule is renamed
+/// ``"used_dltensor"``, and the pointer keeps an owner that calls the
+/// tensor's deleter when the last holder goes (also when the import fails).
 #[pyfunction]
-#[pyo3(signature = (address, shape, strides, typestr, owner=None))]
-pub(crate) fn _import_strided<'py>(
-    address: u64,
-    shape: &Bound<'py, PyAny>,
-    strides: Option<&Bound<'py, PyAny>>,
-    typestr: Bound<'py, PyString>,
-    owner: Option<Py<PyAny>>,
-) -> PyResult<Bound<'py, PyTuple>> {
-    let itemsize = typestr_itemsize(typestr.to_str()?)?;
-    let strides = strides.map(|s| ints(s, "strides")).transpose()?;
-    let layout = Layout::new(shape_of(shape)?, strides, itemsize)?;
-    let view = runtime()?.wrap_layout(address, &layout, None)?;
-    finish(view, layout, shape, typestr, false, owner, None)
+pub(crate) fn _import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<ImportedArray> {
+    let py = capsule.py();
+    let d = describe(capsule)?;
+    let owner = Py::new(py, _dlpack_consume(capsule)?)?.into_any();
+    let itemsize = typestr_itemsize(&d.typestr)?;
+    let layout = Layout::new(
+        d.shape
+            .iter()
+            .map(|&n| usize::try_from(n).map_err(|_| bad(format!("negative dimension {n}"))))
+            .collect::<PyResult<_>>()?,
+        d.strides,
+        itemsize,
+    )?;
+    let view = runtime()?.wrap_layout(d.address, &layout, None)?;
+    let shape = PyTuple::new(py, &layout.shape)?.into_any();
+    let typestr = PyString::new(py, &d.typestr);
+    finish(view, layout, &shape, typestr, false, Some(owner), None)
 }

@@ -256,9 +256,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;
     m.add_function(wrap_pyfunction!(reset_context, m)?)?;
-    m.add_function(wrap_pyfunction!(dlpack::_dlpack_describe, m)?)?;
     m.add_function(wrap_pyfunction!(interop::_import_cai, m)?)?;
-    m.add_function(wrap_pyfunction!(interop::_import_strided, m)?)?;
+    m.add_function(wrap_pyfunction!(interop::_import_dlpack, m)?)?;
+    m.add_class::<interop::ImportedArray>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     testing::register(m)?;
     Ok(())

@@ -34,6 +34,6 @@ def test_the_stubs_match_the_compiled_module():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_the_package_type_checks():
-    out = _run("mypy", "--no-incremental", "python/gpuptr")
+def test_the_package_type_checks_strictly():
+    out = _run("mypy", "--strict", "--no-incremental", "python/gpuptr")
     assert out.returncode == 0, out.stdout + out.stderr

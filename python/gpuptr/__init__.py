@@ -53,7 +53,7 @@ from gpuptr._errors import (
     NoDriverError,
     OutOfMemoryError,
 )
-from gpuptr._types import MemoryInfo
+from gpuptr._types import DeviceStats, DriverInfo, MemoryInfo
 from gpuptr.interop import ArrayView, from_cuda_array_interface, from_dlpack
 
 __all__ = [
@@ -64,6 +64,8 @@ __all__ = [
     "ContextHandle",
     "CudaError",
     "Device",
+    "DeviceStats",
+    "DriverInfo",
     "GpuptrError",
     "InvalidArgumentError",
     "InvalidPointerError",

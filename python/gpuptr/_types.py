@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict
 
-__all__ = ["MemoryInfo"]
+__all__ = ["DeviceStats", "DriverInfo", "MemoryInfo"]
 
 
 class MemoryInfo(NamedTuple):
@@ -12,3 +12,36 @@ class MemoryInfo(NamedTuple):
 
     free: int
     total: int
+
+
+class DriverInfo(TypedDict):
+    """What ``gpuptr.driver_info()`` returns."""
+
+    #: ``"cuda"`` or ``"sim"``.
+    driver: str
+    #: As ``cuDriverGetVersion``: 13000 for CUDA 13.0.
+    version: int
+    #: ``"13.0"``.
+    version_string: str
+    device_count: int
+
+
+class DeviceStats(TypedDict):
+    """One device's entry in ``gpuptr.stats()``, in bytes and counts."""
+
+    device: int
+    #: Memory handed out now, and how many allocations.
+    live_bytes: int
+    live_count: int
+    #: The most ``live_bytes`` has been (``reset_peak_stats()`` lowers it).
+    peak_bytes: int
+    #: Allocations made so far.
+    alloc_count: int
+    #: Held by the pool for reuse: ready, on a stream's list, or pending.
+    cached_bytes: int
+    #: The part of ``cached_bytes`` waiting for a fence.
+    pending_bytes: int
+    pool_hits: int
+    pool_misses: int
+    #: Fences (batches of freed blocks made safe for reuse) completed.
+    fences: int

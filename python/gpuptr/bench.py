@@ -17,7 +17,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence, TextIO, Tuple
+
+#: A row's two timed callables: gpuptr's and the baseline's.
+Pair = Tuple[Callable[[], object], Callable[[], object]]
 
 __all__ = ["run", "main"]
 
@@ -43,17 +47,17 @@ class Result:
     baseline_ns: Optional[float] = None
     ratio: Optional[float] = None
     skipped: Optional[str] = None
-    extra: dict = field(default_factory=dict)
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 class Bench:
-    def __init__(self, quick: bool, out=sys.stderr):
+    def __init__(self, quick: bool, out: TextIO = sys.stderr) -> None:
         self.n = 2000 if quick else 20000
         self.repeat = 3 if quick else 7
         self.results: list[Result] = []
         self.out = out
 
-    def row(self, name, baseline, setup: Callable[[], tuple], scale: float = 1.0):
+    def row(self, name: str, baseline: str, setup: Callable[[], Pair], scale: float = 1.0) -> None:
         """``setup()`` returns ``(ours, theirs)`` callables, or raises
         ImportError/RuntimeError to skip the row."""
         print(f"  measuring: {name} vs {baseline} ...", file=self.out, flush=True)
@@ -67,13 +71,14 @@ class Bench:
         b = best_ns(theirs, n, self.repeat)
         self.results.append(Result(name, baseline, round(a, 1), round(b, 1), round(b / a, 2)))
 
-    def add(self, result: Result):
+    def add(self, result: Result) -> None:
         self.results.append(result)
 
 
-def _devarray_ns(manager: Optional[str], n: int, repeat: int) -> float:
+def _devarray_ns(manager: Optional[str], n: int, repeat: int, path: Optional[str] = None) -> float:
     """numba ``device_array(1 MiB)`` alloc+free in a child process under
-    ``manager`` (a NUMBA_CUDA_MEMORY_MANAGER value; None for numba's own)."""
+    ``manager`` (a NUMBA_CUDA_MEMORY_MANAGER value; None for numba's own),
+    with ``path`` first on its PYTHONPATH."""
     code = (
         "import sys, numpy as np\n"
         "from numba import cuda\n"
@@ -86,6 +91,8 @@ def _devarray_ns(manager: Optional[str], n: int, repeat: int) -> float:
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     if manager:
         env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")
@@ -143,7 +150,7 @@ print(json.dumps({"median_ns": statistics.median(times) * 1e9, "p99_ns": times[i
 """
 
 
-def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = False, reserve: int = 0) -> dict:
+def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = False, reserve: int = 0) -> Dict[str, Any]:
     """Host-side numba ``device_array(1 MiB)`` alloc+free while a 1.5 s
     kernel runs on a non-blocking CuPy stream, in a child process under
     ``manager`` (None: numba's own): median, p99, worst and total, in ns.
@@ -158,10 +165,11 @@ def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = Fals
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row: Dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return row
 
 
-def run(quick: bool = False, out=sys.stderr) -> dict:
+def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
     """Run every row; returns ``{"meta": ..., "rows": [...]}``."""
     import gpuptr
     from gpuptr import _testing
@@ -182,13 +190,13 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
         lambda: (lambda: gpuptr.context_of(addr + 64), lambda: _testing.query_context(addr + 64)),
     )
 
-    def cupy_array():
+    def cupy_array() -> Any:
         import cupy
 
         return cupy.zeros(1 << 20, dtype=cupy.float32)
 
-    def wrap_setup(known: bool):
-        def setup():
+    def wrap_setup(known: bool) -> Callable[[], Pair]:
+        def setup() -> Pair:
             if not on_gpu:
                 raise RuntimeError("needs the GPU")
             from cuda.bindings import driver as cu
@@ -199,9 +207,9 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
             p, n = arr.data.ptr, arr.nbytes
             cuda.current_context()
             keep = gpuptr.wrap(p, n, owner=arr) if known else None
-            ours = lambda: gpuptr.wrap(p, n, owner=arr).context  # noqa: E731
+            # `keep` holds the range known for the whole row.
+            ours = lambda keep=keep: gpuptr.wrap(p, n, owner=arr).context  # noqa: E731
             theirs = lambda: nd.MemoryPointer(cuda.current_context(), cu.CUdeviceptr(p), n, owner=arr)  # noqa: E731
-            ours.keep = keep
             return ours, theirs
 
         return setup
@@ -209,7 +217,7 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
     b.row("wrap + .context, known range", "numba MemoryPointer(current_context())", wrap_setup(True))
     b.row("wrap + .context, first sight", "numba MemoryPointer(current_context())", wrap_setup(False))
 
-    def ctx_setup():
+    def ctx_setup() -> Pair:
         if not on_gpu:
             raise RuntimeError("needs the GPU")
         from cuda.bindings import driver as cu
@@ -219,8 +227,8 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
 
     b.row("context of an address (cached)", "cuPointerGetAttribute (cuda.bindings)", ctx_setup)
 
-    def cai_setup(sync):
-        def setup():
+    def cai_setup(sync: bool) -> Callable[[], Pair]:
+        def setup() -> Pair:
             if not on_gpu:
                 raise RuntimeError("needs the GPU")
             from numba import cuda
@@ -235,30 +243,30 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
     b.row("CAI object -> numba array", "numba.cuda.as_cuda_array", cai_setup(True), scale=0.25)
     b.row("CAI object -> numba array, sync=False", "numba.cuda.as_cuda_array(sync=False)", cai_setup(False), scale=0.25)
 
-    def alloc_pair():
+    def alloc_pair() -> None:
         gpuptr.alloc(1 << 20).free()
 
-    def cupy_setup():
+    def cupy_setup() -> Pair:
         if not on_gpu:
             raise RuntimeError("needs the GPU")
         import cupy
 
         return alloc_pair, (lambda: cupy.cuda.alloc(1 << 20))
 
-    def async_setup():
+    def async_setup() -> Pair:
         if not on_gpu:
             raise RuntimeError("needs the GPU")
         from cuda.bindings import driver as cu
 
         s = cu.CUstream(0)
 
-        def pair():
+        def pair() -> None:
             _, d = cu.cuMemAllocAsync(1 << 20, s)
             cu.cuMemFreeAsync(d, s)
 
         return alloc_pair, pair
 
-    def core_setup():
+    def core_setup() -> Pair:
         if not on_gpu:
             raise RuntimeError("needs the GPU")
         from cuda.core import Device
@@ -268,7 +276,7 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
         mr = dev.memory_resource
         stream = dev.default_stream
 
-        def pair():
+        def pair() -> None:
             buf = mr.allocate(1 << 20, stream=stream)
             buf.close(stream)
 
@@ -280,16 +288,21 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
 
     # numba device_array under each memory manager, in child processes.
     n_child = 500 if quick else 5000
+    # The pure-Python EMM is a bench fixture, in the checkout's benches/
+    # (not in the wheel).
+    benches = Path(__file__).resolve().parents[2] / "benches"
     for name, manager in (
         ("numba default manager", None),
-        ("pure-Python cuda.bindings EMM", "gpuptr._bench_pyemm"),
+        ("pure-Python cuda.bindings EMM", "pyemm"),
     ):
         print(f"  measuring: numba device_array(1 MiB) under gpuptr vs {name} ...", file=out, flush=True)
         try:
             if not on_gpu:
                 raise RuntimeError("needs the GPU")
+            if manager == "pyemm" and not (benches / "pyemm.py").is_file():
+                raise RuntimeError("needs benches/pyemm.py from gpuptr's source tree")
             ours = _devarray_ns("gpuptr.numba", n_child, b.repeat)
-            theirs = _devarray_ns(manager, n_child, b.repeat)
+            theirs = _devarray_ns(manager, n_child, b.repeat, str(benches))
             b.add(Result("numba device_array(1 MiB) alloc+free", name, round(ours, 1), round(theirs, 1),
                          round(theirs / ours, 2)))
         except Exception as e:
@@ -336,7 +349,7 @@ def run(quick: bool = False, out=sys.stderr) -> dict:
     return {"meta": meta, "rows": [r.__dict__ for r in b.results]}
 
 
-def format_table(report: dict) -> str:
+def format_table(report: Dict[str, Any]) -> str:
     lines = [f"{'row':40s} {'gpuptr':>10s}  {'baseline':44s} {'baseline':>10s} {'ratio':>7s}"]
     for r in report["rows"]:
         if r["skipped"]:
@@ -357,7 +370,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: str) -> None:
+def plot(report: Dict[str, Any], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -383,7 +396,7 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="gpuptr bench", description=__doc__.splitlines()[0])

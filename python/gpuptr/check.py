@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import traceback
-from typing import Callable, List, Tuple
+from typing import Callable, List, Tuple, TextIO
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
 
@@ -239,7 +239,7 @@ CHECKS: List[Tuple[str, Callable[[], str]]] = [
 ]
 
 
-def run(out=sys.stdout) -> int:
+def run(out: TextIO = sys.stdout) -> int:
     """Run every check, print the table; returns the number of failures."""
     failures = 0
     rows = []

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Sequence, TextIO
 
 
-def _choose_driver(out) -> None:
+def _choose_driver(out: TextIO) -> None:
     """Fall back to the simulator when the user did not pick a driver and
     libcuda cannot be used here. Must run before the first GPU call."""
     if os.environ.get("GPUPTR_DRIVER", "").strip():
@@ -84,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("bench", help="time gpuptr against numba, CuPy and cuda.bindings (--quick, --json, --plot)")
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        rc: int = args.func(args)
+        return rc
     except Exception as e:  # the CLI reports, it does not trace back
         from gpuptr import GpuptrError
 

@@ -4,7 +4,7 @@ gpuptr MemoryPointer with the context resolved from the address itself."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from gpuptr import _core
 from gpuptr._errors import InvalidArgumentError
@@ -29,7 +29,17 @@ class ArrayView:
 
     __slots__ = ("pointer", "shape", "strides", "typestr", "itemsize", "readonly", "offset", "stream")
 
-    def __init__(self, pointer, shape, strides, typestr, itemsize, readonly, offset, stream):
+    def __init__(
+        self,
+        pointer: _core.MemoryPointer,
+        shape: Tuple[int, ...],
+        strides: Tuple[int, ...],
+        typestr: str,
+        itemsize: int,
+        readonly: bool,
+        offset: int,
+        stream: Optional[int],
+    ) -> None:
         self.pointer = pointer
         self.shape: Tuple[int, ...] = shape
         self.strides: Tuple[int, ...] = strides
@@ -76,19 +86,19 @@ class ArrayView:
         return self.size * self.itemsize
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
         """The numpy dtype (needs numpy)."""
         import numpy
 
         return numpy.dtype(self.typestr)
 
     @property
-    def context(self):
+    def context(self) -> _core.Context:
         """The gpuptr context the memory lives in."""
         return self.pointer.context
 
     @property
-    def __cuda_array_interface__(self) -> dict:
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
         return {
             "version": 3,
             "shape": self.shape,

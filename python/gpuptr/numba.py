@@ -9,7 +9,7 @@ address, not from numba's current context), at a fraction of numba's cost.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 from numba import cuda
@@ -23,7 +23,7 @@ __all__ = ["MemoryManager", "as_cuda_array", "from_cuda_array_interface_numba"]
 
 
 @lru_cache(maxsize=1024)
-def _array_attrs(shape: tuple, strides: tuple, typestr: str) -> dict:
+def _array_attrs(shape: Tuple[int, ...], strides: Tuple[int, ...], typestr: str) -> Dict[str, Any]:
     """What ``DeviceNDArray.__init__`` derives from a layout. numba builds the
     index descriptor (``_dummy``) for every array; it is never mutated, so one
     per layout serves them all."""
@@ -40,13 +40,13 @@ def _array_attrs(shape: tuple, strides: tuple, typestr: str) -> dict:
 
 
 @lru_cache(maxsize=64)
-def _external_stream(handle: int, device: int):
+def _external_stream(handle: int, device: int) -> Any:
     # External streams own nothing, so one numba Stream per handle serves.
     with cuda.gpus[device]:
         return cuda.external_stream(handle)
 
 
-def from_cuda_array_interface_numba(desc: dict, owner: Any = None, sync: bool = True) -> DeviceNDArray:
+def from_cuda_array_interface_numba(desc: Dict[str, Any], owner: Any = None, sync: bool = True) -> DeviceNDArray:
     """``numba.cuda.from_cuda_array_interface`` over a gpuptr pointer: the
     DeviceNDArray that ``DeviceNDArray(shape, strides, dtype, stream,
     gpu_data)`` would build, without re-deriving what is already known."""
@@ -91,7 +91,7 @@ from numba.cuda.cudadrv.driver import (  # noqa: E402
 import gpuptr as _gpuptr  # noqa: E402
 
 
-class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
+class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):  # type: ignore[misc]  # numba ships no types
     """numba-cuda External Memory Management plugin (interface version 1)
     over gpuptr: device memory comes from gpuptr's per-device caching pool,
     host memory is pinned by gpuptr, and every pointer holds its real,
@@ -109,11 +109,11 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
     available to the next allocation.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._device = None
+        self._device: Optional[int] = None
 
-    def initialize(self):
+    def initialize(self) -> None:
         # numba calls this on every context push: after the first call it is
         # one attribute test.
         if self._device is None and self.context is not None:
@@ -126,44 +126,45 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):
     def _dev(self) -> int:
         if self._device is None:
             self.initialize()
+        assert self._device is not None, "numba initialises a manager with its context"
         return self._device
 
-    def memalloc(self, size):
+    def memalloc(self, size: int) -> _core.MemoryPointer:
         """Device memory from gpuptr's pool."""
         return _gpuptr.alloc(size, device=self._dev())
 
-    def memhostalloc(self, size, mapped=False, portable=False, wc=False):
+    def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False) -> Any:
         """Pinned host memory (mapped into the device when ``mapped``)."""
         return _gpuptr.alloc_host(size, mapped=mapped, portable=portable, wc=wc, device=self._dev())
 
-    def mempin(self, owner, pointer, size, mapped=False):
+    def mempin(self, owner: Any, pointer: Any, size: int, mapped: bool = False) -> Any:
         """Pin ``size`` bytes of ``owner``'s memory at ``pointer`` in place."""
         return _core.register_host_ptr(pointer, size, owner, mapped=mapped, device=self._dev())
 
-    def memallocmanaged(self, size, attach_global):
+    def memallocmanaged(self, size: int, attach_global: bool) -> _core.ManagedMemory:
         """Managed (unified) memory."""
         return _gpuptr.alloc_managed(size, attach_global=attach_global, device=self._dev())
 
-    def get_memory_info(self):
+    def get_memory_info(self) -> Any:
         """``MemoryInfo(free, total)``, counting pool-cached bytes as free."""
         free, total = _gpuptr.context(self._dev()).get_memory_info()
         cached = _gpuptr.stats()[self._dev()]["cached_bytes"]
         return MemoryInfo(free=min(free + cached, total), total=total)
 
-    def reset(self):
+    def reset(self) -> None:
         """Give cached blocks back and turn live pointers stale: numba resets
         the context next (``cuda.close()``), and a stale pointer's free
         never touches memory a later allocation reuses."""
         if self._device is not None:
             _core.reset_context(self._device)
 
-    def defer_cleanup(self):
+    def defer_cleanup(self) -> Any:
         """gpuptr frees into its fenced pool at once, and safely on every
         stream, so there is nothing to defer."""
         return contextlib.nullcontext()
 
     @property
-    def interface_version(self):
+    def interface_version(self) -> int:
         return 1
 
 

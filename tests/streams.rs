@@ -6,14 +6,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::sim_pooled;
 use gpuptr::driver::CallKind;
 use gpuptr::{codes, PoolConfig, Runtime, SimConfig, SimDriver};
 
-fn sim_pooled(memory: usize) -> (Arc<SimDriver>, Arc<Runtime>) {
-    let drv = Arc::new(SimDriver::new(SimConfig::new(1, memory)));
-    let rt = Runtime::new(drv.clone()).unwrap();
-    (drv, rt)
-}
 
 const NON_BLOCKING: usize = 0x7e57_0001;
 const BLOCKING: usize = 0x7e57_0002;
@@ -24,7 +22,7 @@ const STREAMS: [usize; 5] = [0, 1, 2, BLOCKING, NON_BLOCKING];
 #[test]
 fn test_a_block_written_by_queued_work_is_never_reused_before_that_work_ends() {
     for stream in STREAMS {
-        let (drv, rt) = sim_pooled(256 << 20);
+        let (drv, rt) = sim_pooled(1, 256 << 20);
         let ctx = rt.context(0).unwrap();
         let a = ctx.alloc(1 << 16).unwrap();
         let a_addr = a.address();
@@ -61,7 +59,7 @@ fn test_a_block_written_by_queued_work_is_never_reused_before_that_work_ends() {
 
 #[test]
 fn test_the_allocating_thread_never_waits_for_the_gpu() {
-    let (drv, rt) = sim_pooled(256 << 20);
+    let (drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
     let a = ctx.alloc(4096).unwrap();
     drv.queue_write(NON_BLOCKING, a.address(), &[1; 16])
@@ -80,7 +78,7 @@ fn test_the_allocating_thread_never_waits_for_the_gpu() {
 
 #[test]
 fn test_a_stream_ordered_free_is_reused_at_once_on_its_own_stream_only() {
-    let (drv, rt) = sim_pooled(256 << 20);
+    let (drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
     let s = NON_BLOCKING;
     let a = ctx.alloc_on(4096, s).unwrap();
@@ -103,7 +101,7 @@ fn test_a_stream_ordered_free_is_reused_at_once_on_its_own_stream_only() {
 
 #[test]
 fn test_a_pointer_allocated_on_a_stream_is_freed_on_it_when_dropped() {
-    let (_drv, rt) = sim_pooled(256 << 20);
+    let (_drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
     let a = ctx.alloc_on(4096, NON_BLOCKING).unwrap();
     let addr = a.address();
@@ -113,7 +111,7 @@ fn test_a_pointer_allocated_on_a_stream_is_freed_on_it_when_dropped() {
 
 #[test]
 fn test_record_stream_holds_the_block_for_the_fence() {
-    let (drv, rt) = sim_pooled(256 << 20);
+    let (drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
     let a = ctx.alloc_on(4096, NON_BLOCKING).unwrap();
     let addr = a.address();
@@ -133,7 +131,7 @@ fn test_record_stream_holds_the_block_for_the_fence() {
 
 #[test]
 fn test_out_of_memory_waits_for_the_fence_and_retries() {
-    let (drv, rt) = sim_pooled(8 << 20);
+    let (drv, rt) = sim_pooled(1, 8 << 20);
     let ctx = rt.context(0).unwrap();
     let blocks: Vec<_> = (0..8).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
     let busy = blocks[3].address();
@@ -161,7 +159,7 @@ fn test_out_of_memory_waits_for_the_fence_and_retries() {
 
 #[test]
 fn test_a_failed_fence_is_retried_and_teardown_never_hangs_on_the_fence_thread() {
-    let (drv, rt) = sim_pooled(64 << 20);
+    let (drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();
     let a = ctx.alloc(4096).unwrap();
     drv.queue_write(NON_BLOCKING, a.address(), &[1; 8]).unwrap();
@@ -191,7 +189,7 @@ fn test_a_failed_fence_is_retried_and_teardown_never_hangs_on_the_fence_thread()
 
 #[test]
 fn test_reset_does_not_wait_for_the_fence_thread() {
-    let (drv, rt) = sim_pooled(64 << 20);
+    let (drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();
     let a = ctx.alloc(4096).unwrap();
     drv.queue_write(NON_BLOCKING, a.address(), &[1; 8]).unwrap();
@@ -214,7 +212,7 @@ fn test_reset_does_not_wait_for_the_fence_thread() {
 
 #[test]
 fn test_growth_on_a_busy_device_carves_several_blocks_from_one_allocation() {
-    let (drv, rt) = sim_pooled(256 << 20);
+    let (drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
     let a = ctx.alloc(1 << 20).unwrap();
     let a_addr = a.address();
@@ -267,7 +265,7 @@ fn test_growth_on_a_busy_device_carves_several_blocks_from_one_allocation() {
 
 #[test]
 fn test_growth_under_one_long_fence_doubles_up_to_64_mib_per_driver_call() {
-    let (drv, rt) = sim_pooled(1 << 30);
+    let (drv, rt) = sim_pooled(1, 1 << 30);
     let ctx = rt.context(0).unwrap();
     let first = ctx.alloc(1 << 20).unwrap();
     drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
@@ -289,7 +287,7 @@ fn test_growth_under_one_long_fence_doubles_up_to_64_mib_per_driver_call() {
 
 #[test]
 fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
-    let (drv, rt) = sim_pooled(1 << 30);
+    let (drv, rt) = sim_pooled(1, 1 << 30);
     let ctx = rt.context(0).unwrap();
     assert_eq!(ctx.reserve(1 << 20, 100 << 20).unwrap(), 100 << 20);
     assert_eq!(rt.stats()[0].cached_bytes, 100 << 20);
@@ -306,7 +304,7 @@ fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
     assert_eq!(drv.calls(CallKind::MemAlloc), calls, "no driver call");
     drv.complete(None);
     // A device too small for the whole reservation keeps what it got.
-    let (_, small) = sim_pooled(10 << 20);
+    let (_, small) = sim_pooled(1, 10 << 20);
     let got = small
         .context(0)
         .unwrap()
@@ -320,7 +318,7 @@ fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
 
 #[test]
 fn test_an_idle_device_grows_one_block_at_a_time() {
-    let (drv, rt) = sim_pooled(256 << 20);
+    let (drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
     let held: Vec<_> = (0..10).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
     assert_eq!(drv.calls(CallKind::MemAlloc), 10);
@@ -370,7 +368,7 @@ fn test_threads_churning_a_small_live_set_never_run_out_of_memory() {
 
 #[test]
 fn test_a_trim_that_cannot_free_a_block_keeps_it_waiting_for_its_fence() {
-    let (drv, rt) = sim_pooled(256 << 20);
+    let (drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
     // A is freed while a kernel still writes it: it waits for a fence.
     let a = ctx.alloc(1 << 20).unwrap();

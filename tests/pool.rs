@@ -1,0 +1,265 @@
+//! The caching pool on the simulator: size classes, fences, out of memory, statistics, shards and trims.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{sim_pooled, sim_sharded};
+use gpuptr::driver::CallKind;
+use gpuptr::{codes, size_class, Error, PoolConfig};
+
+#[test]
+fn test_pool_reuses_blocks_by_size_class_after_a_fence() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let cfg = PoolConfig::default();
+    let held: Vec<_> = (0..cfg.fence_count)
+        .map(|_| ctx.alloc(1000).unwrap())
+        .collect();
+    assert_eq!(drv.calls(CallKind::MemAlloc), cfg.fence_count as u64);
+    let syncs = drv.calls(CallKind::Synchronize);
+    drop(held);
+    // A full batch is sealed at once, and the fence thread synchronizes.
+    assert!(rt.flush_pool(0).unwrap());
+    assert!(drv.calls(CallKind::Synchronize) > syncs, "a fence ran");
+    assert_eq!(rt.stats()[0].pending_bytes, 0);
+    let before = drv.calls(CallKind::MemAlloc);
+    let again: Vec<_> = (0..cfg.fence_count)
+        .map(|_| ctx.alloc(900).unwrap())
+        .collect();
+    assert_eq!(
+        drv.calls(CallKind::MemAlloc),
+        before,
+        "served from the pool"
+    );
+    assert!(again.iter().all(|p| p.size() == 900));
+    let s = rt.stats()[0];
+    assert!(s.pool_hits >= cfg.fence_count as u64 && s.fences >= 1);
+    assert_eq!(size_class(900), size_class(1000));
+    // Another size class does not take these blocks.
+    let other = ctx.alloc(5000).unwrap();
+    assert!(!again.iter().any(|p| p.address() == other.address()));
+}
+
+#[test]
+fn test_pool_oom_releases_cache_and_retries_once() {
+    let (drv, rt) = sim_pooled(1, 8 << 20);
+    let ctx = rt.context(0).unwrap();
+    // Fill the cache with 1 MiB blocks, then ask for a size that only fits
+    // once the cache is returned to the driver.
+    let blocks: Vec<_> = (0..6).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    drop(blocks);
+    assert_eq!(rt.stats()[0].cached_bytes, 6 << 20);
+    assert_eq!(drv.live_bytes(), 6 << 20);
+    let big = ctx.alloc(5 << 20).unwrap();
+    assert_eq!(rt.stats()[0].cached_bytes, 0, "the cache was released");
+    assert_eq!(drv.live_bytes(), 5 << 20);
+    drop(big);
+    // A request that cannot fit even then is a typed OOM, and nothing leaks.
+    let err = ctx.alloc(9 << 20).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { requested, .. } if requested == 9 << 20));
+    assert_eq!(rt.stats()[0].live_bytes, 0);
+    assert_eq!(
+        rt.stats()[0].cached_bytes,
+        0,
+        "the retry released the cache"
+    );
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+#[test]
+fn test_pool_stats_return_to_zero_and_trim_frees_everything() {
+    let (drv, rt) = sim_pooled(2, 64 << 20);
+    let ctx0 = rt.context(0).unwrap();
+    let ctx1 = rt.context(1).unwrap();
+    let a: Vec<_> = (0..20)
+        .map(|i| ctx0.alloc(100 + i * 1000).unwrap())
+        .collect();
+    let b: Vec<_> = (0..5).map(|_| ctx1.alloc(4096).unwrap()).collect();
+    assert_eq!(rt.stats()[1].live_count, 5);
+    assert_eq!(rt.stats()[1].live_bytes, 5 * 4096);
+    drop(a);
+    drop(b);
+    for s in rt.stats() {
+        assert_eq!((s.live_bytes, s.live_count), (0, 0), "device {}", s.device);
+    }
+    assert!(rt.stats()[0].cached_bytes > 0);
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(rt.stats()[0].cached_bytes, 0);
+    assert!(rt.registered_ranges() == 0);
+}
+
+#[test]
+fn test_pool_fence_failure_hands_out_nothing_unfenced_and_loses_no_block() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let n = PoolConfig::default().fence_count;
+    drv.fail_nth(CallKind::Synchronize, 1, codes::CUDA_ERROR_LAUNCH_FAILED);
+    let held: Vec<_> = (0..n).map(|_| ctx.alloc(1000).unwrap()).collect();
+    let addrs: Vec<_> = held.iter().map(|p| p.address()).collect();
+    drop(held);
+    // The fence failed: the batch stays held back, and allocations go on
+    // from the driver.
+    assert!(!rt.flush_pool(0).unwrap() || drv.calls(CallKind::Synchronize) >= 2);
+    let p = ctx.alloc(1000).unwrap();
+    assert_eq!(rt.stats()[0].live_count, 1);
+    drop(p);
+    // A later fence succeeds and covers the held-back batch: nothing lost.
+    assert!(rt.flush_pool(0).unwrap());
+    let s = rt.stats()[0];
+    assert_eq!(s.pending_bytes, 0);
+    assert!(s.cached_bytes >= (n + 1) * size_class(1000));
+    assert_eq!(
+        s.cached_bytes,
+        drv.live_bytes(),
+        "all the pool holds is cached"
+    );
+    let again: Vec<_> = (0..n).map(|_| ctx.alloc(1000).unwrap()).collect();
+    assert!(again.iter().any(|p| addrs.contains(&p.address())));
+    drop(again);
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+#[test]
+fn test_blocks_freed_by_another_thread_go_home_and_are_reused_there() {
+    let (drv, rt) = sim_sharded(256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let n = PoolConfig::default().fence_count;
+    let (to_consumer, from_producer) =
+        std::sync::mpsc::channel::<Vec<Arc<gpuptr::DevicePointer>>>();
+    let consumer = std::thread::spawn(move || drop(from_producer.recv().unwrap()));
+    let producer = {
+        let ctx = ctx.clone();
+        let drv = drv.clone();
+        let rt2 = rt.clone();
+        std::thread::spawn(move || {
+            let batch: Vec<_> = (0..n).map(|_| ctx.alloc(4096).unwrap()).collect();
+            let first: std::collections::HashSet<_> = batch.iter().map(|p| p.address()).collect();
+            to_consumer.send(batch).unwrap();
+            consumer.join().unwrap();
+            // The consumer's frees went back to this thread's shard: once
+            // fenced, the same blocks come back, no new memory.
+            assert!(rt2.flush_pool(0).unwrap());
+            let again: Vec<_> = (0..n).map(|_| ctx.alloc(4096).unwrap()).collect();
+            assert_eq!(drv.calls(CallKind::MemAlloc), n as u64);
+            assert!(again.iter().all(|p| first.contains(&p.address())));
+        })
+    };
+    producer.join().unwrap();
+    let s = rt.stats()[0];
+    assert_eq!((s.live_count, s.live_bytes), (0, 0));
+    assert_eq!(s.cached_bytes, n * 4096);
+    assert_eq!(s.fences, 1);
+}
+
+#[test]
+fn test_a_miss_takes_ready_blocks_from_another_shard_before_the_driver() {
+    let (drv, rt) = sim_sharded(256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let n = PoolConfig::default().fence_count;
+    {
+        let ctx = ctx.clone();
+        std::thread::spawn(move || {
+            drop(
+                (0..n)
+                    .map(|_| ctx.alloc(1 << 16).unwrap())
+                    .collect::<Vec<_>>(),
+            );
+        })
+        .join()
+        .unwrap();
+    }
+    assert!(rt.flush_pool(0).unwrap());
+    let allocs = drv.calls(CallKind::MemAlloc);
+    let held: Vec<_> = (0..n).map(|_| ctx.alloc(1 << 16).unwrap()).collect();
+    assert_eq!(
+        drv.calls(CallKind::MemAlloc),
+        allocs,
+        "all taken from the other shard"
+    );
+    assert_eq!(rt.stats()[0].pool_hits as usize, n);
+    // Nothing is ready anywhere now: the driver.
+    let extra = ctx.alloc(1 << 16).unwrap();
+    assert_eq!(drv.calls(CallKind::MemAlloc), allocs + 1);
+    drop(extra);
+    drop(held);
+    assert_eq!(rt.stats()[0].cached_bytes, (n + 1) * (1 << 16));
+}
+
+#[test]
+fn test_out_of_memory_fences_and_reclaims_every_shard() {
+    let (drv, rt) = sim_sharded(8 << 20);
+    let ctx = rt.context(0).unwrap();
+    {
+        // Another thread's shard holds 6 MiB, pending (never fenced).
+        let ctx = ctx.clone();
+        std::thread::spawn(move || {
+            drop(
+                (0..6)
+                    .map(|_| ctx.alloc(1 << 20).unwrap())
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .join()
+        .unwrap();
+    }
+    assert_eq!(drv.live_bytes(), 6 << 20);
+    // A 1 MiB block is there to reuse once fenced; 4 MiB needs the trim.
+    let small = ctx.alloc(1 << 20).unwrap();
+    let big = ctx.alloc(4 << 20).unwrap();
+    assert_eq!(drv.live_bytes(), 5 << 20, "cache returned, no leak");
+    assert_eq!(rt.stats()[0].live_bytes, 5 << 20);
+    drop((small, big));
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+#[test]
+fn test_sixteen_threads_on_a_sharded_pool_balance_the_books() {
+    let (drv, rt) = sim_pooled(1, 512 << 20);
+    let ctx = rt.context(0).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<Arc<gpuptr::DevicePointer>>();
+    let rx = Arc::new(std::sync::Mutex::new(rx));
+    std::thread::scope(|s| {
+        for t in 0..16 {
+            let (ctx, tx, rx) = (ctx.clone(), tx.clone(), rx.clone());
+            s.spawn(move || {
+                for i in 0..2000 {
+                    let p = ctx.alloc(512 + (t * 977 + i * 131) % 200_000).unwrap();
+                    if i % 3 == 0 {
+                        tx.send(p).unwrap(); // freed by whichever thread takes it
+                    }
+                    if let Ok(q) = rx.lock().unwrap().try_recv() {
+                        drop(q);
+                    }
+                }
+            });
+        }
+    });
+    drop(tx);
+    drop(rx);
+    let s = rt.stats()[0];
+    assert_eq!((s.live_count, s.live_bytes), (0, 0));
+    assert_eq!(s.alloc_count, 16 * 2000);
+    assert_eq!(s.pool_hits + s.pool_misses, 16 * 2000);
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+    assert!(rt.registered_ranges() == 0);
+}
+
+#[test]
+fn test_a_failed_free_during_trim_still_unregisters_the_blocks_that_were_freed() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    drop((0..4).map(|_| ctx.alloc(4096).unwrap()).collect::<Vec<_>>());
+    assert_eq!(rt.registered_ranges(), 4);
+    drv.fail_nth(CallKind::MemFree, 2, codes::CUDA_ERROR_UNKNOWN);
+    assert!(rt.trim().is_err());
+    // Three blocks went back to the driver; only the one still cached is known.
+    assert_eq!(drv.live_bytes(), 4096);
+    assert_eq!(rt.registered_ranges(), 1);
+    rt.trim().unwrap();
+    assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
+}

@@ -33,20 +33,24 @@ def _need_numba() -> None:
         raise Skip(f"numba-cuda not importable ({type(e).__name__})")
 
 
-def _run_under_plugin(code: str) -> str:
-    """Run ``code`` as a script under ``NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba``
-    (from a file, so spawned children can re-import it); its stdout. A
-    failure raises with the end of its output."""
+def run_plugin(code: str, timeout: int = 300) -> str:
+    """Run ``code`` (dedented) as a script under
+    ``NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba`` on the CUDA driver, from a
+    file so that spawned children can re-import it; its stdout. A failure
+    raises ``RuntimeError`` with the child's output. gpuptr's checks and its
+    test suite share it."""
     import tempfile
 
-    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
+    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
+    env["NUMBA_CUDA_MEMORY_MANAGER"] = "gpuptr.numba"
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "gpuptr_check.py")
+        path = os.path.join(d, "plugin_case.py")
         with open(path, "w") as f:
             f.write(textwrap.dedent(code))
-        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=300, cwd=d)
-    assert out.returncode == 0, (out.stderr or out.stdout).strip()[-300:]
-    return out.stdout.strip()
+        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout, cwd=d)
+    if out.returncode != 0:
+        raise RuntimeError(f"the plugin script failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
+    return out.stdout
 
 
 def check_driver() -> str:
@@ -152,7 +156,7 @@ def check_numba_plugin() -> str:
         mem = mm.memalloc(1 << 20)
         assert mm.interface_version == 1 and mem.size == 1 << 20
         return "hooks on the simulator (numba's own contexts need a GPU)"
-    out = _run_under_plugin(
+    out = run_plugin(
         """
         import numpy as np
         from numba import cuda
@@ -169,7 +173,7 @@ def check_numba_plugin() -> str:
         print("ok")
         """
     )
-    assert out == "ok", out[-300:]
+    assert out.strip() == "ok", out[-300:]
     return "NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba: to_device + kernel"
 
 
@@ -202,7 +206,7 @@ def check_ipc() -> str:
     if not _on_gpu():
         raise Skip("IPC needs the GPU")
     _need_numba()
-    out = _run_under_plugin(
+    out = run_plugin(
         """
         import multiprocessing as mp, numpy as np
 
@@ -222,7 +226,7 @@ def check_ipc() -> str:
             p.join(60)
         """
     )
-    assert out == "True", out[-300:]
+    assert out.strip() == "True", out[-300:]
     return "pooled pointer opened in a spawned process"
 
 

@@ -37,3 +37,12 @@ def test_the_stubs_match_the_compiled_module():
 def test_the_package_type_checks_strictly():
     out = _run("mypy", "--strict", "--no-incremental", "python/gpuptr")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_stub_docstrings_are_the_compiled_modules():
+    # scripts/stub-docs writes them from the Rust doc comments; --check
+    # fails when a doc comment changed and the stub was not regenerated.
+    out = subprocess.run(
+        [sys.executable, "scripts/stub-docs", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -49,9 +49,11 @@ class Device:
     id: int
     def __new__(cls, id: int) -> Device: ...
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The device's name (`cuDeviceGetName`)."""
     @property
-    def total_memory(self) -> int: ...
+    def total_memory(self) -> int:
+        """Total device memory in bytes (`cuDeviceTotalMem`)."""
     def __int__(self) -> int: ...
     def __index__(self) -> int: ...
 
@@ -69,11 +71,18 @@ class Context:
 
     device: Device
     handle: ContextHandle
-    def memalloc(self, size: int) -> MemoryPointer: ...
-    def get_memory_info(self) -> MemoryInfo: ...
-    def synchronize(self) -> None: ...
-    def stream_synchronize(self, stream: Any) -> None: ...
-    def push(self) -> None: ...
+    def memalloc(self, size: int) -> MemoryPointer:
+        """Allocate `size` bytes in this context (numba's `Context.memalloc`)."""
+    def get_memory_info(self) -> MemoryInfo:
+        """`MemoryInfo(free, total)` from `cuMemGetInfo`."""
+    def synchronize(self) -> None:
+        """Wait for all work in this context to finish."""
+    def stream_synchronize(self, stream: Any) -> None:
+        """Wait for the work queued on ``stream`` (an int handle, or a numba or
+        CuPy stream object) to finish.
+        """
+    def push(self) -> None:
+        """Make this context current on the calling thread."""
 
 class MemoryPointer:
     """Device memory with numba-cuda's MemoryPointer protocol."""
@@ -88,47 +97,132 @@ class MemoryPointer:
         finalizer: Optional[Any] = None,
     ) -> MemoryPointer: ...
     @property
-    def context(self) -> Context: ...
+    def context(self) -> Context:
+        """The context the memory lives in: a real, retained gpuptr `Context`."""
     @property
-    def device_pointer(self) -> Any: ...
+    def device_pointer(self) -> Any:
+        """The address as a `cuda.bindings.driver.CUdeviceptr` (an int when
+        cuda-bindings is not installed), made on first use.
+        """
     @property
-    def device_pointer_value(self) -> Optional[int]: ...
+    def device_pointer_value(self) -> Optional[int]:
+        """The address as an int, or None for a null pointer."""
     @property
-    def device_ctypes_pointer(self) -> Any: ...
+    def device_ctypes_pointer(self) -> Any:
+        """The address as a `ctypes.c_size_t`."""
     @property
-    def handle(self) -> Any: ...
+    def handle(self) -> Any:
+        """numba's `handle`: the same as `device_pointer`."""
     @property
-    def size(self) -> int: ...
+    def size(self) -> int:
+        """Size in bytes."""
     @property
-    def _cuda_memsize_(self) -> int: ...
+    def _cuda_memsize_(self) -> int:
+        """Size in bytes (numba's `device_memory_size` reads this)."""
     @property
-    def owner(self) -> Any: ...
+    def owner(self) -> Any:
+        """The object that owns the memory: the given owner, else this pointer."""
     @property
-    def refct(self) -> int: ...
+    def refct(self) -> int:
+        """How many pointer objects (this one, its views, `own()` handles) share
+        the allocation.
+        """
     @property
-    def is_managed(self) -> bool: ...
+    def is_managed(self) -> bool:
+        """Whether `free()` releases the memory (gpuptr allocations, and wraps
+        made with a finalizer).
+        """
     @property
-    def offset(self) -> int: ...
+    def offset(self) -> int:
+        """Offset of this pointer from the start of its allocation."""
     @property
-    def freed(self) -> bool: ...
-    def own(self) -> MemoryPointer: ...
-    def free(self, stream: Any = None) -> None: ...
-    def record_stream(self, stream: Any) -> None: ...
-    def memset(self, byte: int, count: Optional[int] = None, stream: Any = None) -> None: ...
-    def view(self, start: int, stop: Optional[int] = None) -> MemoryPointer: ...
-    def copy_from_host(self, src: Any, stream: Any = None) -> None: ...
-    def copy_to_host(self, dst: Any = None, stream: Any = None) -> Any: ...
-    def copy_from_device(self, src: MemoryPointer, count: Optional[int] = None, stream: Any = None) -> None: ...
+    def freed(self) -> bool:
+        """Whether the memory was freed."""
+    def own(self) -> MemoryPointer:
+        """Another handle on the same memory; the allocation lives while any does."""
+    def free(self, stream: Any = None) -> None:
+        """Release the memory now. A second call, or a call on a view or a
+        non-owning wrap, does nothing. Views of freed memory raise
+        `InvalidPointerError` when used.
 
-def context(device: int = 0) -> Context: ...
-def alloc(nbytes: int, device: Optional[int] = None, stream: Any = None) -> MemoryPointer: ...
-def wrap(address: Any, nbytes: int, owner: Any = None, context: Optional[Context] = None) -> MemoryPointer: ...
-def context_of(address: Any) -> Context: ...
-def driver_info() -> DriverInfo: ...
-def devices() -> list[Device]: ...
-def probe_cuda() -> tuple[bool, Any]: ...
-def stats() -> list[DeviceStats]: ...
-def release_contexts() -> None: ...
+        With ``stream``, the free is stream-ordered (as ``cudaFreeAsync``):
+        every use was queued on ``stream`` (or declared with
+        ``record_stream``), so the block is reused at once on that stream and
+        by others after a fence. Without it, the block is reused only once all
+        work queued before now, on every stream, is done. While numpy arrays
+        or memoryviews of host-reachable memory are alive this raises
+        ``BufferError``.
+        """
+    def record_stream(self, stream: Any) -> None:
+        """Declare that the memory is also used on ``stream`` (as torch's
+        ``record_stream``): its block is then reused only after all work on
+        every stream queued before its free is done.
+        """
+    def memset(self, byte: int, count: Optional[int] = None, stream: Any = None) -> None:
+        """Set ``count`` bytes (default: all) to ``byte``, on ``stream``
+        (0: synchronously).
+        """
+    def view(self, start: int, stop: Optional[int] = None) -> MemoryPointer:
+        """A pointer to bytes ``[start, stop)`` of this one (``stop`` defaults to
+        the end). It keeps the allocation alive. Out-of-range, reversed or
+        negative bounds raise `InvalidPointerError`.
+        """
+    def copy_from_host(self, src: Any, stream: Any = None) -> None:
+        """Copy a C-contiguous host buffer (bytes, numpy array, ...) to the
+        start of this memory, on ``stream`` if given (it returns once the
+        buffer may be reused). Other Python threads run during the copy, as
+        they do during numba's.
+        """
+    def copy_to_host(self, dst: Any = None, stream: Any = None) -> Any:
+        """Copy this memory to the host: into the writable buffer ``dst`` if
+        given (exactly this memory's size), else into new ``bytes``; on
+        ``stream`` if given (it returns once the bytes are there). Other
+        Python threads run during the copy.
+        """
+    def copy_from_device(self, src: MemoryPointer, count: Optional[int] = None, stream: Any = None) -> None:
+        """Copy ``count`` bytes (default: all of ``src``) from device memory
+        ``src`` to the start of this memory, on ``stream`` if given.
+        """
+
+def context(device: int = 0) -> Context:
+    """The context of `device` (default 0): one object per device."""
+def alloc(nbytes: int, device: Optional[int] = None, stream: Any = None) -> MemoryPointer:
+    """Allocate ``nbytes`` of device memory on ``device`` (default: the current
+    context's device, else 0), from the device's pool.
+
+    Without ``stream`` the memory may be used on any stream: when it is
+    freed, its block is reused only after all work queued before the free,
+    on every stream, is done. With ``stream`` (an int handle, or a numba,
+    CuPy or torch stream) the allocation is stream-ordered, as
+    ``cudaMallocAsync``: a block freed on that stream is reused at once, and
+    the memory is freed on it when dropped (``record_stream`` declares other
+    streams it is used on).
+    """
+def wrap(address: Any, nbytes: int, owner: Any = None, context: Optional[Context] = None) -> MemoryPointer:
+    """Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a
+    MemoryPointer that keeps ``owner`` alive. Without ``context``, the
+    context is resolved from the address itself, never from the current one.
+    """
+def context_of(address: Any) -> Context:
+    """The context of the memory at ``address``: a registry lookup for memory
+    gpuptr knows, one driver query otherwise.
+    """
+def driver_info() -> DriverInfo:
+    """Which driver is in use, its version and the device count."""
+def devices() -> list[Device]:
+    """The devices, as `Device` objects."""
+def probe_cuda() -> tuple[bool, Any]:
+    """Whether the CUDA driver can be used here, without opening it for use:
+    ``(True, version)`` or ``(False, reason)``.
+    """
+def stats() -> list[DeviceStats]:
+    """Allocation statistics per device: live bytes and count, peak, the number
+    of allocations made, and the pool's cached bytes, hits, misses and fences.
+    """
+def release_contexts() -> None:
+    """Drop gpuptr's own hold on contexts; each is released once no pointer
+    holds it.
+    """
 
 @final
 class PinnedMemory:
@@ -140,21 +234,33 @@ class PinnedMemory:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     @property
-    def context(self) -> Context: ...
+    def context(self) -> Context:
+        """The context the memory is pinned in."""
     @property
-    def host_pointer(self) -> int: ...
+    def host_pointer(self) -> int:
+        """The host address (an int)."""
     @property
-    def handle(self) -> int: ...
+    def handle(self) -> int:
+        """numba's ``handle``: the host address."""
     @property
-    def size(self) -> int: ...
+    def size(self) -> int:
+        """Size in bytes."""
     @property
-    def owned(self) -> Any: ...
+    def owned(self) -> Any:
+        """The object whose memory this is (registered memory), if any."""
     @property
-    def readonly(self) -> bool: ...
+    def readonly(self) -> bool:
+        """Whether the bytes are read-only (registered from a read-only object)."""
     @property
-    def is_managed(self) -> bool: ...
-    def own(self) -> PinnedMemory: ...
-    def free(self) -> None: ...
+    def is_managed(self) -> bool:
+        """Whether ``free()`` releases the memory."""
+    def own(self) -> PinnedMemory:
+        """numba's ``own()``: pinned memory is its own owner."""
+    def free(self) -> None:
+        """Release (free or unregister) now; a second call does nothing. While
+        numpy arrays or memoryviews of it are alive this raises
+        ``BufferError`` (as ``mmap.close()`` does) and releases nothing.
+        """
 
 @final
 class MappedMemory(MemoryPointer):
@@ -166,12 +272,19 @@ class MappedMemory(MemoryPointer):
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     @property
-    def host_pointer(self) -> int: ...
+    def host_pointer(self) -> int:
+        """The host address (an int)."""
     @property
-    def owned(self) -> Any: ...
+    def owned(self) -> Any:
+        """The object whose memory this is (registered memory), if any."""
     @property
-    def readonly(self) -> bool: ...
-    def free(self) -> None: ...  # type: ignore[override]
+    def readonly(self) -> bool:
+        """Whether the bytes are read-only (registered from a read-only object)."""
+    def free(self) -> None:  # type: ignore[override]
+        """Release the host memory now (when this pointer manages it). While
+        numpy arrays or memoryviews of it are alive this raises
+        ``BufferError`` and releases nothing.
+        """
 
 @final
 class ManagedMemory(MemoryPointer):
@@ -183,41 +296,97 @@ class ManagedMemory(MemoryPointer):
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
-def alloc_host(nbytes: int, mapped: bool = False, portable: bool = False, wc: bool = False, device: Optional[int] = None) -> Any: ...
-def register_host(obj: Any, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any: ...
-def alloc_managed(nbytes: int, attach_global: bool = True, device: Optional[int] = None) -> ManagedMemory: ...
+def alloc_host(nbytes: int, mapped: bool = False, portable: bool = False, wc: bool = False, device: Optional[int] = None) -> Any:
+    """Allocate ``nbytes`` of pinned host memory on ``device`` (default: the
+    current one). With ``mapped``, it is mapped into the device and returned
+    as a `MappedMemory`, else as a `PinnedMemory`.
+    """
+def register_host(obj: Any, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any:
+    """Pin the memory of ``obj`` (any writable or read-only C-contiguous
+    buffer: numpy array, bytearray, ...) in place, keeping ``obj`` alive until
+    it is unregistered. With ``mapped``, returns a `MappedMemory`.
+    """
+def alloc_managed(nbytes: int, attach_global: bool = True, device: Optional[int] = None) -> ManagedMemory:
+    """Allocate ``nbytes`` of managed (unified) memory on ``device`` (default:
+    the current one), attached globally (or to the host).
+    """
 @final
 class ImportedArray:
     """An imported strided device array: a MemoryPointer starting where the
     array's memory starts, and the layout over it."""
     @property
-    def pointer(self) -> MemoryPointer: ...
+    def pointer(self) -> MemoryPointer:
+        """The memory the array spans, keeping the exporter alive."""
     @property
-    def shape(self) -> tuple[int, ...]: ...
+    def shape(self) -> tuple[int, ...]:
+        """Elements per dimension."""
     @property
-    def strides(self) -> tuple[int, ...]: ...
+    def strides(self) -> tuple[int, ...]:
+        """Bytes between neighbours in each dimension."""
     @property
-    def typestr(self) -> str: ...
+    def typestr(self) -> str:
+        """The element type, as the array interface writes it (``"<f4"``)."""
     @property
-    def itemsize(self) -> int: ...
+    def itemsize(self) -> int:
+        """Bytes per element."""
     @property
-    def readonly(self) -> bool: ...
+    def readonly(self) -> bool:
+        """Whether the exporter marked it read-only."""
     @property
-    def offset(self) -> int: ...
+    def offset(self) -> int:
+        """Bytes from the start of ``pointer`` to element 0 (non-zero only
+        with negative strides).
+        """
     @property
-    def stream(self) -> Optional[int]: ...
+    def stream(self) -> Optional[int]:
+        """The stream the exporter named (the interface's v3), or None."""
 
-def _import_cai(desc: Any, owner: Any = None, sync: bool = True) -> ImportedArray: ...
-def _import_dlpack(capsule: Any) -> ImportedArray: ...
-def trim() -> int: ...
-def flush_pool(device: Optional[int] = None) -> bool: ...
-def reserve(nbytes: int, block_size: Optional[int] = None, device: Optional[int] = None) -> int: ...
-def reset_peak_stats() -> None: ...
-def reset_context(device: int) -> None: ...
+def _import_cai(desc: Any, owner: Any = None, sync: bool = True) -> ImportedArray:
+    """Import a CUDA Array Interface dict (v0-v3) as an ``ImportedArray``.
+    With ``sync`` and a named stream, waits for that stream (v3's rule)
+    unless it is idle.
+    """
+def _import_dlpack(capsule: Any) -> ImportedArray:
+    """Import a DLPack ``"dltensor"`` capsule as an ``ImportedArray``,
+    consuming it as the protocol asks: the capsule is renamed
+    ``"used_dltensor"``, and the pointer keeps an owner that calls the
+    tensor's deleter when the last holder goes (also when the import fails).
+    """
+def trim() -> int:
+    """Return every block the pool caches to the driver; the bytes freed
+    (CuPy's ``free_all_blocks``).
+    """
+def flush_pool(device: Optional[int] = None) -> bool:
+    """Wait until every block freed so far on ``device`` (default: all devices
+    with a context) has passed its fence and is ready for reuse; the
+    allocator itself never waits. ``False`` if a fence failed.
+    """
+def reserve(nbytes: int, block_size: Optional[int] = None, device: Optional[int] = None) -> int:
+    """Fill the pool ahead of demand with about ``nbytes`` of ready blocks of
+    ``block_size`` bytes (default 1 MiB; as RMM's initial pool size), on ``device`` (default:
+    the current one). Allocations of that size then make no driver call
+    until the blocks are used, also while a busy GPU holds freed blocks back.
+    Returns the bytes reserved (fewer if the device ran out part way);
+    ``trim()`` gives them back.
+    """
+def reset_peak_stats() -> None:
+    """Make every device's peak bytes equal to its live bytes now."""
+def reset_context(device: int) -> None:
+    """gpuptr's side of a reset of ``device``'s context (numba's
+    ``cuda.close()``, before numba resets it): cached blocks go back to the
+    driver, and every live pointer turns stale (using it raises
+    `InvalidPointerError`; freeing it does nothing).
+    """
 
 @final
 class DLPackOwner:
     """Owns a consumed DLPack tensor; calls its deleter when dropped."""
 
-def _dlpack_consume(capsule: Any) -> DLPackOwner: ...
-def register_host_ptr(address: Any, size: int, owner: Any = None, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any: ...
+def _dlpack_consume(capsule: Any) -> DLPackOwner:
+    """Consume a `"dltensor"` capsule (after [`describe`] read it):
+    rename it `"used_dltensor"` and return the owner that frees the tensor.
+    """
+def register_host_ptr(address: Any, size: int, owner: Any = None, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any:
+    """Pin ``size`` bytes of host memory at ``address`` in place (numba's
+    ``mempin``), keeping ``owner`` alive until it is unregistered.
+    """

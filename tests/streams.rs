@@ -12,7 +12,6 @@ use common::sim_pooled;
 use gpuptr::driver::CallKind;
 use gpuptr::{codes, PoolConfig, Runtime, SimConfig, SimDriver};
 
-
 const NON_BLOCKING: usize = 0x7e57_0001;
 const BLOCKING: usize = 0x7e57_0002;
 /// Every stream kind: legacy (both handles), per-thread default, a blocking

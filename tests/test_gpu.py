@@ -74,7 +74,7 @@ def test_context_stays_usable_by_cupy_and_numba_after_gpuptr_lets_go():
     out = _run(
         """
         import gc, cupy, gpuptr
-        from gpuptr import _core
+        from gpuptr import _testing
         a = cupy.arange(10)
         mem = gpuptr.alloc(1 << 20)
         mem.free(); del mem

@@ -59,3 +59,69 @@ def test_bench_plot_draws_a_png(tmp_path):
     assert out.returncode == 0, out.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+def test_version_and_help_are_plain_text():
+    out = _run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"gpuptr {gpuptr.__version__}"
+    out = _run("--help")
+    assert out.returncode == 0
+    assert "``" not in out.stdout and ":func:" not in out.stdout, "no reStructuredText markup"
+    for command in ("check", "info", "bench"):
+        assert command in out.stdout
+        sub = _run(command, "--help")
+        assert sub.returncode == 0 and "usage: gpuptr" in sub.stdout, command
+
+
+def test_info_json_describes_the_driver_devices_and_pool():
+    out = _run("info", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    info = gpuptr.driver_info()
+    assert report["driver"]["driver"] == info["driver"]
+    assert len(report["devices"]) == info["device_count"] == len(report["stats"])
+    assert all(d["total_bytes"] > 0 for d in report["devices"])
+
+
+def test_check_json_reports_each_check():
+    out = _run("check", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["failed"] == 0 and report["passed"] >= 8
+    assert {c["name"] for c in report["checks"]} >= {"driver", "pool", "numba plugin"}
+    assert all(c["status"] in ("pass", "FAIL", "skip") for c in report["checks"])
+
+
+def test_bench_writes_no_file_unless_asked(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuptr", "bench", "--quick"],
+        env=dict(os.environ), capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing written without --json"
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuptr", "bench", "--quick", "--json", "-"],
+        env=dict(os.environ), capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )
+    assert out.returncode == 0 and json.loads(out.stdout)["rows"]
+
+
+def test_bench_exits_non_zero_when_it_measured_nothing(monkeypatch, capsys):
+    from gpuptr import bench
+
+    skipped = {"row": "r", "baseline": "b", "gpuptr_ns": None, "baseline_ns": None, "ratio": None,
+               "skipped": "needs the GPU", "extra": {}}
+    monkeypatch.setattr(bench, "run", lambda quick=False, out=None: {"meta": {}, "rows": [skipped]})
+    assert bench.main(["--quick"]) == 1
+    assert "no row could be measured" in capsys.readouterr().err
+
+
+def test_the_simulator_note_goes_to_stderr():
+    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
+    if gpuptr.probe_cuda()[0]:
+        import pytest
+
+        pytest.skip("a CUDA driver is usable here: no fallback note")
+    out = subprocess.run([sys.executable, "-m", "gpuptr", "info"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "simulator" in out.stderr and "note:" not in out.stdout

@@ -399,19 +399,30 @@ def plot(report: Dict[str, Any], path: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="gpuptr bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="gpuptr bench",
+        description="Time gpuptr against numba, CuPy, torch, RMM and cuda.bindings, side by side, and print "
+        "a table of ratios (a peer that is not installed, or needs a GPU, is skipped). Progress goes to stderr.",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
-    ap.add_argument("--json", default="gpuptr-bench.json", help="where to write the JSON report")
+    ap.add_argument("--json", metavar="FILE", help="also write the JSON report to FILE ('-': stdout, instead of the table)")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
     args = ap.parse_args(argv)
     report = run(quick=args.quick)
-    print(format_table(report))
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.json}")
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"note: wrote {args.json}", file=sys.stderr)
     if args.plot:
         plot(report, args.plot)
-        print(f"wrote {args.plot}")
+        print(f"note: wrote {args.plot}", file=sys.stderr)
+    if not any(not r["skipped"] for r in report["rows"]):
+        print("error: no row could be measured here", file=sys.stderr)
+        return 1
     return 0
 
 

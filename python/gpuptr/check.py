@@ -243,11 +243,20 @@ CHECKS: List[Tuple[str, Callable[[], str]]] = [
 ]
 
 
-def run(out: TextIO = sys.stdout) -> int:
-    """Run every check, print the table; returns the number of failures."""
+def run(out: TextIO = sys.stdout, as_json: bool = False) -> int:
+    """Run every check and print the table (or, with ``as_json``, a JSON
+    report); returns the number of failures. On a terminal, stderr shows
+    which check runs and how long each took."""
+    import json
+    import time
+
     failures = 0
     rows = []
+    progress = sys.stderr.isatty()
     for name, fn in CHECKS:
+        t0 = time.perf_counter()
+        if progress:
+            print(f"  running: {name} ...", end="", file=sys.stderr, flush=True)
         try:
             rows.append((name, PASS, fn()))
         except Skip as s:
@@ -257,9 +266,15 @@ def run(out: TextIO = sys.stdout) -> int:
             where = traceback.extract_tb(e.__traceback__)[-1]
             detail = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} at: {where.line}"
             rows.append((name, FAIL, detail))
+        if progress:
+            print(f" {rows[-1][1]} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    counts = {k: sum(r[1] == v for r in rows) for k, v in (("passed", PASS), ("failed", FAIL), ("skipped", SKIP))}
+    if as_json:
+        report = {"checks": [{"name": n, "status": st, "detail": d} for n, st, d in rows], **counts}
+        print(json.dumps(report, indent=2), file=out)
+        return failures
     width = max(len(r[0]) for r in rows)
     for name, status, detail in rows:
         print(f"{name:<{width}}  {status:<4}  {detail}", file=out)
-    summary = f"{sum(r[1] == PASS for r in rows)} passed, {failures} failed, {sum(r[1] == SKIP for r in rows)} skipped"
-    print(summary, file=out)
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", file=out)
     return failures

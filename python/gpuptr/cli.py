@@ -8,15 +8,23 @@
 - ``python -m gpuptr bench``: gpuptr against numba, CuPy and cuda.bindings.
 
 With no ``GPUPTR_DRIVER`` set and no usable CUDA driver, they run on the
-simulator and say so.
+simulator and say so. Notes go to stderr; ``--json`` puts the result on
+stdout as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Sequence, TextIO
+
+_DESCRIPTION = "gpuptr: refcounted CUDA contexts and device pointers, and a caching pool for numba."
+_EPILOG = (
+    "With no GPUPTR_DRIVER set and no usable CUDA driver, the commands run on "
+    "gpuptr's simulator and say so on stderr. Run 'gpuptr COMMAND --help' for a command's options."
+)
 
 
 def _choose_driver(out: TextIO) -> None:
@@ -41,24 +49,39 @@ def cmd_info(args: argparse.Namespace) -> int:
     """Print the driver and devices."""
     import gpuptr
 
-    _choose_driver(sys.stdout)
+    _choose_driver(sys.stderr)
     info = gpuptr.driver_info()
+    if args.json:
+        devices = []
+        for dev in gpuptr.devices():
+            free, total = gpuptr.context(dev.id).get_memory_info()
+            devices.append({"id": dev.id, "name": dev.name, "total_bytes": total, "free_bytes": free})
+        report = {"gpuptr": gpuptr.__version__, "driver": dict(info), "devices": devices, "stats": gpuptr.stats()}
+        print(json.dumps(report, indent=2))
+        return 0
     print(f"gpuptr {gpuptr.__version__}")
     print(f"driver: {info['driver']} (CUDA {info['version_string']}, version {info['version']})")
     print(f"devices: {info['device_count']}")
+    stats = {s["device"]: s for s in gpuptr.stats()}
     for dev in gpuptr.devices():
         ctx = gpuptr.context(dev.id)
         free, total = ctx.get_memory_info()
         print(f"  [{dev.id}] {dev.name}: {_gib(total)} total, {_gib(free)} free")
+        s = stats[dev.id]
+        print(
+            f"      this process's pool: {s['live_bytes']} B live in {s['live_count']} allocations,"
+            f" {s['cached_bytes']} B cached ({s['pending_bytes']} B waiting for a fence),"
+            f" peak {s['peak_bytes']} B"
+        )
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Exercise the whole stack and print a pass/fail table."""
-    _choose_driver(sys.stdout)
+    _choose_driver(sys.stderr)
     from gpuptr.check import run
 
-    return 1 if run() else 0
+    return 1 if run(as_json=args.json) else 0
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
@@ -75,13 +98,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         # bench parses its own options (--quick, --json, --plot).
         return cmd_bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="gpuptr", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("check", help="exercise the whole stack and print a pass/fail table")
+    import gpuptr
+
+    parser = argparse.ArgumentParser(prog="gpuptr", description=_DESCRIPTION, epilog=_EPILOG)
+    parser.add_argument("--version", action="version", version=f"gpuptr {gpuptr.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "check",
+        help="exercise the whole stack and print a pass/fail table",
+        description="Exercise the whole stack (driver, contexts, alloc, views, pool, host memory, numba plugin, "
+        "CAI import, IPC) and print a pass/fail table. Exits non-zero on any failure.",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("info", help="show the driver and devices")
+    p = sub.add_parser(
+        "info",
+        help="show the driver, the devices and the pool",
+        description="Show the driver in use, its version, and each device with its memory.",
+    )
+    p.add_argument("--json", action="store_true", help="print it as JSON on stdout")
     p.set_defaults(func=cmd_info)
-    sub.add_parser("bench", help="time gpuptr against numba, CuPy and cuda.bindings (--quick, --json, --plot)")
+    sub.add_parser(
+        "bench",
+        help="time gpuptr against numba, CuPy, torch, RMM and cuda.bindings (see 'gpuptr bench --help')",
+    )
     args = parser.parse_args(argv)
     try:
         rc: int = args.func(args)

@@ -59,13 +59,21 @@ pub enum Error {
     /// A driver call failed with a `CUresult`.
     #[error("{call} failed: {name} ({code})")]
     Cuda {
+        /// The driver function, e.g. `"cuMemAlloc"`.
         call: &'static str,
+        /// The `CUresult`.
         code: i32,
+        /// Its name, e.g. `"CUDA_ERROR_OUT_OF_MEMORY"`.
         name: String,
     },
     /// The device (or the pool in front of it) cannot satisfy a request.
     #[error("out of memory on device {device}: could not allocate {requested} bytes")]
-    OutOfMemory { device: usize, requested: usize },
+    OutOfMemory {
+        /// The device ordinal.
+        device: usize,
+        /// The bytes asked for.
+        requested: usize,
+    },
     /// A pointer that is freed, stale, out of range or not device memory.
     #[error("invalid pointer: {0}")]
     InvalidPointer(String),

@@ -25,6 +25,7 @@
 //! ```
 
 #![deny(clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
 
 pub mod driver;
 mod error;

@@ -666,7 +666,7 @@ impl Runtime {
         ))
     }
 
-    /// Wrap the memory a strided array spans (see [`Layout`]) whose element
+    /// Wrap the memory a strided array spans (see [`Layout`](crate::Layout)) whose element
     /// 0 is at `address`; the returned view starts at element 0. An empty
     /// layout gives a null view in the current device's context.
     pub fn wrap_layout(

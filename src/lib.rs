@@ -52,7 +52,7 @@ pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};
 pub use layout::{typestr_itemsize, Layout};
 pub use memory::{DevicePointer, KeepAlive, Origin, View};
-pub use pool::{size_class, PoolConfig};
+pub use pool::{size_class, ClassStats, PoolConfig};
 pub use runtime::{DeviceStats, Runtime};
 
 /// `CUresult` codes gpuptr refers to by name.

@@ -425,6 +425,17 @@ struct Shard {
     hits: u64,
     misses: u64,
     fences: u64,
+    /// Blocks handed out now, and the most at once, per class (for
+    /// `memory_summary`; a vector index under the lock already held).
+    class_live: Vec<ClassCount>,
+    large_live: FastMap<usize, ClassCount>,
+}
+
+/// Blocks of one class handed out from one shard: now, and at most.
+#[derive(Copy, Clone, Debug, Default)]
+struct ClassCount {
+    live: usize,
+    peak: usize,
 }
 
 impl Default for Shard {
@@ -447,6 +458,8 @@ impl Default for Shard {
             hits: 0,
             misses: 0,
             fences: 0,
+            class_live: vec![ClassCount::default(); SMALL_CLASSES],
+            large_live: FastMap::default(),
         }
     }
 }
@@ -467,6 +480,35 @@ impl Shard {
             None => self.large.entry(class).or_default().push(ptr),
         }
         self.ready_bytes += class;
+    }
+
+    fn class_count(&mut self, class: usize) -> &mut ClassCount {
+        match class_index(class) {
+            Some(i) => &mut self.class_live[i],
+            None => self.large_live.entry(class).or_default(),
+        }
+    }
+
+    /// Blocks of each class this shard holds for reuse.
+    fn cached_by_class(&self, out: &mut FastMap<usize, usize>) {
+        for (i, v) in self.ready.iter().enumerate() {
+            if !v.is_empty() {
+                *out.entry(class_of_index(i)).or_default() += v.len();
+            }
+        }
+        for (class, v) in &self.large {
+            *out.entry(*class).or_default() += v.len();
+        }
+        for (_, class) in self
+            .pending
+            .iter()
+            .chain(self.sealed.iter().flat_map(|b| &b.blocks))
+        {
+            *out.entry(*class).or_default() += 1;
+        }
+        for ((_, class), v) in &self.on_stream {
+            *out.entry(*class).or_default() += v.len();
+        }
     }
 
     fn fence_due(&self, config: &PoolConfig) -> bool {
@@ -621,6 +663,20 @@ pub(crate) struct PoolStats {
     pub fences: u64,
 }
 
+/// One size class of a pool, in blocks of `class` bytes.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClassStats {
+    /// The block size.
+    pub class: usize,
+    /// Blocks handed out now.
+    pub live_blocks: usize,
+    /// The most handed out at once (an upper bound when several threads
+    /// allocate).
+    pub peak_blocks: usize,
+    /// Blocks held for reuse (ready, on a stream, or waiting for a fence).
+    pub cached_blocks: usize,
+}
+
 /// A block handed out by [`Pool::alloc`]: where it is and where it goes back.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
@@ -771,10 +827,52 @@ impl Pool {
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);
             sh.peak_bytes = sh.live_bytes;
+            sh.class_live.iter_mut().for_each(|c| c.peak = c.live);
+            sh.large_live.values_mut().for_each(|c| c.peak = c.live);
         }
     }
 
-    fn handed_out(sh: &mut Shard, size: usize, hit: bool) {
+    /// Per size class: blocks handed out now, the most at once (the sum of
+    /// the shards' peaks: exact with one thread, an upper bound with
+    /// several), and blocks cached. Classes with none of these are left out.
+    pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
+        let mut by: FastMap<usize, ClassStats> = FastMap::default();
+        let mut cached = FastMap::default();
+        for i in 0..self.shards.len() {
+            let sh = self.shard(i);
+            let counts = sh
+                .class_live
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (class_of_index(i), *c))
+                .chain(sh.large_live.iter().map(|(k, c)| (*k, *c)));
+            for (class, c) in counts.filter(|(_, c)| c.peak > 0) {
+                let e = by.entry(class).or_insert(ClassStats {
+                    class,
+                    ..ClassStats::default()
+                });
+                e.live_blocks += c.live;
+                e.peak_blocks += c.peak;
+            }
+            sh.cached_by_class(&mut cached);
+        }
+        for (class, n) in cached {
+            by.entry(class)
+                .or_insert(ClassStats {
+                    class,
+                    ..ClassStats::default()
+                })
+                .cached_blocks += n;
+        }
+        let mut v: Vec<ClassStats> = by.into_values().collect();
+        v.sort_by_key(|c| c.class);
+        v
+    }
+
+    fn handed_out(sh: &mut Shard, size: usize, class: usize, hit: bool) {
+        let c = sh.class_count(class);
+        c.live += 1;
+        c.peak = c.peak.max(c.live);
         sh.live_bytes += size;
         sh.peak_bytes = sh.peak_bytes.max(sh.live_bytes);
         sh.live_count += 1;
@@ -829,7 +927,7 @@ impl Pool {
             // The fast path: one lock, the thread's own shard, no driver call.
             let mut sh = self.shard(own);
             if let Some(p) = sh.take(class, stream, self.fencer.done()) {
-                Self::handed_out(&mut sh, size, true);
+                Self::handed_out(&mut sh, size, class, true);
                 return Ok(block(p, None));
             }
             // A miss: start a fence for what this shard holds back, so that
@@ -838,14 +936,14 @@ impl Pool {
             sh.seal(&self.fencer, context, streams);
         }
         if let Some(p) = self.steal(context, own, class, stream) {
-            Self::handed_out(&mut self.shard(own), size, true);
+            Self::handed_out(&mut self.shard(own), size, class, true);
             return Ok(block(p, None));
         }
         let new = match self.alloc_new(context, class) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {
-                    Self::handed_out(&mut self.shard(own), size, true);
+                    Self::handed_out(&mut self.shard(own), size, class, true);
                     return Ok(block(p, None));
                 }
                 // Returning the cache to the driver and retrying is the
@@ -859,7 +957,7 @@ impl Pool {
             // Never used: ready for anyone at once.
             sh.put_ready(p, class);
         }
-        Self::handed_out(&mut sh, size, false);
+        Self::handed_out(&mut sh, size, class, false);
         Ok(block(new.base, Some(new)))
     }
 
@@ -995,6 +1093,8 @@ impl Pool {
         // zeroed the counts after this block was counted (no panic in a deleter).
         sh.live_bytes = sh.live_bytes.saturating_sub(size);
         sh.live_count = sh.live_count.saturating_sub(1);
+        let c = sh.class_count(block.class);
+        c.live = c.live.saturating_sub(1);
         match stream {
             Some(s) => {
                 sh.on_stream
@@ -1102,6 +1202,8 @@ impl Pool {
             sh.drain();
             sh.live_bytes = 0;
             sh.live_count = 0;
+            sh.class_live.iter_mut().for_each(|c| c.live = 0);
+            sh.large_live.clear();
         }
         let mut held = lock(&self.held);
         held.carved.clear();

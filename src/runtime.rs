@@ -12,7 +12,7 @@ use crate::driver::{
 };
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, KeepAlive};
-use crate::pool::{Allocation, Block, Pool, PoolConfig};
+use crate::pool::{Allocation, Block, ClassStats, Pool, PoolConfig};
 use crate::registry::{Registration, Registry};
 
 /// Allocation counters of one device (allocations made outside the pool).
@@ -379,6 +379,16 @@ impl Runtime {
         crate::fork::check()?;
         self.check_device(device)?;
         self.devices[device].reset()
+    }
+
+    /// The pool of `device` by size class (empty when it has no pool).
+    pub fn class_stats(&self, device: usize) -> Result<Vec<ClassStats>> {
+        self.check_device(device)?;
+        Ok(self.devices[device]
+            .pool
+            .as_ref()
+            .map(Pool::class_stats)
+            .unwrap_or_default())
     }
 
     /// Make every device's peak equal to its live bytes now.

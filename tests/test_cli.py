@@ -115,13 +115,3 @@ def test_bench_exits_non_zero_when_it_measured_nothing(monkeypatch, capsys):
     assert bench.main(["--quick"]) == 1
     assert "no row could be measured" in capsys.readouterr().err
 
-
-def test_the_simulator_note_goes_to_stderr():
-    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
-    if gpuptr.probe_cuda()[0]:
-        import pytest
-
-        pytest.skip("a CUDA driver is usable here: no fallback note")
-    out = subprocess.run([sys.executable, "-m", "gpuptr", "info"], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "simulator" in out.stderr and "note:" not in out.stdout

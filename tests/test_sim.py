@@ -143,7 +143,8 @@ def test_cli_info_falls_back_to_the_simulator_and_says_so():
         pytest.skip("libcuda is present on this machine")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPTR_")}
     out = subprocess.run([sys.executable, "-m", "gpuptr", "info"], env=env, capture_output=True, text=True, check=True)
-    assert "running on gpuptr's simulator" in out.stdout
+    assert "running on gpuptr's simulator" in out.stderr, "notes go to stderr"
+    assert "note:" not in out.stdout
     assert "driver: sim" in out.stdout
     assert "[0] gpuptr simulated device 0" in out.stdout
 

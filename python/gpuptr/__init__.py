@@ -53,7 +53,8 @@ from gpuptr._errors import (
     NoDriverError,
     OutOfMemoryError,
 )
-from gpuptr._types import DeviceStats, DriverInfo, MemoryInfo
+from gpuptr._summary import memory_summary
+from gpuptr._types import ClassStats, DeviceStats, DriverInfo, MemoryInfo
 from gpuptr.interop import ArrayView, from_cuda_array_interface, from_dlpack
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "Context",
     "ContextHandle",
     "CudaError",
+    "ClassStats",
     "Device",
     "DeviceStats",
     "DriverInfo",
@@ -85,6 +87,7 @@ __all__ = [
     "devices",
     "driver_info",
     "flush_pool",
+    "memory_summary",
     "probe_cuda",
     "register_host",
     "release_contexts",

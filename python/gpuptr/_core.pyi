@@ -2,7 +2,7 @@
 
 from typing import Any, Optional, final
 
-from gpuptr._types import DeviceStats, DriverInfo
+from gpuptr._types import ClassStats, DeviceStats, DriverInfo
 
 from gpuptr._types import MemoryInfo
 
@@ -30,6 +30,7 @@ __all__ = [
     "trim",
     "flush_pool",
     "reserve",
+    "pool_classes",
     "reset_peak_stats",
     "reset_context",
     "_dlpack_consume",
@@ -368,6 +369,11 @@ def reserve(nbytes: int, block_size: Optional[int] = None, device: Optional[int]
     until the blocks are used, also while a busy GPU holds freed blocks back.
     Returns the bytes reserved (fewer if the device ran out part way);
     ``trim()`` gives them back.
+    """
+def pool_classes(device: int) -> list[ClassStats]:
+    """The pool of ``device`` by size class: a list of dicts with ``class``
+    (the block size), ``live_blocks``, ``peak_blocks`` and ``cached_blocks``,
+    smallest class first.
     """
 def reset_peak_stats() -> None:
     """Make every device's peak bytes equal to its live bytes now."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, TypedDict
 
-__all__ = ["DeviceStats", "DriverInfo", "MemoryInfo"]
+__all__ = ["ClassStats", "DeviceStats", "DriverInfo", "MemoryInfo"]
 
 
 class MemoryInfo(NamedTuple):
@@ -45,3 +45,11 @@ class DeviceStats(TypedDict):
     pool_misses: int
     #: Fences (batches of freed blocks made safe for reuse) completed.
     fences: int
+
+
+#: One size class of a device's pool (``_core.pool_classes``): the block
+#: size in bytes (``class``), and blocks handed out now, the most at once,
+#: and held for reuse.
+ClassStats = TypedDict(
+    "ClassStats", {"class": int, "live_blocks": int, "peak_blocks": int, "cached_blocks": int}
+)

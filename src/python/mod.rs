@@ -193,6 +193,24 @@ fn reserve(
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }
 
+/// The pool of ``device`` by size class: a list of dicts with ``class``
+/// (the block size), ``live_blocks``, ``peak_blocks`` and ``cached_blocks``,
+/// smallest class first.
+#[pyfunction]
+fn pool_classes<'py>(py: Python<'py>, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    let device = device_arg(int_arg(device, "device")?)?;
+    let list = PyList::empty(py);
+    for c in runtime()?.class_stats(device)? {
+        let d = PyDict::new(py);
+        d.set_item("class", c.class)?;
+        d.set_item("live_blocks", c.live_blocks)?;
+        d.set_item("peak_blocks", c.peak_blocks)?;
+        d.set_item("cached_blocks", c.cached_blocks)?;
+        list.append(d)?;
+    }
+    Ok(list)
+}
+
 /// Make every device's peak bytes equal to its live bytes now.
 #[pyfunction]
 fn reset_peak_stats() -> PyResult<()> {
@@ -253,6 +271,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(trim, m)?)?;
     m.add_function(wrap_pyfunction!(flush_pool, m)?)?;
     m.add_function(wrap_pyfunction!(reserve, m)?)?;
+    m.add_function(wrap_pyfunction!(pool_classes, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;
     m.add_function(wrap_pyfunction!(reset_context, m)?)?;

@@ -1,0 +1,56 @@
+"""``gpuptr.memory_summary()``: a readable table of the pool."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from gpuptr import _core
+
+__all__ = ["memory_summary"]
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def memory_summary(device: Optional[int] = None) -> str:
+    """A table of each device's memory as gpuptr sees it: live, cached
+    (waiting for a fence included) and peak bytes, pool hits, misses and
+    fences, then the same per size class. ``device``: one device (default:
+    all)."""
+    stats = _core.stats()
+    if device is not None:
+        stats = [s for s in stats if s["device"] == device]
+        if not stats:
+            raise _core_invalid(device)
+    lines: List[str] = []
+    for s in stats:
+        d = s["device"]
+        lines.append(f"device {d}")
+        lines.append(
+            f"  live {_size(s['live_bytes'])} in {s['live_count']} allocations, peak {_size(s['peak_bytes'])},"
+            f" {s['alloc_count']} allocations made"
+        )
+        lines.append(
+            f"  cached {_size(s['cached_bytes'])} ({_size(s['pending_bytes'])} waiting for a fence);"
+            f" pool hits {s['pool_hits']}, misses {s['pool_misses']}, fences {s['fences']}"
+        )
+        classes = _core.pool_classes(d)
+        if classes:
+            lines.append(f"  {'block size':>12} {'live':>8} {'peak':>8} {'cached':>8} {'live bytes':>12} {'cached bytes':>12}")
+            for c in classes:
+                size = c["class"]
+                lines.append(
+                    f"  {_size(size):>12} {c['live_blocks']:>8} {c['peak_blocks']:>8} {c['cached_blocks']:>8}"
+                    f" {_size(size * c['live_blocks']):>12} {_size(size * c['cached_blocks']):>12}"
+                )
+    return "\n".join(lines)
+
+
+def _core_invalid(device: int) -> Exception:
+    from gpuptr._errors import InvalidArgumentError
+
+    return InvalidArgumentError(f"device {device} does not exist")

@@ -1,0 +1,58 @@
+"""A view into the pool: ``memory_summary()`` and ``_core.pool_classes``
+agree with ``stats()``."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+import gpuptr
+from gpuptr import _core
+
+
+def _by_class(device: int = 0) -> dict[int, dict[str, int]]:
+    return {c["class"]: dict(c) for c in _core.pool_classes(device)}
+
+
+def test_pool_classes_count_live_peak_and_cached_blocks(no_leaks):
+    gc.collect()
+    gpuptr.flush_pool()
+    gpuptr.reset_peak_stats()
+    before = _by_class()
+    held = [gpuptr.alloc(3 << 20) for _ in range(3)]  # class 3 MiB
+    small = gpuptr.alloc(700)  # class 768 B
+    after = _by_class()
+
+    def live(c: dict[int, dict[str, int]], k: int) -> int:
+        return c.get(k, {}).get("live_blocks", 0)
+
+    assert live(after, 3 << 20) - live(before, 3 << 20) == 3
+    assert live(after, 768) - live(before, 768) == 1
+    del held[0]
+    now = _by_class()
+    assert live(now, 3 << 20) == live(after, 3 << 20) - 1
+    assert now[3 << 20]["peak_blocks"] >= live(after, 3 << 20)
+    assert now[3 << 20]["cached_blocks"] >= 1, "the freed block is cached (waiting for a fence)"
+    # Cached bytes are exactly the classes' cached blocks.
+    s = gpuptr.stats()[0]
+    assert s["cached_bytes"] == sum(k * c["cached_blocks"] for k, c in now.items())
+    assert s["live_bytes"] <= sum(k * c["live_blocks"] for k, c in now.items())
+    del held, small
+
+
+def test_memory_summary_matches_stats(no_leaks):
+    keep = gpuptr.alloc(5 << 20)
+    text = gpuptr.memory_summary(0)
+    s = gpuptr.stats()[0]
+    assert text.startswith("device 0")
+    assert f"in {s['live_count']} allocations" in text
+    assert f"pool hits {s['pool_hits']}, misses {s['pool_misses']}, fences {s['fences']}" in text
+    assert "5.0 MiB" in text, "its size class has a row"
+    assert gpuptr.memory_summary().startswith("device 0"), "all devices by default"
+    del keep
+
+
+def test_memory_summary_of_a_device_that_does_not_exist_is_an_invalid_argument():
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.memory_summary(99)

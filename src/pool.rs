@@ -386,9 +386,6 @@ fn short_timer_slack() {
     }
 }
 
-/// A cached block and its class.
-type Cached = (DevicePtr, usize);
-
 /// A batch of freed blocks waiting for fence `seq`.
 struct Sealed {
     seq: u64,
@@ -419,7 +416,6 @@ struct Shard {
     // fast path). A block comes back to the shard that handed it out, so
     // each shard's live counts stay exact.
     live_bytes: usize,
-    live_count: usize,
     peak_bytes: usize,
     alloc_count: u64,
     hits: u64,
@@ -452,7 +448,6 @@ impl Default for Shard {
             sealed_bytes: 0,
             spare: Vec::new(),
             live_bytes: 0,
-            live_count: 0,
             peak_bytes: 0,
             alloc_count: 0,
             hits: 0,
@@ -509,6 +504,18 @@ impl Shard {
         for ((_, class), v) in &self.on_stream {
             *out.entry(*class).or_default() += v.len();
         }
+    }
+
+    /// Blocks handed out now (the class counts hold them).
+    fn live_count(&self) -> usize {
+        let small: usize = self.class_live.iter().map(|c| c.live).sum();
+        small + self.large_live.values().map(|c| c.live).sum::<usize>()
+    }
+
+    /// A freed block that waits for the next fence.
+    fn put_pending(&mut self, ptr: DevicePtr, class: usize) {
+        self.pending.push((ptr, class));
+        self.pending_bytes += class;
     }
 
     fn fence_due(&self, config: &PoolConfig) -> bool {
@@ -586,29 +593,28 @@ impl Shard {
         None
     }
 
-    /// Empty the cache: every block the shard holds, with its class, as
-    /// (fenced: safe for anyone now, unfenced: waiting for a fence).
-    fn drain(&mut self) -> (Vec<Cached>, Vec<Cached>) {
-        let mut unfenced = std::mem::take(&mut self.pending);
+    /// Empty the cache into `out`: every block the shard holds, with its
+    /// class and whether its fence is done (safe for anyone now).
+    fn drain(&mut self, out: &mut Vec<(DevicePtr, usize, bool)>) {
+        let unfenced = |(p, class)| (p, class, false);
+        out.extend(self.pending.drain(..).map(unfenced));
         for ((_, class), v) in self.on_stream.drain() {
-            unfenced.extend(v.into_iter().map(|p| (p, class)));
+            out.extend(v.into_iter().map(|p| (p, class, false)));
         }
         for batch in self.sealed.drain(..) {
-            unfenced.extend(batch.blocks);
+            out.extend(batch.blocks.into_iter().map(unfenced));
         }
-        let mut fenced = Vec::new();
         for (i, v) in self.ready.iter_mut().enumerate() {
             let class = class_of_index(i);
-            fenced.extend(v.drain(..).map(|p| (p, class)));
+            out.extend(v.drain(..).map(|p| (p, class, true)));
         }
         for (class, v) in self.large.drain() {
-            fenced.extend(v.into_iter().map(|p| (p, class)));
+            out.extend(v.into_iter().map(|p| (p, class, true)));
         }
         self.pending_bytes = 0;
         self.stream_bytes = 0;
         self.sealed_bytes = 0;
         self.ready_bytes = 0;
-        (fenced, unfenced)
     }
 }
 
@@ -809,7 +815,7 @@ impl Pool {
         for i in 0..self.shards.len() {
             let sh = self.shard(i);
             s.live_bytes += sh.live_bytes;
-            s.live_count += sh.live_count;
+            s.live_count += sh.live_count();
             s.peak_bytes += sh.peak_bytes;
             s.alloc_count += sh.alloc_count;
             let waiting = sh.pending_bytes + sh.sealed_bytes;
@@ -838,6 +844,12 @@ impl Pool {
     pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
         let mut by: FastMap<usize, ClassStats> = FastMap::default();
         let mut cached = FastMap::default();
+        fn entry(by: &mut FastMap<usize, ClassStats>, class: usize) -> &mut ClassStats {
+            by.entry(class).or_insert(ClassStats {
+                class,
+                ..ClassStats::default()
+            })
+        }
         for i in 0..self.shards.len() {
             let sh = self.shard(i);
             let counts = sh
@@ -847,22 +859,14 @@ impl Pool {
                 .map(|(i, c)| (class_of_index(i), *c))
                 .chain(sh.large_live.iter().map(|(k, c)| (*k, *c)));
             for (class, c) in counts.filter(|(_, c)| c.peak > 0) {
-                let e = by.entry(class).or_insert(ClassStats {
-                    class,
-                    ..ClassStats::default()
-                });
+                let e = entry(&mut by, class);
                 e.live_blocks += c.live;
                 e.peak_blocks += c.peak;
             }
             sh.cached_by_class(&mut cached);
         }
         for (class, n) in cached {
-            by.entry(class)
-                .or_insert(ClassStats {
-                    class,
-                    ..ClassStats::default()
-                })
-                .cached_blocks += n;
+            entry(&mut by, class).cached_blocks += n;
         }
         let mut v: Vec<ClassStats> = by.into_values().collect();
         v.sort_by_key(|c| c.class);
@@ -875,7 +879,6 @@ impl Pool {
         c.peak = c.peak.max(c.live);
         sh.live_bytes += size;
         sh.peak_bytes = sh.peak_bytes.max(sh.live_bytes);
-        sh.live_count += 1;
         sh.alloc_count += 1;
         if hit {
             sh.hits += 1;
@@ -1008,23 +1011,24 @@ impl Pool {
         } else {
             1
         };
-        // SAFETY: the pool's owner passes its live, retained context.
-        let (base, blocks) = match unsafe { self.driver.mem_alloc(context, carve * class) } {
-            Ok(p) => (p, carve),
+        match self.allocate(context, class, carve) {
             // Too big a request for a tight device: one block will do.
-            Err(e) if carve > 1 && e.is_oom() => {
-                // SAFETY: as above.
-                (unsafe { self.driver.mem_alloc(context, class) }?, 1)
-            }
-            Err(e) => return Err(e),
-        };
-        let new = Allocation {
+            Err(e) if carve > 1 && e.is_oom() => self.allocate(context, class, 1),
+            r => r,
+        }
+    }
+
+    /// One driver allocation of `blocks` blocks of `class`, recorded.
+    fn allocate(&self, context: RawContext, class: usize, blocks: usize) -> Result<Allocation> {
+        // SAFETY: the pool's owner passes its live, retained context.
+        let base = unsafe { self.driver.mem_alloc(context, blocks * class) }?;
+        let a = Allocation {
             base,
             class,
             blocks,
         };
-        lock(&self.held).record(new);
-        Ok(new)
+        lock(&self.held).record(a);
+        Ok(a)
     }
 
     /// Fill the cache ahead of demand with blocks of `size`'s class, about
@@ -1045,9 +1049,8 @@ impl Pool {
         let mut next_shard = 0;
         while want > 0 {
             let blocks = want.min(per_chunk);
-            // SAFETY: the pool's owner passes its live, retained context.
-            let base = match unsafe { self.driver.mem_alloc(context, blocks * class) } {
-                Ok(p) => p,
+            let a = match self.allocate(context, class, blocks) {
+                Ok(a) => a,
                 // A tight device: smaller allocations may still fit.
                 Err(e) if e.is_oom() && blocks > 1 => {
                     per_chunk = blocks / 2;
@@ -1055,12 +1058,6 @@ impl Pool {
                 }
                 Err(e) => return (made, Err(e)),
             };
-            let a = Allocation {
-                base,
-                class,
-                blocks,
-            };
-            lock(&self.held).record(a);
             for p in a.block_addresses() {
                 self.shard(next_shard % self.shards.len())
                     .put_ready(p, class);
@@ -1092,7 +1089,6 @@ impl Pool {
         // Saturating: a reset racing an allocation on another thread may have
         // zeroed the counts after this block was counted (no panic in a deleter).
         sh.live_bytes = sh.live_bytes.saturating_sub(size);
-        sh.live_count = sh.live_count.saturating_sub(1);
         let c = sh.class_count(block.class);
         c.live = c.live.saturating_sub(1);
         match stream {
@@ -1104,8 +1100,7 @@ impl Pool {
                 sh.stream_bytes += block.class;
             }
             None => {
-                sh.pending.push((block.address, block.class));
-                sh.pending_bytes += block.class;
+                sh.put_pending(block.address, block.class);
                 if sh.fence_due(&self.config) {
                     sh.seal(&self.fencer, context, false);
                 }
@@ -1130,9 +1125,7 @@ impl Pool {
         // Each cached block with whether its fence is done.
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
-            let (fenced, unfenced) = self.shard(i).drain();
-            cached.extend(fenced.into_iter().map(|(p, c)| (p, c, true)));
-            cached.extend(unfenced.into_iter().map(|(p, c)| (p, c, false)));
+            self.shard(i).drain(&mut cached);
         }
         // Group the cached blocks by allocation.
         let mut by_base: FastMap<DevicePtr, Vec<(DevicePtr, usize, bool)>> = FastMap::default();
@@ -1184,8 +1177,7 @@ impl Pool {
             if fenced {
                 sh.put_ready(p, class);
             } else {
-                sh.pending.push((p, class));
-                sh.pending_bytes += class;
+                sh.put_pending(p, class);
             }
         }
         if !sh.pending.is_empty() {
@@ -1199,9 +1191,8 @@ impl Pool {
     pub(crate) fn forget(&self) -> Vec<Allocation> {
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);
-            sh.drain();
+            sh.drain(&mut Vec::new());
             sh.live_bytes = 0;
-            sh.live_count = 0;
             sh.class_live.iter_mut().for_each(|c| c.live = 0);
             sh.large_live.clear();
         }

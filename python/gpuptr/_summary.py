@@ -23,9 +23,8 @@ def memory_summary(device: Optional[int] = None) -> str:
     all)."""
     stats = _core.stats()
     if device is not None:
+        _core.pool_classes(device)  # a device that does not exist raises here
         stats = [s for s in stats if s["device"] == device]
-        if not stats:
-            raise _core_invalid(device)
     lines: List[str] = []
     for s in stats:
         d = s["device"]
@@ -49,8 +48,3 @@ def memory_summary(device: Optional[int] = None) -> str:
                 )
     return "\n".join(lines)
 
-
-def _core_invalid(device: int) -> Exception:
-    from gpuptr._errors import InvalidArgumentError
-
-    return InvalidArgumentError(f"device {device} does not exist")

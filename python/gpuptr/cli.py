@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 _DESCRIPTION = "gpuptr: refcounted CUDA contexts and device pointers, and a caching pool for numba."
 _EPILOG = (
@@ -51,23 +51,21 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     _choose_driver(sys.stderr)
     info = gpuptr.driver_info()
+    stats = {s["device"]: s for s in gpuptr.stats()}
+    devices: list[dict[str, Any]] = []
+    for dev in gpuptr.devices():
+        free, total = gpuptr.context(dev.id).get_memory_info()
+        devices.append({"id": dev.id, "name": dev.name, "total_bytes": total, "free_bytes": free})
     if args.json:
-        devices = []
-        for dev in gpuptr.devices():
-            free, total = gpuptr.context(dev.id).get_memory_info()
-            devices.append({"id": dev.id, "name": dev.name, "total_bytes": total, "free_bytes": free})
-        report = {"gpuptr": gpuptr.__version__, "driver": dict(info), "devices": devices, "stats": gpuptr.stats()}
+        report = {"gpuptr": gpuptr.__version__, "driver": dict(info), "devices": devices, "stats": list(stats.values())}
         print(json.dumps(report, indent=2))
         return 0
     print(f"gpuptr {gpuptr.__version__}")
     print(f"driver: {info['driver']} (CUDA {info['version_string']}, version {info['version']})")
     print(f"devices: {info['device_count']}")
-    stats = {s["device"]: s for s in gpuptr.stats()}
-    for dev in gpuptr.devices():
-        ctx = gpuptr.context(dev.id)
-        free, total = ctx.get_memory_info()
-        print(f"  [{dev.id}] {dev.name}: {_gib(total)} total, {_gib(free)} free")
-        s = stats[dev.id]
+    for d in devices:
+        print(f"  [{d['id']}] {d['name']}: {_gib(d['total_bytes'])} total, {_gib(d['free_bytes'])} free")
+        s = stats[d["id"]]
         print(
             f"      this process's pool: {s['live_bytes']} B live in {s['live_count']} allocations,"
             f" {s['cached_bytes']} B cached ({s['pending_bytes']} B waiting for a fence),"

@@ -10,8 +10,10 @@ use super::py_context::PyContext;
 use super::runtime;
 use crate::{Context, DevicePtr, Error, RawStream};
 
-/// The context of `device`, or of the current device when `None`.
-pub(crate) fn device_context(device: Option<usize>) -> PyResult<Arc<crate::Context>> {
+/// The context of a ``device`` argument, or of the current device when it
+/// is absent or ``None``.
+pub(crate) fn device_context(device: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<crate::Context>> {
+    let device = optional_device(device)?;
     let rt = runtime()?;
     let d = match device {
         Some(d) => d,

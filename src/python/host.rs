@@ -10,7 +10,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::args::{context_arg, device_context, optional_device, pointer_arg, size_arg};
+use super::args::{context_arg, device_context, pointer_arg, size_arg};
 use super::pointer::{keep_finalizer, PyMemoryPointer};
 use super::py_context::{lazy_context, py_context, PyContext};
 use crate::{Error, HostFlags, HostMemory};
@@ -487,7 +487,7 @@ pub(crate) fn alloc_host(
     wc: bool,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    let ctx = device_context(optional_device(device)?)?;
+    let ctx = device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -524,7 +524,7 @@ pub(crate) fn register_host(
     }
     let (ptr, len, readonly) = (buf.buf_ptr() as usize, buf.len_bytes(), buf.readonly());
     drop(buf);
-    let ctx = device_context(optional_device(device)?)?;
+    let ctx = device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -553,7 +553,7 @@ pub(crate) fn register_host_ptr(
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let ptr = pointer_arg(address)? as usize;
-    let ctx = device_context(optional_device(device)?)?;
+    let ctx = device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -578,7 +578,7 @@ pub(crate) fn alloc_managed(
     attach_global: bool,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyManagedMemory>> {
-    let ctx = device_context(optional_device(device)?)?;
+    let ctx = device_context(device)?;
     let size = size_arg(nbytes)?;
     let mem = py.detach(|| ctx.alloc_managed(size, attach_global))?;
     let pyctx = py_context(py, &ctx)?;

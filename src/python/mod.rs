@@ -51,9 +51,8 @@ fn alloc(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
     let size = size_arg(int_arg(nbytes, "nbytes")?)?;
-    let device = optional_device(device)?;
-    let stream = args::stream_arg(stream)?;
     let ctx = device_context(device)?;
+    let stream = args::stream_arg(stream)?;
     let pyctx = py_context(py, &ctx)?;
     let mem = match stream {
         Some(s) => ctx.alloc_on(size, s)?,
@@ -188,7 +187,6 @@ fn reserve(
     if size == 0 {
         return Err(Error::InvalidArgument("block_size must be positive".into()).into());
     }
-    let device = optional_device(device)?;
     let ctx = device_context(device)?;
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }

@@ -593,6 +593,18 @@ impl Shard {
         None
     }
 
+    /// Take one block of `class` out of a sealed batch (the oldest that has
+    /// one), with the number of the fence it waits for.
+    fn claim_sealed(&mut self, class: usize) -> Option<(DevicePtr, u64)> {
+        self.sealed.iter_mut().find_map(|batch| {
+            let at = batch.blocks.iter().position(|b| b.1 == class)?;
+            let (p, _) = batch.blocks.swap_remove(at);
+            batch.bytes -= class;
+            self.sealed_bytes -= class;
+            Some((p, batch.seq))
+        })
+    }
+
     /// Empty the cache into `out`: every block the shard holds, with its
     /// class and whether its fence is done (safe for anyone now).
     fn drain(&mut self, out: &mut Vec<(DevicePtr, usize, bool)>) {
@@ -981,17 +993,43 @@ impl Pool {
         ok
     }
 
-    /// Seal every shard, wait for the fence, then take a ready block of
-    /// `class` from any shard.
+    /// Out of memory: a cached block of `class` from any shard, waiting for
+    /// its fence if it needs one. Every shard is sealed (stream-held blocks
+    /// too); a ready block is taken at once, else one block of `class` is
+    /// taken out of a sealed batch *before* the wait, so that threads
+    /// churning the cache meanwhile cannot take it back (they could take
+    /// every block the fence makes ready before this thread looks again).
+    /// `None` if no block of `class` is cached, or its fence failed.
     fn fence_all_and_take(
         &self,
         context: RawContext,
         own: usize,
         class: usize,
     ) -> Option<DevicePtr> {
-        self.seal_all_and_wait(context);
         let n = self.shards.len();
-        (0..n).find_map(|d| self.shard((own + d) % n).take_ready(class))
+        let done = self.fencer.done();
+        let mut claimed = None;
+        for d in 0..n {
+            let i = (own + d) % n;
+            let mut sh = self.shard(i);
+            sh.seal(&self.fencer, context, true);
+            sh.promote(done);
+            if let Some(p) = sh.take_ready(class) {
+                return Some(p);
+            }
+            if claimed.is_none() {
+                claimed = sh.claim_sealed(class).map(|(p, seq)| (i, p, seq));
+            }
+        }
+        let (i, p, seq) = claimed?;
+        if self.fencer.wait(seq) {
+            return Some(p);
+        }
+        // The fence failed: the block waits for the next one, as before.
+        let mut sh = self.shard(i);
+        sh.put_pending(p, class);
+        sh.seal(&self.fencer, context, false);
+        None
     }
 
     /// New memory from the driver for blocks of `class`: one block, or,
@@ -1246,6 +1284,38 @@ mod tests {
         assert_eq!(pool.stats().live_count, 1);
         assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
         assert_eq!(pool.held_blocks(), 1);
+    }
+
+    /// With no trim to fall back on: a thread out of memory while other
+    /// threads churn the cache still gets a cached block once its fence is
+    /// done (they could take back every block the fence made ready before
+    /// it looked; it now claims one before it waits).
+    #[test]
+    fn pool_out_of_memory_claims_a_cached_block_against_churning_threads() {
+        let sim = Arc::new(SimDriver::new(SimConfig::new(1, 4 << 20)));
+        let ctx = sim.primary_context_retain(0).unwrap();
+        let config = PoolConfig {
+            fence_pace: Duration::ZERO,
+            shards: 1,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::new(config, sim.clone());
+        std::thread::scope(|s| {
+            for t in 0..3 {
+                let pool = &pool;
+                s.spawn(move || {
+                    for i in 0..20_000 {
+                        match pool.alloc(ctx, 1 << 20, None, 0) {
+                            Ok(b) => pool.release(ctx, b, 1 << 20, None, || true),
+                            Err(e) => panic!("thread {t}, pair {i}: {e:?}"),
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(pool.stats().live_count, 0);
+        assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
+        assert_eq!(sim.live_bytes(), 0);
     }
 
     #[test]

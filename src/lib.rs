@@ -51,7 +51,7 @@ pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};
 pub use layout::{typestr_itemsize, Layout};
-pub use memory::{DevicePointer, KeepAlive, Origin, View};
+pub use memory::{DevicePointer, KeepAlive, Loan, Origin, View};
 pub use pool::{size_class, ClassStats, PoolConfig};
 pub use runtime::{DeviceStats, Runtime};
 

@@ -137,6 +137,26 @@ impl Lifetime {
     }
 }
 
+/// Memory lent to a consumer outside gpuptr ([`DevicePointer::lend`]): it
+/// holds the allocation, and the release of a free asked for meanwhile runs
+/// when the last loan or operation ends. Dropping it never blocks on Python.
+#[derive(Debug)]
+pub struct Loan(Arc<DevicePointer>);
+
+impl Loan {
+    /// The memory lent.
+    pub fn pointer(&self) -> &Arc<DevicePointer> {
+        &self.0
+    }
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        let p = &self.0;
+        p.life.end(Lifetime::OP, || p.release());
+    }
+}
+
 /// Who frees the memory.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Origin {
@@ -452,6 +472,26 @@ impl DevicePointer {
     /// End a buffer export counted by [`DevicePointer::begin_export`].
     pub fn end_export(&self) {
         self.life.end(Lifetime::EXPORT, || self.release());
+    }
+
+    /// Lend the memory to a consumer outside gpuptr (a DLPack tensor): until
+    /// the [`Loan`] drops, a [`DevicePointer::free`] leaves the release to it,
+    /// so the consumer never reads memory that was reused under it. `Err` if
+    /// the memory is not live.
+    pub fn lend(self: &Arc<Self>) -> Result<Loan> {
+        self.check_live()?;
+        self.begin(Lifetime::OP)?;
+        Ok(Loan(self.clone()))
+    }
+
+    /// The stream the memory is ordered on (allocated or freed with one, and
+    /// used on no other): work queued there may still use it. `None` for
+    /// memory any stream may use now. The legacy default stream is 0.
+    pub fn stream(&self) -> Option<RawStream> {
+        match self.stream.load(Ordering::Relaxed) {
+            NO_STREAM | MANY_STREAMS => None,
+            s => Some(s),
+        }
     }
 
     /// Call `f` with what the pointer keeps alive until release, if anything

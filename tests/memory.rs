@@ -166,3 +166,66 @@ fn test_empty_views_may_start_past_the_end_like_numbas() {
         Err(Error::InvalidPointer(_))
     ));
 }
+
+#[test]
+fn test_a_free_while_lent_leaves_the_release_to_the_last_loan() {
+    let (drv, rt) = sim(1);
+    let mem = rt.context(0).unwrap().alloc(4096).unwrap();
+    let loan = mem.lend().unwrap();
+    let second = mem.lend().unwrap();
+    assert_eq!(mem.free(), Ok(true), "the free is accepted");
+    assert!(mem.is_freed());
+    assert!(mem.lend().is_err(), "freed memory is not lent again");
+    drop(mem);
+    assert_eq!(drv.live_bytes(), 4096, "the consumers still hold it");
+    drop(loan);
+    assert_eq!(drv.live_bytes(), 4096);
+    assert_eq!(second.pointer().size(), 4096);
+    drop(second);
+    assert_eq!(
+        (drv.live_bytes(), drv.calls(CallKind::MemFree)),
+        (0, 1),
+        "released once, by the last loan"
+    );
+}
+
+#[test]
+fn test_stream_ordered_memory_names_its_stream_until_used_on_another() {
+    let (_drv, rt) = common::sim_pooled(1, 1 << 20);
+    let ctx = rt.context(0).unwrap();
+    assert_eq!(ctx.alloc(64).unwrap().stream(), None);
+    let mem = ctx.alloc_on(64, 0x5000).unwrap();
+    assert_eq!(mem.stream(), Some(0x5000));
+    mem.record_stream(0x5000);
+    assert_eq!(mem.stream(), Some(0x5000), "its own stream changes nothing");
+    mem.record_stream(0x6000);
+    assert_eq!(mem.stream(), None, "used on two streams: ordered on none");
+    assert_eq!(
+        ctx.alloc_on(64, 1).unwrap().stream(),
+        Some(0),
+        "legacy is 0"
+    );
+}
+
+#[test]
+fn test_a_lent_pool_block_is_not_reused_until_the_loan_ends() {
+    let (drv, rt) = common::sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.alloc(1 << 20).unwrap();
+    let addr = mem.address();
+    let loan = mem.lend().unwrap();
+    mem.free().unwrap();
+    drop(mem);
+    rt.flush_pool(0).unwrap();
+    let other = ctx.alloc(1 << 20).unwrap();
+    assert_ne!(other.address(), addr, "the consumer still reads it");
+    drop(loan);
+    drv.complete(None);
+    rt.flush_pool(0).unwrap();
+    let again = ctx.alloc(1 << 20).unwrap();
+    assert_eq!(
+        again.address(),
+        addr,
+        "back in the pool once the loan ended"
+    );
+}

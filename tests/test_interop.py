@@ -225,8 +225,22 @@ def test_dlpack_capsule_is_read(mem):
 
 
 def test_dlpack_without_strides_is_c_contiguous(mem):
-    v = gpuptr.from_dlpack(FakeCudaTensor(mem.device_pointer_value, (3, 5), code=1, bits=8))
+    t = FakeCudaTensor(mem.device_pointer_value, (3, 5), code=1, bits=8)
+    v = gpuptr.from_dlpack(t)
     assert v.strides == (5, 1) and v.typestr == "|u1"
+    del v
+
+
+@pytest.mark.parametrize(
+    "code, bits, name, typestr",
+    [(4, 16, "bfloat16", "<V2"), (10, 8, "float8_e4m3fn", "|V1"), (12, 8, "float8_e5m2", "|V1"), (6, 8, "bool", "|b1")],
+)
+def test_dlpack_bfloat16_and_float8_are_read_with_their_names(mem, code, bits, name, typestr):
+    t = FakeCudaTensor(mem.device_pointer_value, (4,), code=code, bits=bits)
+    v = gpuptr.from_dlpack(t)
+    assert (v.dtype_name, v.typestr, v.itemsize) == (name, typestr, bits // 8)
+    assert v.dtype.itemsize == bits // 8
+    del v  # before the producer's tensor, which the capsule points into
 
 
 def test_dlpack_of_a_host_array_is_refused():
@@ -238,7 +252,9 @@ def test_dlpack_of_a_host_array_is_refused():
 @pytest.mark.parametrize(
     "kwargs, error",
     [
-        ({"code": 4, "bits": 16}, gpuptr.InvalidArgumentError),  # bfloat16
+        ({"code": 4, "bits": 32}, gpuptr.InvalidArgumentError),  # no 32-bit bfloat
+        ({"code": 17, "bits": 4}, gpuptr.InvalidArgumentError),  # fp4: sub-byte
+        ({"code": 3, "bits": 64}, gpuptr.InvalidArgumentError),  # opaque handle
         ({"bits": 12}, gpuptr.InvalidArgumentError),
         ({"name": b"used_dltensor"}, gpuptr.InvalidArgumentError),
         ({"device_type": 3}, gpuptr.InvalidArgumentError),  # pinned host

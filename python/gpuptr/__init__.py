@@ -55,7 +55,7 @@ from gpuptr._errors import (
 )
 from gpuptr._summary import memory_summary
 from gpuptr._types import ClassStats, DeviceStats, DriverInfo, MemoryInfo
-from gpuptr.interop import ArrayView, from_cuda_array_interface, from_dlpack
+from gpuptr.interop import ArrayView, as_array, from_cuda_array_interface, from_dlpack
 
 __all__ = [
     "ArrayView",
@@ -82,6 +82,7 @@ __all__ = [
     "alloc",
     "alloc_host",
     "alloc_managed",
+    "as_array",
     "context",
     "context_of",
     "devices",

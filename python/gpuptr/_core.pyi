@@ -34,6 +34,8 @@ __all__ = [
     "reset_peak_stats",
     "reset_context",
     "_dlpack_consume",
+    "_dlpack_export",
+    "_dtype_info",
     "DLPackOwner",
     "_import_cai",
     "_import_dlpack",
@@ -123,6 +125,26 @@ class MemoryPointer:
     @property
     def owner(self) -> Any:
         """The object that owns the memory: the given owner, else this pointer."""
+    @property
+    def stream(self) -> Optional[int]:
+        """The stream the memory is ordered on (allocated with ``stream=`` and
+        used on no other): work queued there may still use it. None for
+        memory any stream may use now. The legacy default stream is 1.
+        """
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """..."""
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[int] = None,
+        max_version: Optional[tuple[int, int]] = None,
+        dl_device: Optional[tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """..."""
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """..."""
     @property
     def refct(self) -> int:
         """How many pointer objects (this one, its views, `own()` handles) share
@@ -341,6 +363,11 @@ class ImportedArray:
     @property
     def stream(self) -> Optional[int]:
         """The stream the exporter named (the interface's v3), or None."""
+    @property
+    def dtype(self) -> Optional[str]:
+        """The element type's name (``"float32"``, ``"bfloat16"``), or None
+        for a typestr that names none (``"|V16"``).
+        """
 
 def _import_cai(desc: Any, owner: Any = None, sync: bool = True) -> ImportedArray:
     """Import a CUDA Array Interface dict (v0-v3) as an ``ImportedArray``.
@@ -348,9 +375,9 @@ def _import_cai(desc: Any, owner: Any = None, sync: bool = True) -> ImportedArra
     unless it is idle.
     """
 def _import_dlpack(capsule: Any) -> ImportedArray:
-    """Import a DLPack ``"dltensor"`` capsule as an ``ImportedArray``,
-    consuming it as the protocol asks: the capsule is renamed
-    ``"used_dltensor"``, and the pointer keeps an owner that calls the
+    """Import a DLPack ``"dltensor"`` or ``"dltensor_versioned"`` capsule as an
+    ``ImportedArray``, consuming it as the protocol asks: the capsule is
+    renamed ``"used_…"``, and the pointer keeps an owner that calls the
     tensor's deleter when the last holder goes (also when the import fails).
     """
 def trim() -> int:
@@ -388,9 +415,31 @@ def reset_context(device: int) -> None:
 class DLPackOwner:
     """Owns a consumed DLPack tensor; calls its deleter when dropped."""
 
+def _dlpack_export(
+    pointer: MemoryPointer,
+    shape: tuple[int, ...],
+    strides: Optional[tuple[int, ...]],
+    dtype: str,
+    readonly: bool,
+    producer_stream: Optional[int],
+    stream: Optional[int] = None,
+    max_version: Optional[tuple[int, int]] = None,
+    dl_device: Optional[tuple[int, int]] = None,
+    copy: Optional[bool] = None,
+) -> Any:
+    """Export an array over ``pointer`` (element 0 at its address, byte
+    ``strides`` or None for C order, element type ``dtype`` by name) as a
+    DLPack capsule for a consumer's ``__dlpack__`` call. ``producer_stream``
+    is a stream whose queued work may still use the memory.
+    """
+def _dtype_info(name: str) -> tuple[str, int, int, int]:
+    """``(typestr, itemsize, DLPack code, bits)`` of an element type named as
+    numpy names it (``"float32"``, ``"bfloat16"``, ``"float8_e4m3fn"``).
+    """
 def _dlpack_consume(capsule: Any) -> DLPackOwner:
-    """Consume a `"dltensor"` capsule (after [`describe`] read it):
-    rename it `"used_dltensor"` and return the owner that frees the tensor.
+    """Consume a `"dltensor"` or `"dltensor_versioned"` capsule (after
+    [`describe`] read it): rename it `"used_…"` and return the owner that
+    frees the tensor.
     """
 def register_host_ptr(address: Any, size: int, owner: Any = None, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any:
     """Pin ``size`` bytes of host memory at ``address`` in place (numba's

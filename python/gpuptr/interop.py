@@ -4,12 +4,13 @@ gpuptr MemoryPointer with the context resolved from the address itself."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import importlib
+from typing import Any, Dict, Optional, Tuple, Union
 
 from gpuptr import _core
 from gpuptr._errors import InvalidArgumentError
 
-__all__ = ["ArrayView", "from_cuda_array_interface", "from_dlpack"]
+__all__ = ["ArrayView", "as_array", "from_cuda_array_interface", "from_dlpack"]
 
 _DLPACK_CUDA = 2
 _DLPACK_CUDA_MANAGED = 13
@@ -22,12 +23,13 @@ class ArrayView:
 
     ``pointer`` keeps the exporter (``owner``) alive. ``offset`` is the byte
     distance from the start of the memory the array spans to element 0
-    (non-zero only with negative strides). It exports
-    ``__cuda_array_interface__`` itself, so it can be handed back to numba,
-    CuPy or torch.
+    (non-zero only with negative strides). ``dtype_name`` names the element
+    type (``"float32"``, ``"bfloat16"``), or is None for a typestr that
+    names none. It exports ``__cuda_array_interface__`` and DLPack itself,
+    so it can be handed back to numba, CuPy or torch without a copy.
     """
 
-    __slots__ = ("pointer", "shape", "strides", "typestr", "itemsize", "readonly", "offset", "stream")
+    __slots__ = ("pointer", "shape", "strides", "typestr", "itemsize", "readonly", "offset", "stream", "dtype_name")
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class ArrayView:
         readonly: bool,
         offset: int,
         stream: Optional[int],
+        dtype_name: Optional[str] = None,
     ) -> None:
         self.pointer = pointer
         self.shape: Tuple[int, ...] = shape
@@ -48,6 +51,7 @@ class ArrayView:
         self.readonly: bool = readonly
         self.offset: int = offset
         self.stream: Optional[int] = stream
+        self.dtype_name: Optional[str] = dtype_name
 
     @classmethod
     def _of(cls, imported: _core.ImportedArray) -> "ArrayView":
@@ -60,6 +64,7 @@ class ArrayView:
             imported.readonly,
             imported.offset,
             imported.stream,
+            imported.dtype,
         )
 
     @property
@@ -87,9 +92,19 @@ class ArrayView:
 
     @property
     def dtype(self) -> Any:
-        """The numpy dtype (needs numpy)."""
+        """The numpy dtype (needs numpy; bfloat16 and the float8 types need
+        ml_dtypes, else they show as void of their size)."""
         import numpy
 
+        if self.dtype_name is not None and self.typestr[1] == "V":
+            try:
+                return numpy.dtype(self.dtype_name)
+            except TypeError:
+                try:
+                    importlib.import_module("ml_dtypes")  # registers the types
+                    return numpy.dtype(self.dtype_name)
+                except (ImportError, TypeError):
+                    pass
         return numpy.dtype(self.typestr)
 
     @property
@@ -105,8 +120,40 @@ class ArrayView:
             "strides": self.strides,
             "typestr": self.typestr,
             "data": (self.ptr, self.readonly),
-            "stream": None,
+            "stream": self.stream,
         }
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """Export through DLPack without a copy (``torch.from_dlpack``,
+        ``cupy.from_dlpack``). ``stream`` is the consumer's: if the array's
+        exporter named a stream, it is synchronized first unless it is the
+        consumer's. A ``max_version`` of (1, 0) or later gets a versioned
+        capsule, which read-only arrays need."""
+        if self.dtype_name is None:
+            raise BufferError(f"element type {self.typestr} has no DLPack code")
+        return _core._dlpack_export(
+            self.pointer,
+            self.shape,
+            self.strides,
+            self.dtype_name,
+            self.readonly,
+            self.stream,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+        )
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        """``(2, device_id)``: CUDA memory of the context's device."""
+        return self.pointer.__dlpack_device__()
 
     def __repr__(self) -> str:
         return f"<gpuptr.ArrayView {self.typestr} shape={self.shape} strides={self.strides} at {self.ptr:#x}>"
@@ -148,10 +195,85 @@ def from_dlpack(obj: Any) -> ArrayView:
     if device_type not in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
         kind = _DLPACK_NAMES.get(device_type, f"device type {device_type}")
         raise InvalidArgumentError(f"{kind} arrays are not CUDA device memory; gpuptr imports device arrays only")
+    # Ask for a versioned (1.x) capsule first; older producers take fewer
+    # arguments.
     try:
-        capsule = obj.__dlpack__(stream=1)
+        capsule = obj.__dlpack__(stream=1, max_version=(1, 1))
     except TypeError:
-        capsule = obj.__dlpack__()
+        try:
+            capsule = obj.__dlpack__(stream=1)
+        except TypeError:
+            capsule = obj.__dlpack__()
     # Consumed, as the protocol asks: renamed, and its deleter called when
     # the last pointer over the tensor goes.
     return ArrayView._of(_core._import_dlpack(capsule))
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        try:
+            _core._dtype_info(dtype)
+            return dtype
+        except InvalidArgumentError:
+            pass
+    import numpy
+
+    try:
+        dt = numpy.dtype(dtype)
+    except TypeError as e:
+        raise InvalidArgumentError(f"{dtype!r} is not an element type: {e}") from None
+    if dt.byteorder == ">":
+        raise InvalidArgumentError(f"big-endian element type {dt.str} is not supported")
+    return str(dt.name)
+
+
+def as_array(
+    ptr: _core.MemoryPointer,
+    shape: Union[int, Tuple[int, ...]],
+    dtype: Any,
+    strides: Optional[Tuple[int, ...]] = None,
+) -> ArrayView:
+    """A typed strided view of device memory, exporting the CUDA Array
+    Interface and DLPack, so numba, CuPy and torch can use it without a copy.
+
+    ``dtype`` is anything numpy takes, or a name such as ``"bfloat16"`` or
+    ``"float8_e4m3fn"`` (no ml_dtypes needed). ``strides`` are in bytes, as
+    numpy's (C order when None). The array's lowest byte is at ``ptr`` (so
+    with negative strides element 0 is above it, at ``offset``); an array
+    that does not fit in ``ptr.size`` bytes raises
+    :class:`InvalidArgumentError`. The view keeps ``ptr``'s memory alive, and
+    carries its stream (memory allocated with ``stream=``).
+    """
+    if not isinstance(ptr, _core.MemoryPointer):
+        raise InvalidArgumentError(f"as_array needs a gpuptr MemoryPointer, not {type(ptr).__name__}")
+    name = _dtype_name(dtype)
+    typestr, itemsize, _code, _bits = _core._dtype_info(name)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in dims):
+        raise InvalidArgumentError(f"shape must be non-negative ints, got {shape!r}")
+    if strides is None:
+        steps = []
+        step = itemsize
+        for n in reversed(dims):
+            steps.append(step)
+            step *= max(n, 1)
+        strides = tuple(reversed(steps))
+    else:
+        strides = tuple(strides)
+        if len(strides) != len(dims) or any(not isinstance(s, int) or isinstance(s, bool) for s in strides):
+            raise InvalidArgumentError(f"strides {strides!r} do not match shape {dims!r}")
+    lo = hi = 0
+    if 0 not in dims:
+        for n, st in zip(dims, strides):
+            reach = (n - 1) * st
+            if reach >= 0:
+                hi += reach
+            else:
+                lo += reach
+    span = 0 if 0 in dims else hi - lo + itemsize
+    if span > ptr.size:
+        raise InvalidArgumentError(f"an array of {span} bytes does not fit in {ptr.size} bytes")
+    readonly = bool(ptr.__cuda_array_interface__["data"][1])
+    # As imported arrays: the pointer starts at element 0 and ends where the
+    # array's memory does.
+    return ArrayView(ptr.view(-lo, span), dims, strides, typestr, itemsize, readonly, -lo, ptr.stream, name)

@@ -5,7 +5,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
-use super::dlpack::{_dlpack_consume, describe};
+use super::dlpack::{_dlpack_consume, describe, dtype_name_of_typestr};
 use super::pointer::PyMemoryPointer;
 use super::runtime;
 use crate::{typestr_itemsize, Error, Layout, View};
@@ -76,15 +76,21 @@ pub(crate) struct ImportedArray {
     /// The stream the exporter named (the interface's v3), or None.
     #[pyo3(get)]
     stream: Option<usize>,
+    /// The element type's name (``"float32"``, ``"bfloat16"``), or None
+    /// for a typestr that names none (``"|V16"``).
+    #[pyo3(get)]
+    dtype: Option<&'static str>,
 }
 
 /// The pointer over a layout, as an [`ImportedArray`]. The exporter's own
 /// shape tuple is handed back when it is already exactly what we would build.
+#[allow(clippy::too_many_arguments)]
 fn finish<'py>(
     view: View,
     layout: Layout,
     shape: &Bound<'py, PyAny>,
     typestr: Bound<'py, PyString>,
+    dtype: Option<&'static str>,
     readonly: bool,
     owner: Option<Py<PyAny>>,
     stream: Option<usize>,
@@ -103,6 +109,7 @@ fn finish<'py>(
         readonly,
         offset: (-layout.lo) as usize,
         stream,
+        dtype,
     })
 }
 
@@ -184,19 +191,22 @@ pub(crate) fn _import_cai<'py>(
             py.detach(|| unsafe { ctx.stream_synchronize(stream) })?;
         }
     }
-    finish(view, layout, &shape, typestr, readonly, owner, stream)
+    let dtype = dtype_name_of_typestr(typestr.to_str()?);
+    finish(
+        view, layout, &shape, typestr, dtype, readonly, owner, stream,
+    )
 }
 
-/// Import a DLPack ``"dltensor"`` capsule as an ``ImportedArray``,
-/// consuming it as the protocol asks: the capsule is renamed
-/// ``"used_dltensor"``, and the pointer keeps an owner that calls the
+/// Import a DLPack ``"dltensor"`` or ``"dltensor_versioned"`` capsule as an
+/// ``ImportedArray``, consuming it as the protocol asks: the capsule is
+/// renamed ``"used_…"``, and the pointer keeps an owner that calls the
 /// tensor's deleter when the last holder goes (also when the import fails).
 #[pyfunction]
 pub(crate) fn _import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<ImportedArray> {
     let py = capsule.py();
     let d = describe(capsule)?;
     let owner = Py::new(py, _dlpack_consume(capsule)?)?.into_any();
-    let itemsize = typestr_itemsize(&d.typestr)?;
+    let itemsize = typestr_itemsize(d.typestr)?;
     let layout = Layout::new(
         d.shape
             .iter()
@@ -207,6 +217,15 @@ pub(crate) fn _import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<ImportedArr
     )?;
     let view = runtime()?.wrap_layout(d.address, &layout, None)?;
     let shape = PyTuple::new(py, &layout.shape)?.into_any();
-    let typestr = PyString::new(py, &d.typestr);
-    finish(view, layout, &shape, typestr, false, Some(owner), None)
+    let typestr = PyString::new(py, d.typestr);
+    finish(
+        view,
+        layout,
+        &shape,
+        typestr,
+        Some(d.dtype),
+        d.readonly,
+        Some(owner),
+        None,
+    )
 }

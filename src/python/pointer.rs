@@ -3,14 +3,26 @@
 use std::sync::{Arc, OnceLock};
 
 use pyo3::buffer::PyUntypedBuffer;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyAny, PyBytes};
+use pyo3::types::{PyAny, PyBytes, PyDict, PyTuple};
 
 use super::args::{context_arg, pointer_arg, size_arg, stream_arg};
+use super::dlpack::{self, ArraySpec};
 use super::py_context::{lazy_context, PyContext};
 use super::runtime;
-use crate::{DevicePointer, DevicePtr, Error, View};
+use crate::{DevicePointer, DevicePtr, Error, RawStream, View};
+
+/// A stream as the protocols name it: the legacy default stream is 1 (0 is
+/// ambiguous in the CUDA Array Interface).
+pub(crate) fn legacy_as_one(stream: RawStream) -> RawStream {
+    if stream == 0 {
+        crate::driver::STREAM_LEGACY
+    } else {
+        stream
+    }
+}
 
 /// Calls a Python finalizer once, when the allocation it guards is released.
 /// Never raises; skipped while the interpreter shuts down.
@@ -227,6 +239,60 @@ impl PyMemoryPointer {
     #[getter]
     fn _cuda_memsize_(&self) -> usize {
         self.view.size()
+    }
+
+    /// The stream the memory is ordered on (allocated with ``stream=`` and
+    /// used on no other): work queued there may still use it. None for
+    /// memory any stream may use now. The legacy default stream is 1.
+    #[getter]
+    fn stream(&self) -> Option<RawStream> {
+        self.view.parent().stream().map(legacy_as_one)
+    }
+
+    /// The CUDA Array Interface (v3): the memory as a one-dimensional
+    /// ``uint8`` array, so numba, CuPy and torch take it without a copy.
+    /// ``stream`` is the stream to synchronize with before use (see
+    /// ``stream``), or None.
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item(intern!(py, "version"), 3)?;
+        d.set_item(intern!(py, "shape"), (self.view.size(),))?;
+        d.set_item(intern!(py, "typestr"), intern!(py, "|u1"))?;
+        d.set_item(
+            intern!(py, "data"),
+            (self.address(), self.view.parent().is_readonly()),
+        )?;
+        d.set_item(intern!(py, "strides"), py.None())?;
+        d.set_item(intern!(py, "stream"), self.stream())?;
+        Ok(d)
+    }
+
+    /// Export the memory through DLPack as a one-dimensional ``uint8``
+    /// tensor (``torch.from_dlpack``, ``cupy.from_dlpack``). ``stream`` is
+    /// the consumer's: the memory is made ready on it (None: the legacy
+    /// default stream; -1: no synchronization). A ``max_version`` of
+    /// (1, 0) or later gets a versioned capsule. The tensor keeps the
+    /// memory alive, and a ``free()`` meanwhile waits for the consumer to
+    /// let go before the memory is reused.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        slf: &Bound<'py, Self>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<&Bound<'py, PyAny>>,
+        dl_device: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let me = slf.get();
+        let parent = me.view.parent();
+        let mut spec = ArraySpec::bytes(me.view.size(), parent.stream());
+        spec.readonly = parent.is_readonly();
+        dlpack::export(slf, spec, stream, max_version, dl_device, copy)
+    }
+
+    /// ``(2, device_id)``: CUDA memory of the context's device.
+    fn __dlpack_device__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        dlpack::device_of(slf)
     }
 
     /// The object that owns the memory: the given owner, else this pointer.

@@ -1008,13 +1008,22 @@ impl Pool {
     ) -> Option<DevicePtr> {
         let n = self.shards.len();
         let done = self.fencer.done();
-        let mut claimed = None;
+        // One pass, each shard under one lock: a ready block is taken at
+        // once; else the first block that waits is claimed (held by no shard
+        // from then on, so it is handed out or put back, never lost).
+        let mut claimed: Option<(usize, DevicePtr, u64)> = None;
         for d in 0..n {
             let i = (own + d) % n;
             let mut sh = self.shard(i);
             sh.seal(&self.fencer, context, true);
             sh.promote(done);
             if let Some(p) = sh.take_ready(class) {
+                drop(sh);
+                if let Some((j, q, _)) = claimed {
+                    let mut home = self.shard(j);
+                    home.put_pending(q, class);
+                    home.seal(&self.fencer, context, false);
+                }
                 return Some(p);
             }
             if claimed.is_none() {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::driver::{Driver, RawContext, RawStream};
 use crate::error::Result;
-use crate::memory::DevicePointer;
+use crate::memory::{Client, DevicePointer};
 use crate::runtime::Runtime;
 
 /// A retained primary context. Shared through `Arc`: creating the first one
@@ -94,7 +94,7 @@ impl Context {
     /// any stream (freed blocks are reused only after all work queued before
     /// their free has finished).
     pub fn alloc(self: &Arc<Self>, size: usize) -> Result<Arc<DevicePointer>> {
-        DevicePointer::alloc(self, size, None)
+        DevicePointer::alloc(self, size, None, Client::Direct)
     }
 
     /// Fill this device's pool ahead of demand with about `bytes` of ready
@@ -117,7 +117,19 @@ impl Context {
         size: usize,
         stream: RawStream,
     ) -> Result<Arc<DevicePointer>> {
-        DevicePointer::alloc(self, size, Some(stream))
+        DevicePointer::alloc(self, size, Some(stream), Client::Direct)
+    }
+
+    /// Allocate `size` bytes for `client` (per-client statistics), for an
+    /// owner on `stream` (as [`Context::alloc_on`]) or on any stream (as
+    /// [`Context::alloc`]).
+    pub fn alloc_for(
+        self: &Arc<Self>,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+    ) -> Result<Arc<DevicePointer>> {
+        DevicePointer::alloc(self, size, stream, client)
     }
 
     /// Allocate `size` bytes of managed (unified) memory in this context.

@@ -376,6 +376,7 @@ impl DevicePointer {
             // SAFETY: `ctx.raw()` is retained by the Context.
             |ctx| unsafe { ctx.driver().mem_alloc_managed(ctx.raw(), size, flags) },
             true,
+            crate::memory::Client::Direct,
         )
     }
 }

@@ -51,9 +51,9 @@ pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};
 pub use layout::{typestr_itemsize, Layout};
-pub use memory::{DevicePointer, KeepAlive, Loan, Origin, View};
+pub use memory::{Client, DevicePointer, KeepAlive, Loan, Origin, View};
 pub use pool::{size_class, ClassStats, PoolConfig};
-pub use runtime::{DeviceStats, Runtime};
+pub use runtime::{ClientStats, DeviceStats, Runtime};
 
 /// `CUresult` codes gpuptr refers to by name.
 pub mod codes {

@@ -157,6 +157,45 @@ impl Drop for Loan {
     }
 }
 
+/// Which library asked for an allocation, for per-client statistics.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Client {
+    /// gpuptr's own API (Python `gpuptr.alloc`, Rust `Context::alloc`).
+    #[default]
+    Direct = 0,
+    /// numba, through the `gpuptr.numba` memory manager.
+    Numba = 1,
+    /// CuPy, through `gpuptr.cupy`.
+    Cupy = 2,
+    /// PyTorch, through `gpuptr.torch`.
+    Torch = 3,
+}
+
+impl Client {
+    /// Every client, in index order.
+    pub const ALL: [Client; 4] = [Client::Direct, Client::Numba, Client::Cupy, Client::Torch];
+
+    /// Its name: `"direct"`, `"numba"`, `"cupy"` or `"torch"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Client::Direct => "direct",
+            Client::Numba => "numba",
+            Client::Cupy => "cupy",
+            Client::Torch => "torch",
+        }
+    }
+
+    /// The client of that name.
+    pub fn from_name(name: &str) -> Option<Client> {
+        Client::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Who frees the memory.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Origin {
@@ -208,6 +247,8 @@ pub struct DevicePointer {
     /// Set once at construction: most pointers keep nothing, and then
     /// releasing them takes no lock.
     has_keepalive: bool,
+    /// The library that asked for it (statistics).
+    client: Client,
     keepalive: Mutex<Option<KeepAlive>>,
 }
 
@@ -244,14 +285,22 @@ impl DevicePointer {
         context: &Arc<Context>,
         size: usize,
         stream: Option<RawStream>,
+        client: Client,
     ) -> Result<Arc<Self>> {
         crate::fork::check()?;
         let state = context.state();
         if !state.pooled() || size == 0 {
-            return DevicePointer::alloc_uncached(context, size);
+            return DevicePointer::alloc_with(
+                context,
+                size,
+                // SAFETY: `ctx.raw()` is retained by the Context.
+                |ctx| unsafe { ctx.driver().mem_alloc(ctx.raw(), size) },
+                false,
+                client,
+            );
         }
         let stream = stream.and_then(ordering_stream);
-        let block = state.pool_alloc(context, size, stream)?;
+        let block = state.pool_alloc(context, size, stream, client)?;
         let p = DevicePointer::counted(
             context,
             block.address,
@@ -260,6 +309,7 @@ impl DevicePointer {
             false,
             None,
             block.shard,
+            client,
         );
         if let Some(s) = stream {
             p.stream.store(s, Ordering::Relaxed);
@@ -276,9 +326,11 @@ impl DevicePointer {
             // SAFETY: `ctx.raw()` is retained by the Context.
             |ctx| unsafe { ctx.driver().mem_alloc(ctx.raw(), size) },
             false,
+            Client::Direct,
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn counted(
         context: &Arc<Context>,
         address: DevicePtr,
@@ -287,19 +339,17 @@ impl DevicePointer {
         managed: bool,
         registration: Option<Registration>,
         pool_shard: u32,
+        client: Client,
     ) -> Arc<Self> {
         // The pool counts its own allocations under its shard lock.
         if !matches!(origin, Origin::Pool(_)) {
-            let c = context.state().counters();
-            c.alloc_count.fetch_add(1, Ordering::Relaxed);
-            c.live_count.fetch_add(1, Ordering::Relaxed);
-            let live = c.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
-            c.peak_bytes.fetch_max(live, Ordering::Relaxed);
+            context.state().counters().allocated(size, client);
         }
         let mut p = DevicePointer::base(context.clone(), address, size, origin);
         p.managed = managed;
         p.registration = registration;
         p.pool_shard = pool_shard;
+        p.client = client;
         Arc::new(p)
     }
 
@@ -321,6 +371,7 @@ impl DevicePointer {
             host: None,
             has_keepalive: false,
             keepalive: Mutex::new(None),
+            client: Client::Direct,
         }
     }
 
@@ -331,6 +382,7 @@ impl DevicePointer {
         size: usize,
         allocate: impl FnOnce(&Context) -> Result<DevicePtr>,
         managed: bool,
+        client: Client,
     ) -> Result<Arc<Self>> {
         crate::fork::check()?;
         let device = context.device();
@@ -349,6 +401,7 @@ impl DevicePointer {
             managed,
             registration,
             0,
+            client,
         ))
     }
 
@@ -587,6 +640,7 @@ impl DevicePointer {
                     block,
                     self.size,
                     stream,
+                    self.client,
                 );
             }
             _ => {}
@@ -597,9 +651,10 @@ impl DevicePointer {
         // A reset already zeroed the counters for stale allocations, and the
         // pool keeps its own.
         if matches!(self.origin, Origin::Driver) && !stale {
-            let c = self.context.state().counters();
-            c.live_count.fetch_sub(1, Ordering::Relaxed);
-            c.live_bytes.fetch_sub(self.size, Ordering::Relaxed);
+            self.context
+                .state()
+                .counters()
+                .released(self.size, self.client);
         }
         if self.has_keepalive {
             release_keepalive(&self.keepalive);

@@ -52,6 +52,8 @@ use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
 use crate::error::Result;
+use crate::memory::Client;
+use crate::runtime::ClientStats;
 
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -425,6 +427,8 @@ struct Shard {
     /// `memory_summary`; a vector index under the lock already held).
     class_live: Vec<ClassCount>,
     large_live: FastMap<usize, ClassCount>,
+    /// Live bytes and count, and allocations, per client.
+    clients: [ClientStats; 4],
 }
 
 /// Blocks of one class handed out from one shard: now, and at most.
@@ -455,6 +459,7 @@ impl Default for Shard {
             fences: 0,
             class_live: vec![ClassCount::default(); SMALL_CLASSES],
             large_live: FastMap::default(),
+            clients: Default::default(),
         }
     }
 }
@@ -679,6 +684,7 @@ pub(crate) struct PoolStats {
     pub hits: u64,
     pub misses: u64,
     pub fences: u64,
+    pub clients: [ClientStats; 4],
 }
 
 /// One size class of a pool, in blocks of `class` bytes.
@@ -836,6 +842,9 @@ impl Pool {
             s.hits += sh.hits;
             s.misses += sh.misses;
             s.fences += sh.fences;
+            for (t, c) in s.clients.iter_mut().zip(&sh.clients) {
+                *t += *c;
+            }
         }
         s
     }
@@ -885,10 +894,14 @@ impl Pool {
         v
     }
 
-    fn handed_out(sh: &mut Shard, size: usize, class: usize, hit: bool) {
+    fn handed_out(sh: &mut Shard, size: usize, class: usize, hit: bool, client: Client) {
         let c = sh.class_count(class);
         c.live += 1;
         c.peak = c.peak.max(c.live);
+        let k = &mut sh.clients[client.index()];
+        k.live_bytes += size;
+        k.live_count += 1;
+        k.alloc_count += 1;
         sh.live_bytes += size;
         sh.peak_bytes = sh.peak_bytes.max(sh.live_bytes);
         sh.alloc_count += 1;
@@ -929,6 +942,7 @@ impl Pool {
         size: usize,
         stream: Option<RawStream>,
         device: usize,
+        client: Client,
     ) -> Result<Block> {
         let class = size_class(size);
         let own = self.own_shard();
@@ -942,7 +956,7 @@ impl Pool {
             // The fast path: one lock, the thread's own shard, no driver call.
             let mut sh = self.shard(own);
             if let Some(p) = sh.take(class, stream, self.fencer.done()) {
-                Self::handed_out(&mut sh, size, class, true);
+                Self::handed_out(&mut sh, size, class, true, client);
                 return Ok(block(p, None));
             }
             // A miss: start a fence for what this shard holds back, so that
@@ -951,14 +965,14 @@ impl Pool {
             sh.seal(&self.fencer, context, streams);
         }
         if let Some(p) = self.steal(context, own, class, stream) {
-            Self::handed_out(&mut self.shard(own), size, class, true);
+            Self::handed_out(&mut self.shard(own), size, class, true, client);
             return Ok(block(p, None));
         }
         let new = match self.alloc_new(context, class) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {
-                    Self::handed_out(&mut self.shard(own), size, class, true);
+                    Self::handed_out(&mut self.shard(own), size, class, true, client);
                     return Ok(block(p, None));
                 }
                 // Returning the cache to the driver and retrying is the
@@ -972,7 +986,7 @@ impl Pool {
             // Never used: ready for anyone at once.
             sh.put_ready(p, class);
         }
-        Self::handed_out(&mut sh, size, class, false);
+        Self::handed_out(&mut sh, size, class, false, client);
         Ok(block(new.base, Some(new)))
     }
 
@@ -1127,6 +1141,7 @@ impl Pool {
         block: Block,
         size: usize,
         stream: Option<RawStream>,
+        client: Client,
         still_valid: impl FnOnce() -> bool,
     ) {
         let mut sh = self.shard(block.shard as usize & (self.shards.len() - 1));
@@ -1138,6 +1153,9 @@ impl Pool {
         sh.live_bytes = sh.live_bytes.saturating_sub(size);
         let c = sh.class_count(block.class);
         c.live = c.live.saturating_sub(1);
+        let k = &mut sh.clients[client.index()];
+        k.live_bytes = k.live_bytes.saturating_sub(size);
+        k.live_count = k.live_count.saturating_sub(1);
         match stream {
             Some(s) => {
                 sh.on_stream
@@ -1242,6 +1260,9 @@ impl Pool {
             sh.live_bytes = 0;
             sh.class_live.iter_mut().for_each(|c| c.live = 0);
             sh.large_live.clear();
+            for k in &mut sh.clients {
+                (k.live_bytes, k.live_count) = (0, 0);
+            }
         }
         let mut held = lock(&self.held);
         held.carved.clear();
@@ -1272,22 +1293,24 @@ mod tests {
         let sim = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
         let ctx = sim.primary_context_retain(0).unwrap();
         let pool = Pool::new(PoolConfig::default(), sim.clone());
-        let a = pool.alloc(ctx, 4096, None, 0).unwrap();
+        let a = pool.alloc(ctx, 4096, None, 0, Client::Direct).unwrap();
         assert!(a.new_allocation.is_some());
         sim.queue_write(0x99, a.address, &[1; 4]).unwrap();
-        pool.release(ctx, a, 4096, None, || true);
-        let b = pool.alloc(ctx, 4096, None, 0).unwrap();
+        pool.release(ctx, a, 4096, None, Client::Direct, || true);
+        let b = pool.alloc(ctx, 4096, None, 0, Client::Direct).unwrap();
         assert_ne!(b.address, a.address, "queued work still writes a");
         assert_eq!(pool.stats().pending_bytes, 4096);
         sim.complete(None);
         assert!(pool.flush(ctx));
-        let c = pool.alloc(ctx, 4096, None, 0).unwrap();
+        let c = pool.alloc(ctx, 4096, None, 0, Client::Direct).unwrap();
         assert_eq!(c.address, a.address);
         assert!(c.new_allocation.is_none());
-        pool.release(ctx, b, 4096, None, || true);
-        pool.release(ctx, c, 4096, Some(5), || true);
+        pool.release(ctx, b, 4096, None, Client::Direct, || true);
+        pool.release(ctx, c, 4096, Some(5), Client::Direct, || true);
         assert_eq!(
-            pool.alloc(ctx, 4096, Some(5), 0).unwrap().address,
+            pool.alloc(ctx, 4096, Some(5), 0, Client::Direct)
+                .unwrap()
+                .address,
             a.address
         );
         assert_eq!(pool.stats().live_count, 1);
@@ -1314,8 +1337,8 @@ mod tests {
                 let pool = &pool;
                 s.spawn(move || {
                     for i in 0..20_000 {
-                        match pool.alloc(ctx, 1 << 20, None, 0) {
-                            Ok(b) => pool.release(ctx, b, 1 << 20, None, || true),
+                        match pool.alloc(ctx, 1 << 20, None, 0, Client::Direct) {
+                            Ok(b) => pool.release(ctx, b, 1 << 20, None, Client::Direct, || true),
                             Err(e) => panic!("thread {t}, pair {i}: {e:?}"),
                         }
                     }

@@ -11,7 +11,7 @@ use crate::driver::{
     self, DevicePtr, Driver, DriverChoice, DriverKind, MemoryType, RawContext, RawStream, SimDriver,
 };
 use crate::error::{Error, Result};
-use crate::memory::{DevicePointer, KeepAlive};
+use crate::memory::{Client, DevicePointer, KeepAlive};
 use crate::pool::{Allocation, Block, ClassStats, Pool, PoolConfig};
 use crate::registry::{Registration, Registry};
 
@@ -22,6 +22,70 @@ pub(crate) struct DeviceCounters {
     pub live_count: AtomicUsize,
     pub peak_bytes: AtomicUsize,
     pub alloc_count: AtomicU64,
+    /// Live bytes, live count and allocations per client.
+    clients: [[AtomicU64; 3]; 4],
+}
+
+impl DeviceCounters {
+    /// Count a driver allocation of `size` bytes (pool blocks are counted by
+    /// the pool).
+    pub(crate) fn allocated(&self, size: usize, client: Client) {
+        self.alloc_count.fetch_add(1, Ordering::Relaxed);
+        self.live_count.fetch_add(1, Ordering::Relaxed);
+        let live = self.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
+        self.peak_bytes.fetch_max(live, Ordering::Relaxed);
+        let [bytes, count, allocs] = &self.clients[client.index()];
+        bytes.fetch_add(size as u64, Ordering::Relaxed);
+        count.fetch_add(1, Ordering::Relaxed);
+        allocs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Count the release of a driver allocation.
+    pub(crate) fn released(&self, size: usize, client: Client) {
+        self.live_count.fetch_sub(1, Ordering::Relaxed);
+        self.live_bytes.fetch_sub(size, Ordering::Relaxed);
+        let [bytes, count, _] = &self.clients[client.index()];
+        bytes.fetch_sub(size as u64, Ordering::Relaxed);
+        count.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn client_stats(&self, client: Client) -> ClientStats {
+        let [bytes, count, allocs] = &self.clients[client.index()];
+        ClientStats {
+            live_bytes: bytes.load(Ordering::Relaxed) as usize,
+            live_count: count.load(Ordering::Relaxed) as usize,
+            alloc_count: allocs.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A reset: nothing is live any more.
+    fn forget_live(&self) {
+        self.live_bytes.store(0, Ordering::Relaxed);
+        self.live_count.store(0, Ordering::Relaxed);
+        for [bytes, count, _] in &self.clients {
+            bytes.store(0, Ordering::Relaxed);
+            count.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One client's share of a device's allocations ([`Client`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Bytes in its live allocations.
+    pub live_bytes: usize,
+    /// Its live allocations.
+    pub live_count: usize,
+    /// Allocations it made so far.
+    pub alloc_count: u64,
+}
+
+impl std::ops::AddAssign for ClientStats {
+    fn add_assign(&mut self, o: ClientStats) {
+        self.live_bytes += o.live_bytes;
+        self.live_count += o.live_count;
+        self.alloc_count += o.alloc_count;
+    }
 }
 
 /// A snapshot of one device's allocation counters.
@@ -49,6 +113,9 @@ pub struct DeviceStats {
     pub pool_misses: u64,
     /// Fences completed (each makes a batch of freed blocks reusable).
     pub fences: u64,
+    /// The live allocations per client, indexed by [`Client::index`]
+    /// (`Client::ALL` order).
+    pub clients: [ClientStats; 4],
 }
 
 /// Everything gpuptr keeps about one device, in one place: the slot of its
@@ -117,9 +184,10 @@ impl DeviceState {
         ctx: &Arc<Context>,
         size: usize,
         stream: Option<RawStream>,
+        client: Client,
     ) -> Result<Block> {
         let pool = self.pool.as_ref().expect("pooled device");
-        let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device);
+        let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
         if attempt.as_ref().is_err_and(Error::is_oom) {
             // Out of memory even after the fence: return the cache to the
             // driver and ask again, while that frees something (other
@@ -130,7 +198,7 @@ impl DeviceState {
                 if self.trim_locked(ctx)? == 0 && round > 0 {
                     break;
                 }
-                attempt = pool.alloc(ctx.raw(), size, stream, self.device);
+                attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
                 if !attempt.as_ref().is_err_and(Error::is_oom) {
                     break;
                 }
@@ -170,9 +238,10 @@ impl DeviceState {
         block: Block,
         size: usize,
         stream: Option<RawStream>,
+        client: Client,
     ) {
         if let Some(pool) = &self.pool {
-            pool.release(ctx.raw(), block, size, stream, || {
+            pool.release(ctx.raw(), block, size, stream, client, || {
                 ctx.generation() == generation
             });
         }
@@ -246,8 +315,7 @@ impl DeviceState {
         // After the reset the old CUcontext is dead. Holders of the old
         // Context (stale pointers) release their retain when they go.
         *lock(&self.slot) = Weak::new();
-        self.counters.live_bytes.store(0, Ordering::Relaxed);
-        self.counters.live_count.store(0, Ordering::Relaxed);
+        self.counters.forget_live();
         trimmed.map(|_| ())
     }
 
@@ -283,6 +351,11 @@ impl DeviceState {
             pool_hits: p.hits,
             pool_misses: p.misses,
             fences: p.fences,
+            clients: Client::ALL.map(|k| {
+                let mut s = c.client_stats(k);
+                s += p.clients[k.index()];
+                s
+            }),
         }
     }
 

@@ -48,13 +48,15 @@ from gpuptr._core import (
 from gpuptr._errors import (
     CudaError,
     GpuptrError,
+    InstallError,
     InvalidArgumentError,
     InvalidPointerError,
     NoDriverError,
     OutOfMemoryError,
 )
+from gpuptr._install import install
 from gpuptr._summary import memory_summary
-from gpuptr._types import ClassStats, DeviceStats, DriverInfo, MemoryInfo
+from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, MemoryInfo
 from gpuptr.interop import ArrayView, as_array, from_cuda_array_interface, from_dlpack
 
 __all__ = [
@@ -65,10 +67,12 @@ __all__ = [
     "ContextHandle",
     "CudaError",
     "ClassStats",
+    "ClientStats",
     "Device",
     "DeviceStats",
     "DriverInfo",
     "GpuptrError",
+    "InstallError",
     "InvalidArgumentError",
     "InvalidPointerError",
     "ManagedMemory",
@@ -88,6 +92,7 @@ __all__ = [
     "devices",
     "driver_info",
     "flush_pool",
+    "install",
     "memory_summary",
     "probe_cuda",
     "register_host",

@@ -35,6 +35,9 @@ __all__ = [
     "reset_context",
     "_dlpack_consume",
     "_dlpack_export",
+    "_alloc_for",
+    "_hooks_configure",
+    "_hooks_state",
     "_dtype_info",
     "DLPackOwner",
     "_import_cai",
@@ -240,7 +243,9 @@ def probe_cuda() -> tuple[bool, Any]:
     """
 def stats() -> list[DeviceStats]:
     """Allocation statistics per device: live bytes and count, peak, the number
-    of allocations made, and the pool's cached bytes, hits, misses and fences.
+    of allocations made, the pool's cached bytes, hits, misses and fences,
+    and ``clients``: live bytes and count, and allocations made, per client
+    (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``).
     """
 def release_contexts() -> None:
     """Drop gpuptr's own hold on contexts; each is released once no pointer
@@ -431,6 +436,20 @@ def _dlpack_export(
     ``strides`` or None for C order, element type ``dtype`` by name) as a
     DLPack capsule for a consumer's ``__dlpack__`` call. ``producer_stream``
     is a stream whose queued work may still use the memory.
+    """
+def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: Any = None) -> MemoryPointer:
+    """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``
+    or ``"direct"``), counted under that client in ``stats()``. The hook
+    for gpuptr's own allocator plugins.
+    """
+def _hooks_configure(stream_ordered: bool) -> None:
+    """Set how the C entry points free memory: ordered on the allocating
+    stream (``True``), or through the pool's fence (``False``, the default).
+    """
+def _hooks_state() -> tuple[int, int]:
+    """``(live allocations, failures)`` of the C entry points: allocations
+    handed out and not freed, and calls that returned null or freed an
+    address they did not hand out.
     """
 def _dtype_info(name: str) -> tuple[str, int, int, int]:
     """``(typestr, itemsize, DLPack code, bits)`` of an element type named as

@@ -9,6 +9,7 @@ __all__ = [
     "OutOfMemoryError",
     "InvalidPointerError",
     "InvalidArgumentError",
+    "InstallError",
 ]
 
 
@@ -51,3 +52,9 @@ class InvalidPointerError(GpuptrError, ValueError):
 class InvalidArgumentError(GpuptrError, ValueError):
     """An argument with a bad value: a negative size, an unknown device, a
     malformed array descriptor. Also a :class:`ValueError`."""
+
+
+class InstallError(GpuptrError, RuntimeError):
+    """A library's allocator could not be put on gpuptr's pool: for example
+    PyTorch after its first CUDA allocation, or numba after it created a
+    context with its own memory manager. The message says why."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypedDict
+from typing import Dict, NamedTuple, TypedDict
 
-__all__ = ["ClassStats", "DeviceStats", "DriverInfo", "MemoryInfo"]
+__all__ = ["ClassStats", "ClientStats", "DeviceStats", "DriverInfo", "MemoryInfo"]
 
 
 class MemoryInfo(NamedTuple):
@@ -26,6 +26,15 @@ class DriverInfo(TypedDict):
     device_count: int
 
 
+class ClientStats(TypedDict):
+    """One library's share of a device's allocations, in ``DeviceStats``."""
+
+    live_bytes: int
+    live_count: int
+    #: Allocations it made so far.
+    alloc_count: int
+
+
 class DeviceStats(TypedDict):
     """One device's entry in ``gpuptr.stats()``, in bytes and counts."""
 
@@ -45,6 +54,9 @@ class DeviceStats(TypedDict):
     pool_misses: int
     #: Fences (batches of freed blocks made safe for reuse) completed.
     fences: int
+    #: The allocations per client: ``"direct"`` (``gpuptr.alloc``),
+    #: ``"numba"``, ``"cupy"`` and ``"torch"`` (gpuptr's allocator plugins).
+    clients: Dict[str, ClientStats]
 
 
 #: One size class of a device's pool (``_core.pool_classes``): the block

@@ -131,7 +131,7 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):  # type: ignore[m
 
     def memalloc(self, size: int) -> _core.MemoryPointer:
         """Device memory from gpuptr's pool."""
-        return _gpuptr.alloc(size, device=self._dev())
+        return _core._alloc_for("numba", size, device=self._dev())
 
     def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False) -> Any:
         """Pinned host memory (mapped into the device when ``mapped``)."""

@@ -4,6 +4,7 @@
 mod args;
 mod dlpack;
 mod errors;
+mod hooks;
 mod host;
 mod interop;
 mod pointer;
@@ -58,6 +59,28 @@ fn alloc(
         Some(s) => ctx.alloc_on(size, s)?,
         None => ctx.alloc(size)?,
     };
+    Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
+}
+
+/// ``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``
+/// or ``"direct"``), counted under that client in ``stats()``. The hook
+/// for gpuptr's own allocator plugins.
+#[pyfunction]
+#[pyo3(signature = (client, nbytes, device=None, stream=None))]
+fn _alloc_for(
+    py: Python<'_>,
+    client: &str,
+    nbytes: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyMemoryPointer> {
+    let client = crate::Client::from_name(client)
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown client {client:?}")))?;
+    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let ctx = device_context(device)?;
+    let stream = args::stream_arg(stream)?;
+    let pyctx = py_context(py, &ctx)?;
+    let mem = ctx.alloc_for(size, stream, client)?;
     Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }
 
@@ -125,7 +148,9 @@ fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
 }
 
 /// Allocation statistics per device: live bytes and count, peak, the number
-/// of allocations made, and the pool's cached bytes, hits, misses and fences.
+/// of allocations made, the pool's cached bytes, hits, misses and fences,
+/// and ``clients``: live bytes and count, and allocations made, per client
+/// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``).
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let list = PyList::empty(py);
@@ -141,6 +166,15 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("pool_hits", s.pool_hits)?;
         d.set_item("pool_misses", s.pool_misses)?;
         d.set_item("fences", s.fences)?;
+        let clients = PyDict::new(py);
+        for (k, c) in crate::Client::ALL.iter().zip(&s.clients) {
+            let e = PyDict::new(py);
+            e.set_item("live_bytes", c.live_bytes)?;
+            e.set_item("live_count", c.live_count)?;
+            e.set_item("alloc_count", c.alloc_count)?;
+            clients.set_item(k.name(), e)?;
+        }
+        d.set_item("clients", clients)?;
         list.append(d)?;
     }
     Ok(list)
@@ -259,6 +293,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host::alloc_managed, m)?)?;
     m.add_function(wrap_pyfunction!(context, m)?)?;
     m.add_function(wrap_pyfunction!(alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(_alloc_for, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_hooks_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_hooks_state, m)?)?;
     m.add_function(wrap_pyfunction!(wrap, m)?)?;
     m.add_function(wrap_pyfunction!(context_of, m)?)?;
     m.add_function(wrap_pyfunction!(driver_info, m)?)?;

@@ -1,0 +1,81 @@
+"""``gpuptr.install()``: numba, CuPy and PyTorch on one pool."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+from gpuptr._errors import InstallError
+
+__all__ = ["install"]
+
+
+def _numba(stream_ordered: bool) -> None:
+    from numba.cuda.cudadrv import driver
+
+    from gpuptr.numba import MemoryManager
+
+    current = getattr(driver, "_memory_manager", None)
+    if current is MemoryManager:
+        return
+    if current is not None:
+        raise InstallError(
+            f"numba already uses the memory manager {current.__module__}.{current.__name__} "
+            "(it picks one when it creates its first CUDA context): call gpuptr.install() "
+            "before numba's first CUDA call, or set NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba"
+        )
+    driver.set_memory_manager(MemoryManager)
+
+
+def _cupy(stream_ordered: bool) -> None:
+    from gpuptr import cupy
+
+    cupy.install(stream_ordered=stream_ordered)
+
+
+def _torch(stream_ordered: bool) -> None:
+    from gpuptr import torch
+
+    torch.install(stream_ordered=stream_ordered)
+
+
+_PARTS: Dict[str, Callable[[bool], None]] = {"numba": _numba, "cupy": _cupy, "torch": _torch}
+# The module each part needs, as pip names it in the message.
+_NEEDS = {"numba": ("numba.cuda", "numba-cuda"), "cupy": ("cupy", "cupy-cuda12x or cupy-cuda13x"), "torch": ("torch", "torch")}
+
+
+def install(
+    numba: bool = True, cupy: bool = True, torch: bool = True, *, stream_ordered: bool = False
+) -> Dict[str, str]:
+    """Put numba, CuPy and PyTorch on gpuptr's pool, so that memory one of
+    them frees is there for the others. Each part is installed only if its
+    library imports; call it before they allocate (PyTorch cannot swap
+    allocators after its first CUDA allocation, numba after its first
+    context: both raise :class:`~gpuptr.InstallError` saying so).
+
+    Freed memory is reused only after all work queued before the free, on
+    every stream, is done, so no stream can still be using it; with
+    ``stream_ordered``, CuPy and PyTorch memory is reused at once on the
+    stream that freed it (their own allocators' rule; numba frees without a
+    stream either way).
+
+    Returns what happened to each library: ``"installed"``, ``"not
+    requested"``, or ``"skipped: …"`` with the reason it could not be
+    imported.
+    """
+    import importlib
+
+    wanted = {"numba": numba, "cupy": cupy, "torch": torch}
+    report: Dict[str, str] = {}
+    for name, part in _PARTS.items():
+        if not wanted[name]:
+            report[name] = "not requested"
+            continue
+        module, dist = _NEEDS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            report[name] = f"skipped: {module} cannot be imported ({e}); pip install {dist}"
+            continue
+        part(bool(stream_ordered))
+        report[name] = "installed"
+    return report

@@ -1,0 +1,145 @@
+//! C entry points of the extension module for allocators that load two
+//! functions from a shared library: PyTorch's `CUDAPluggableAllocator`
+//! (`void* alloc(ssize_t size, int device, cudaStream_t stream)` and
+//! `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`).
+//!
+//! They call the core alone (no Python, no GIL): PyTorch calls them from any
+//! thread. No panic crosses into C: each body runs under `catch_unwind`,
+//! and a failure is a null pointer (PyTorch's own contract for a failed
+//! allocation) counted in [`failures`].
+//!
+//! By default a free goes through the pool's fence: the block is reused
+//! only after all work queued before the free, on every stream, is done,
+//! so a tensor used on a side stream without `record_stream` (which
+//! `CUDAPluggableAllocator` cannot forward) is never reused under a kernel.
+//! With `stream_ordered`, frees are ordered on the allocating stream instead
+//! (PyTorch's own allocator's rule): faster reuse on a busy GPU, for code
+//! that keeps each tensor on its stream.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use pyo3::prelude::*;
+
+use crate::{Client, DevicePointer, RawStream, Runtime};
+
+const SHARDS: usize = 64;
+
+/// The allocations handed out through the C entry points, by address,
+/// in shards so that threads rarely share a lock.
+struct Live([Mutex<HashMap<u64, Arc<DevicePointer>>>; SHARDS]);
+
+fn live() -> &'static Live {
+    static LIVE: OnceLock<Live> = OnceLock::new();
+    LIVE.get_or_init(|| Live(std::array::from_fn(|_| Mutex::new(HashMap::new()))))
+}
+
+impl Live {
+    fn shard(&self, address: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<DevicePointer>>> {
+        // Blocks are at least 512-byte aligned: mix the bits above that.
+        let i = ((address >> 9) ^ (address >> 17)) as usize % SHARDS;
+        self.0[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+static STREAM_ORDERED: AtomicBool = AtomicBool::new(false);
+static FAILURES: AtomicU64 = AtomicU64::new(0);
+
+fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> *mut c_void {
+    let fail = || {
+        FAILURES.fetch_add(1, Ordering::Relaxed);
+        std::ptr::null_mut()
+    };
+    let (Ok(size), Ok(device)) = (usize::try_from(size), usize::try_from(device)) else {
+        return fail();
+    };
+    if size == 0 {
+        return std::ptr::null_mut();
+    }
+    let Ok(rt) = Runtime::global() else {
+        return fail();
+    };
+    let stream = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
+    let mem = match rt
+        .context(device)
+        .and_then(|ctx| ctx.alloc_for(size, stream, client))
+    {
+        Ok(mem) => mem,
+        Err(_) => return fail(),
+    };
+    let address = mem.address();
+    live().shard(address).insert(address, mem);
+    address as usize as *mut c_void
+}
+
+fn free(ptr: *mut c_void, stream: RawStream) {
+    if ptr.is_null() {
+        return;
+    }
+    let address = ptr as usize as u64;
+    let Some(mem) = live().shard(address).remove(&address) else {
+        // Not ours (or freed twice): never touched.
+        FAILURES.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    if STREAM_ORDERED.load(Ordering::Relaxed) {
+        // A failed free leaves it live; dropping the last holder retries.
+        let _ = mem.free_on(stream);
+    }
+    // Dropping the last holder releases it through the pool's fence.
+    drop(mem);
+}
+
+/// PyTorch's allocation hook: `size` bytes on `device` for `stream`. Null on
+/// failure (out of memory, no driver, a bad device) or for zero bytes.
+///
+/// # Safety
+/// Called by PyTorch with the arguments its pluggable allocator passes; no
+/// pointer argument is dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn gpuptr_torch_alloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    std::panic::catch_unwind(|| alloc(Client::Torch, size, device, stream as RawStream))
+        .unwrap_or(std::ptr::null_mut())
+}
+
+/// PyTorch's free hook: release `ptr`, which [`gpuptr_torch_alloc`]
+/// returned. An address it did not return is ignored (and counted as a
+/// failure), never freed.
+///
+/// # Safety
+/// As [`gpuptr_torch_alloc`]; `ptr` is only looked up, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn gpuptr_torch_free(
+    ptr: *mut c_void,
+    _size: isize,
+    _device: c_int,
+    stream: *mut c_void,
+) {
+    let _ = std::panic::catch_unwind(|| free(ptr, stream as RawStream));
+}
+
+/// Set how the C entry points free memory: ordered on the allocating
+/// stream (``True``), or through the pool's fence (``False``, the default).
+#[pyfunction]
+pub(crate) fn _hooks_configure(stream_ordered: bool) {
+    STREAM_ORDERED.store(stream_ordered, Ordering::Relaxed);
+}
+
+/// ``(live allocations, failures)`` of the C entry points: allocations
+/// handed out and not freed, and calls that returned null or freed an
+/// address they did not hand out.
+#[pyfunction]
+pub(crate) fn _hooks_state() -> (usize, u64) {
+    let n = live()
+        .0
+        .iter()
+        .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()).len())
+        .sum();
+    (n, FAILURES.load(Ordering::Relaxed))
+}

@@ -1,0 +1,330 @@
+"""One pool for numba, CuPy and PyTorch: the allocator hooks, per-client
+statistics and ``gpuptr.install()``. These run without a GPU: PyTorch's C
+entry points are called through ctypes (as PyTorch's pluggable allocator
+calls them), and CuPy and PyTorch are stood in for by small fakes that
+record what gpuptr hands them. The real libraries are exercised by the GPU
+tests in test_pipeline_gpu.py."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import pytest
+
+import gpuptr
+from gpuptr import _core, _testing
+
+lib = ctypes.CDLL(_core.__file__)  # the same loaded module: its statics are shared
+t_alloc = lib.gpuptr_torch_alloc
+t_alloc.restype = ctypes.c_void_p
+t_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+t_free = lib.gpuptr_torch_free
+t_free.restype = None
+t_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+
+
+def client(name, device=0):
+    gc.collect()
+    return gpuptr.stats()[device]["clients"][name]
+
+
+@pytest.fixture
+def fenced_hooks():
+    _core._hooks_configure(False)
+    yield
+    _core._hooks_configure(False)
+
+
+def test_torch_entry_points_allocate_from_the_pool_and_count_as_torch(fenced_hooks):
+    live0, failures0 = _core._hooks_state()
+    before = client("torch")["live_bytes"]
+    p = t_alloc(1 << 20, 0, None)
+    assert p, "an address"
+    assert gpuptr.context_of(p) is gpuptr.context(0), "registered: its context resolves"
+    assert client("torch")["live_bytes"] == before + (1 << 20)
+    assert _core._hooks_state() == (live0 + 1, failures0)
+    view = gpuptr.wrap(p, 1 << 20)
+    view.memset(7)
+    assert view.copy_to_host()[:4] == b"\x07" * 4
+    del view
+    t_free(p, 1 << 20, 0, None)
+    assert client("torch")["live_bytes"] == before
+    assert _core._hooks_state() == (live0, failures0)
+
+
+def test_torch_entry_points_refuse_bad_input_without_crashing(fenced_hooks):
+    live0, failures0 = _core._hooks_state()
+    assert t_alloc(0, 0, None) is None, "zero bytes: null, as PyTorch's own allocator"
+    assert t_alloc(-5, 0, None) is None
+    assert t_alloc(1024, -1, None) is None
+    assert t_alloc(1024, 99, None) is None
+    assert t_alloc(1 << 62, 0, None) is None, "out of memory: null"
+    assert _core._hooks_state() == (live0, failures0 + 4)
+    m = gpuptr.alloc(4096)
+    t_free(m.device_pointer_value, 4096, 0, None)  # not the hooks': untouched
+    t_free(None, 0, 0, None)
+    assert not m.freed and _core._hooks_state() == (live0, failures0 + 5)
+    p = t_alloc(4096, 0, None)
+    t_free(p, 4096, 0, None)
+    t_free(p, 4096, 0, None)  # a second free is ignored, never a double free
+    assert _core._hooks_state() == (live0, failures0 + 6)
+
+
+def test_torch_entry_points_from_many_threads_balance_the_books(fenced_hooks):
+    live0, failures0 = _core._hooks_state()
+    before = client("torch")
+
+    def churn(seed):
+        held = []
+        for i in range(2000):
+            held.append(t_alloc(512 + (seed * 7919 + i * 131) % 300_000, 0, None))
+            if len(held) > 8 or i % 3:
+                t_free(held.pop(0), 0, 0, None)
+        for p in held:
+            t_free(p, 0, 0, None)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(8)]  # ctypes drops the GIL
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = client("torch")
+    assert after["live_bytes"] == before["live_bytes"] and after["live_count"] == before["live_count"]
+    assert after["alloc_count"] == before["alloc_count"] + 8 * 2000
+    assert _core._hooks_state() == (live0, failures0)
+
+
+@pytest.mark.sim
+def test_torch_frees_wait_for_every_stream_unless_stream_ordered(fenced_hooks):
+    # A tensor allocated on the default stream and written by a kernel on a
+    # side stream (no record_stream reaches a pluggable allocator) is freed.
+    p = t_alloc(1 << 20, 0, None)
+    _testing.sim_queue_write(0x7000, p, b"\xab" * 64)
+    t_free(p, 1 << 20, 0, None)
+    q = t_alloc(1 << 20, 0, None)
+    assert q != p, "not reused while the side stream may still write it"
+    t_free(q, 1 << 20, 0, None)
+    _testing.sim_complete()
+    gpuptr.flush_pool()
+    # Stream-ordered (PyTorch's own rule): reused at once on its stream.
+    _core._hooks_configure(True)
+    a = t_alloc(1 << 20, 0, 0x9000)
+    t_free(a, 1 << 20, 0, 0x9000)
+    b = t_alloc(1 << 20, 0, 0x9000)
+    assert b == a, "the same stream reuses it at once"
+    t_free(b, 1 << 20, 0, 0x9000)
+
+
+def test_clients_count_their_own_allocations():
+    before = {k: client(k) for k in ("direct", "numba", "cupy")}
+    held = [_core._alloc_for("cupy", 1000), _core._alloc_for("numba", 3000), gpuptr.alloc(5000)]
+    now = {k: client(k) for k in ("direct", "numba", "cupy")}
+    for k, n in (("cupy", 1000), ("numba", 3000), ("direct", 5000)):
+        assert now[k]["live_bytes"] == before[k]["live_bytes"] + n
+        assert now[k]["live_count"] == before[k]["live_count"] + 1
+        assert now[k]["alloc_count"] == before[k]["alloc_count"] + 1
+    total = gpuptr.stats()[0]
+    assert total["live_bytes"] == sum(c["live_bytes"] for c in total["clients"].values())
+    del held
+    assert client("cupy")["live_bytes"] == before["cupy"]["live_bytes"]
+    with pytest.raises(gpuptr.InvalidArgumentError, match="client"):
+        _core._alloc_for("jax", 64)
+
+
+# ------------------------------------------------------------------ CuPy
+
+
+class FakeCupy(types.ModuleType):
+    """What gpuptr.cupy uses of CuPy, recording what it is handed."""
+
+    def __init__(self, stream=0x4242, device=0):
+        super().__init__("cupy")
+        self.__version__ = "0-fake"
+        self.allocator = self.pinned_allocator = None
+        rt = types.SimpleNamespace(getDevice=lambda: device)
+        st = types.SimpleNamespace(get_current_stream_ptr=lambda: stream)
+
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner, device_id=-1):
+                self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
+
+        class MemoryPointer:
+            def __init__(self, mem, offset):
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+        class PinnedMemoryPointer:
+            def __init__(self, mem, offset):
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+        self.cuda = types.SimpleNamespace(
+            runtime=rt,
+            stream=st,
+            UnownedMemory=UnownedMemory,
+            MemoryPointer=MemoryPointer,
+            PinnedMemoryPointer=PinnedMemoryPointer,
+            set_allocator=lambda f: setattr(self, "allocator", f),
+            set_pinned_memory_allocator=lambda f: setattr(self, "pinned_allocator", f),
+            get_current_stream=lambda: types.SimpleNamespace(ptr=stream),
+        )
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    import gpuptr.cupy as gc_mod
+
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for name in ("_installed", "_stream_ordered", "_get_device", "_current_stream_ptr", "_MemoryPointer", "_UnownedMemory"):
+        monkeypatch.setattr(gc_mod, name, getattr(gc_mod, name))
+    return fake
+
+
+def test_cupy_allocator_hands_out_pool_memory_owned_by_gpuptr(fake_cupy):
+    import gpuptr.cupy
+
+    gpuptr.cupy.install()
+    assert gpuptr.cupy.installed() and fake_cupy.allocator is gpuptr.cupy.malloc
+    before = client("cupy")["live_bytes"]
+    mp = fake_cupy.allocator(1 << 20)
+    mem = mp.mem._owner
+    assert isinstance(mem, gpuptr.MemoryPointer)
+    assert (mp.ptr, mp.mem.size, mp.mem.device_id) == (mem.device_pointer_value, 1 << 20, 0)
+    assert mem.stream is None, "fenced by default: safe on every stream"
+    assert client("cupy")["live_bytes"] == before + (1 << 20)
+    del mp, mem
+    assert client("cupy")["live_bytes"] == before
+    pinned = fake_cupy.pinned_allocator(4096)
+    assert pinned.ptr == pinned.mem.mem.host_pointer and pinned.mem.size == 4096
+    zero = fake_cupy.allocator(0)
+    assert zero.ptr == 0 and zero.mem.device_id == 0
+
+
+def test_cupy_stream_ordered_allocates_on_cupys_current_stream(fake_cupy):
+    import gpuptr.cupy
+
+    gpuptr.cupy.install(stream_ordered=True, pinned=False)
+    assert fake_cupy.pinned_allocator is None
+    mp = fake_cupy.allocator(4096)
+    assert mp.mem._owner.stream == 0x4242
+
+
+# ----------------------------------------------------------------- torch
+
+
+class FakeTorchMemory(types.ModuleType):
+    def __init__(self, fail=None):
+        super().__init__("torch.cuda.memory")
+        self.loaded = []
+        self.fail = fail
+
+        outer = self
+
+        class CUDAPluggableAllocator:
+            def __init__(self, path, alloc, free):
+                outer.loaded.append((path, alloc, free))
+
+        def change_current_allocator(a):
+            if outer.fail:
+                raise RuntimeError(outer.fail)
+            outer.current = a
+
+        self.CUDAPluggableAllocator = CUDAPluggableAllocator
+        self.change_current_allocator = change_current_allocator
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    import gpuptr.torch as gt
+
+    def make(fail=None):
+        mem = FakeTorchMemory(fail)
+        torch = types.ModuleType("torch")
+        torch.cuda = types.ModuleType("torch.cuda")
+        torch.cuda.memory = mem
+        for name, mod in (("torch", torch), ("torch.cuda", torch.cuda), ("torch.cuda.memory", mem)):
+            monkeypatch.setitem(sys.modules, name, mod)
+        monkeypatch.setattr(gt, "_allocator", None)
+        return mem
+
+    yield make
+    _core._hooks_configure(False)
+
+
+def test_torch_install_loads_gpuptrs_own_entry_points(fake_torch):
+    import gpuptr.torch
+
+    mem = fake_torch()
+    gpuptr.torch.install()
+    ((path, alloc, free),) = mem.loaded
+    assert path == _core.__file__
+    assert hasattr(lib, alloc) and hasattr(lib, free), "the symbols exist in the module"
+    assert gpuptr.torch.installed()
+    gpuptr.torch.install()  # idempotent
+    assert len(mem.loaded) == 1
+
+
+def test_torch_install_after_torch_allocated_says_why(fake_torch):
+    import gpuptr.torch
+
+    fake_torch(fail="Can't swap an already initialized allocator")
+    with pytest.raises(gpuptr.InstallError, match="before PyTorch's first CUDA allocation") as e:
+        gpuptr.torch.install()
+    assert isinstance(e.value, RuntimeError) and "already initialized" in str(e.value)
+    assert not gpuptr.torch.installed()
+
+
+# --------------------------------------------------------------- install
+
+
+def test_install_skips_what_cannot_be_imported_and_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "torch", None)
+    report = gpuptr.install(numba=False)
+    assert report["numba"] == "not requested"
+    assert report["cupy"].startswith("skipped: cupy cannot be imported") and "pip install cupy-cuda" in report["cupy"]
+    assert report["torch"].startswith("skipped: torch cannot be imported") and "pip install torch" in report["torch"]
+
+
+def run(code):
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_install_puts_numba_on_gpuptr_before_its_first_context():
+    pytest.importorskip("numba.cuda")
+    out = run(
+        """
+        import sys
+        sys.modules["cupy"] = sys.modules["torch"] = None
+        import gpuptr
+        from numba.cuda.cudadrv import driver
+        print(gpuptr.install()["numba"], driver._memory_manager.__module__)
+        print(gpuptr.install()["numba"])
+        """
+    )
+    assert out.split() == ["installed", "gpuptr.numba", "installed"]
+
+
+def test_install_after_numba_chose_another_manager_says_why():
+    pytest.importorskip("numba.cuda")
+    out = run(
+        """
+        import sys
+        sys.modules["cupy"] = sys.modules["torch"] = None
+        import gpuptr
+        from numba.cuda.cudadrv import driver
+        driver._memory_manager = driver.NumbaCUDAMemoryManager  # as after numba's first context
+        try:
+            gpuptr.install()
+        except gpuptr.InstallError as e:
+            print("InstallError", "before numba's first CUDA call" in str(e))
+        """
+    )
+    assert out.split() == ["InstallError", "True"]

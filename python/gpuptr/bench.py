@@ -99,6 +99,52 @@ def _devarray_ns(manager: Optional[str], n: int, repeat: int, path: Optional[str
     return float(out.stdout.strip().splitlines()[-1])
 
 
+_LIB_CHILD = r"""
+import sys
+lib, allocator, n, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+from gpuptr.bench import best_ns
+if allocator == "rmm":
+    import rmm
+    rmm.reinitialize(pool_allocator=True)
+if lib == "cupy":
+    import cupy as cp
+    if allocator.startswith("gpuptr"):
+        import gpuptr.cupy
+        gpuptr.cupy.install(stream_ordered=allocator == "gpuptr-ordered")
+    elif allocator == "rmm":
+        from rmm.allocators.cupy import rmm_cupy_allocator
+        cp.cuda.set_allocator(rmm_cupy_allocator)
+    pair = lambda: cp.empty(1 << 20, dtype=cp.uint8)
+else:
+    import torch
+    if allocator.startswith("gpuptr"):
+        import gpuptr.torch
+        gpuptr.torch.install(stream_ordered=allocator == "gpuptr-ordered")
+    elif allocator == "rmm":
+        from rmm.allocators.torch import rmm_torch_allocator
+        torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+    pair = lambda: torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+print(best_ns(pair, n, repeat))
+"""
+
+
+def library_alloc_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
+    """``cp.empty(1 MiB)`` (``lib="cupy"``) or ``torch.empty(1 MiB)``
+    (``"torch"``) alloc+free, in ns, in a child process whose allocator is
+    ``allocator``: ``"own"`` (the library's pool), ``"gpuptr"``,
+    ``"gpuptr-ordered"`` (``stream_ordered=True``) or ``"rmm"`` (RMM's pool
+    through its allocator for that library)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LIB_CHILD, lib, allocator, str(n), str(repeat)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 _BUSY_CHILD = r"""
 import json, sys, time, statistics
 import numpy as np
@@ -308,6 +354,31 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
         except Exception as e:
             b.add(Result("numba device_array(1 MiB) alloc+free", name, skipped=f"{type(e).__name__}: {e}"))
 
+    # CuPy's and PyTorch's allocation through gpuptr against their own
+    # pools and RMM's, each in its own process.
+    n_lib = 2000 if quick else 20000
+    for lib, what in (("cupy", "cp.empty(1 MiB)+free"), ("torch", "torch.empty(1 MiB, cuda)+free")):
+        ours_ns: Dict[str, float] = {}
+        for mine, peer, label in (
+            ("gpuptr", "own", f"{lib}'s own pool"),
+            ("gpuptr", "rmm", f"RMM pool (rmm.allocators.{lib})"),
+            ("gpuptr-ordered", "own", f"{lib}'s own pool"),
+        ):
+            row = f"{what}, gpuptr{' stream_ordered' if mine == 'gpuptr-ordered' else ''}"
+            print(f"  measuring: {row} vs {label} ...", file=out, flush=True)
+            try:
+                if not on_gpu:
+                    raise RuntimeError("needs the GPU")
+                __import__(lib)
+                if peer == "rmm":
+                    __import__("rmm")
+                if mine not in ours_ns:
+                    ours_ns[mine] = library_alloc_ns(lib, mine, n_lib, b.repeat)
+                them = library_alloc_ns(lib, peer, n_lib, b.repeat)
+                b.add(Result(row, label, round(ours_ns[mine], 1), round(them, 1), round(them / ours_ns[mine], 2)))
+            except Exception as e:
+                b.add(Result(row, label, skipped=f"{type(e).__name__}: {e}"))
+
     # A busy GPU: device_array alloc+free while a kernel runs on a
     # non-blocking stream. The ratio is of the totals; median and worst are
     # in `extra`.
@@ -340,7 +411,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
         "python": platform.python_version(),
         "quick": quick,
     }
-    for mod in ("numba_cuda", "cupy", "cuda.bindings", "cuda.core", "numpy"):
+    for mod in ("numba_cuda", "cupy", "torch", "rmm", "cuda.bindings", "cuda.core", "numpy"):
         try:
             m = __import__(mod, fromlist=["__version__"])
             meta[mod] = getattr(m, "__version__", "?")

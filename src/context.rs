@@ -215,6 +215,19 @@ impl Drop for Context {
         self.state().teardown(self);
         // SAFETY: balances the retain in `Context::retain`; this is the last
         // holder, so nothing uses the context through it afterwards.
-        let _ = unsafe { self.runtime.driver().primary_context_release(self.device) };
+        let r = unsafe { self.runtime.driver().primary_context_release(self.device) };
+        match r {
+            Ok(()) => log::debug!(
+                target: "gpuptr::context",
+                "device {}: released the primary context {:#x}",
+                self.device,
+                self.raw
+            ),
+            Err(e) => log::warn!(
+                target: "gpuptr::context",
+                "device {}: releasing the primary context failed: {e}",
+                self.device
+            ),
+        }
     }
 }

@@ -342,19 +342,34 @@ fn fence_loop(sh: &FenceShared, pace: Duration) {
         if crate::fork::forked() {
             return;
         }
+        let started =
+            log::log_enabled!(target: "gpuptr::fence", log::Level::Debug).then(Instant::now);
         // SAFETY: `context` is live: the pool's owner passes its retained
         // context with each request, and a reset or teardown (which ends
         // it) shuts this helper down or drains every batch first; a call
         // on a context gone since fails with an error, never touches memory.
         let r = unsafe { sh.driver.synchronize(context) };
         st = lock(&sh.state);
-        match r {
+        match &r {
             Ok(()) => {
                 sh.done.fetch_max(target, Ordering::AcqRel);
             }
             // The batches stay sealed (never handed out unfenced); a later
             // request retries and covers them.
             Err(_) => st.failed = st.failed.max(target),
+        }
+        // The logger only queues the record (no GIL, no lock but its own).
+        match (r, started) {
+            (Ok(()), Some(t)) => log::debug!(
+                target: "gpuptr::fence",
+                "fence {target} done in {} us",
+                t.elapsed().as_micros()
+            ),
+            (Err(e), _) => log::warn!(
+                target: "gpuptr::fence",
+                "fence {target} failed ({e}); its blocks wait for the next one"
+            ),
+            _ => {}
         }
         if st.waiters > 0 {
             sh.finished.notify_all();

@@ -174,6 +174,12 @@ impl DeviceState {
         let ctx = Arc::new(Context::retain(rt.clone(), self.device)?);
         *slot = Arc::downgrade(&ctx);
         self.raw.store(ctx.raw(), Ordering::Release);
+        log::debug!(
+            target: "gpuptr::context",
+            "device {}: retained the primary context {:#x}",
+            self.device,
+            ctx.raw()
+        );
         Ok(ctx)
     }
 
@@ -194,8 +200,12 @@ impl DeviceState {
             // threads may take what it frees), at least once. One thread
             // at a time.
             let _recovering = lock(&self.recovery);
+            let (mut returned, mut rounds) = (0, 0);
             for round in 0..4 {
-                if self.trim_locked(ctx)? == 0 && round > 0 {
+                let freed = self.trim_locked(ctx)?;
+                returned += freed;
+                rounds += 1;
+                if freed == 0 && round > 0 {
                     break;
                 }
                 attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
@@ -203,10 +213,28 @@ impl DeviceState {
                     break;
                 }
             }
+            log::info!(
+                target: "gpuptr::pool",
+                "device {}: out of memory for {} bytes; returned {} bytes of cache to the driver in {} round(s), then {}",
+                self.device,
+                size,
+                returned,
+                rounds,
+                if attempt.is_ok() { "succeeded" } else { "failed" }
+            );
         }
         let block = attempt?;
         if let Some(new) = block.new_allocation {
             self.register(ctx, &new);
+            log::debug!(
+                target: "gpuptr::pool",
+                "device {}: the pool grew by {} bytes ({} block(s) of {} bytes) for a {}-byte allocation",
+                self.device,
+                new.bytes(),
+                new.blocks,
+                new.class,
+                size
+            );
         }
         Ok(block)
     }
@@ -222,6 +250,15 @@ impl DeviceState {
             self.register(ctx, a);
         }
         let reserved = made.iter().map(Allocation::bytes).sum();
+        log::debug!(
+            target: "gpuptr::pool",
+            "device {}: reserved {} of {} bytes in blocks of {} bytes ({} driver allocation(s))",
+            self.device,
+            reserved,
+            bytes,
+            crate::size_class(size.max(1)),
+            made.len()
+        );
         match r {
             // Out of memory part way: what was reserved stays; say so only
             // when nothing could be.
@@ -270,7 +307,21 @@ impl DeviceState {
     /// Return the pool's cache to the driver; the bytes freed.
     pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
         let _recovering = lock(&self.recovery);
-        self.trim_locked(ctx)
+        let r = self.trim_locked(ctx);
+        match &r {
+            Ok(freed) => log::debug!(
+                target: "gpuptr::pool",
+                "device {}: trim returned {} bytes to the driver",
+                self.device,
+                freed
+            ),
+            Err(e) => log::warn!(
+                target: "gpuptr::pool",
+                "device {}: trim: a driver free failed ({e}); that memory stays cached",
+                self.device
+            ),
+        }
+        r
     }
 
     fn trim_locked(&self, ctx: &Context) -> Result<usize> {
@@ -316,6 +367,11 @@ impl DeviceState {
         // Context (stale pointers) release their retain when they go.
         *lock(&self.slot) = Weak::new();
         self.counters.forget_live();
+        log::info!(
+            target: "gpuptr::context",
+            "device {}: context reset; its live allocations are stale from now on",
+            self.device
+        );
         trimmed.map(|_| ())
     }
 

@@ -55,6 +55,7 @@ from gpuptr._errors import (
     OutOfMemoryError,
 )
 from gpuptr._install import install
+from gpuptr import _log  # noqa: F401,E402  (the core's records into logging)
 from gpuptr._summary import memory_summary
 from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, MemoryInfo
 from gpuptr.interop import ArrayView, as_array, from_cuda_array_interface, from_dlpack

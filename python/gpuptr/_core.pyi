@@ -36,6 +36,8 @@ __all__ = [
     "_dlpack_consume",
     "_dlpack_export",
     "_alloc_for",
+    "_set_log_level",
+    "_flush_log",
     "_hooks_configure",
     "_hooks_state",
     "_dtype_info",
@@ -441,6 +443,14 @@ def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: A
     """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``
     or ``"direct"``), counted under that client in ``stats()``. The hook
     for gpuptr's own allocator plugins.
+    """
+def _set_log_level(level: int) -> None:
+    """Set the level records are kept at, from a Python logging level (the
+    `gpuptr` logger's effective level), and deliver what is queued.
+    """
+def _flush_log() -> None:
+    """Deliver the records the core queued (gpuptr's entry points do this
+    themselves; this is for the end of a program, or a test).
     """
 def _hooks_configure(stream_ordered: bool) -> None:
     """Set how the C entry points free memory: ordered on the allocating

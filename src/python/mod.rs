@@ -7,6 +7,7 @@ mod errors;
 mod hooks;
 mod host;
 mod interop;
+mod logging;
 mod pointer;
 mod py_context;
 mod testing;
@@ -30,6 +31,7 @@ pub(crate) fn runtime() -> PyResult<&'static Arc<Runtime>> {
 #[pyfunction]
 #[pyo3(signature = (device=0))]
 fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
+    let _log = logging::Deliver(py);
     py_context(py, &runtime()?.context(device_arg(device)?)?)
 }
 
@@ -51,6 +53,7 @@ fn alloc(
     device: Option<&Bound<'_, PyAny>>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
+    let _log = logging::Deliver(py);
     let size = size_arg(int_arg(nbytes, "nbytes")?)?;
     let ctx = device_context(device)?;
     let stream = args::stream_arg(stream)?;
@@ -74,6 +77,7 @@ fn _alloc_for(
     device: Option<&Bound<'_, PyAny>>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
+    let _log = logging::Deliver(py);
     let client = crate::Client::from_name(client)
         .ok_or_else(|| Error::InvalidArgument(format!("unknown client {client:?}")))?;
     let size = size_arg(int_arg(nbytes, "nbytes")?)?;
@@ -153,6 +157,7 @@ fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
 /// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``).
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    let _log = logging::Deliver(py);
     let list = PyList::empty(py);
     for s in runtime()?.stats() {
         let d = PyDict::new(py);
@@ -186,6 +191,7 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 #[pyfunction]
 #[pyo3(signature = (device=None))]
 fn flush_pool(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    let _log = logging::Deliver(py);
     let rt = runtime()?;
     let devices: Vec<usize> = match optional_device(device)? {
         Some(d) => vec![d],
@@ -213,6 +219,7 @@ fn reserve(
     block_size: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<usize> {
+    let _log = logging::Deliver(py);
     let bytes = size_arg(int_arg(nbytes, "nbytes")?)?;
     let size = match block_size.filter(|b| !b.is_none()) {
         Some(b) => size_arg(int_arg(b, "block_size")?)?,
@@ -230,6 +237,7 @@ fn reserve(
 /// smallest class first.
 #[pyfunction]
 fn pool_classes<'py>(py: Python<'py>, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    let _log = logging::Deliver(py);
     let device = device_arg(int_arg(device, "device")?)?;
     let list = PyList::empty(py);
     for c in runtime()?.class_stats(device)? {
@@ -254,6 +262,7 @@ fn reset_peak_stats() -> PyResult<()> {
 /// (CuPy's ``free_all_blocks``).
 #[pyfunction]
 fn trim(py: Python<'_>) -> PyResult<usize> {
+    let _log = logging::Deliver(py);
     let rt = runtime()?;
     Ok(py.detach(|| rt.trim())?)
 }
@@ -264,6 +273,7 @@ fn trim(py: Python<'_>) -> PyResult<usize> {
 /// `InvalidPointerError`; freeing it does nothing).
 #[pyfunction]
 fn reset_context(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
+    let _log = logging::Deliver(py);
     let device = device_arg(int_arg(device, "device")?)?;
     let rt = runtime()?;
     Ok(py.detach(|| rt.reset(device))?)
@@ -279,6 +289,9 @@ fn release_contexts() {
 /// The native core of gpuptr. Use the `gpuptr` package, which re-exports it.
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    logging::init();
+    m.add_function(wrap_pyfunction!(logging::_set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(logging::_flush_log, m)?)?;
     m.add_class::<PyContext>()?;
     m.add_class::<PyContextHandle>()?;
     m.add_class::<PyDevice>()?;

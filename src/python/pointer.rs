@@ -384,6 +384,7 @@ impl PyMemoryPointer {
     /// ``BufferError``.
     #[pyo3(signature = (stream=None))]
     fn free(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let _log = super::logging::Deliver(py);
         let stream = stream_arg(stream)?;
         if self.managed {
             let parent = self.view.parent();

@@ -1,0 +1,202 @@
+//! The core's `log` records, delivered to Python's `logging.getLogger("gpuptr")`.
+//!
+//! A record is never handed to Python where it is made: the core logs from
+//! threads that may not hold the GIL (the fence helper, PyTorch's allocator
+//! threads), and while it holds its own locks, where a Python handler that
+//! called back into gpuptr would deadlock. So [`PyLogger::log`] only queues
+//! the record (a leaf lock, never held across anything else), and the
+//! binding delivers the queue at its safe points: the entry points Python
+//! calls, which hold the GIL and no gpuptr lock. Each record keeps the time
+//! it was made.
+//!
+//! The level comes from Python: `gpuptr/_log.py` pushes the `gpuptr`
+//! logger's effective level here whenever Python's logging levels change,
+//! and `log::max_level` follows it, so with DEBUG off a `debug!` in the core
+//! costs one relaxed load.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use log::{Level, LevelFilter, Log, Metadata, Record};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+/// Records waiting for a safe point; beyond this many, new ones are
+/// dropped and counted.
+const QUEUE_MAX: usize = 4096;
+
+struct Queued {
+    level: Level,
+    target: String,
+    message: String,
+    file: Option<String>,
+    line: u32,
+    /// Seconds since the epoch, as `LogRecord.created`.
+    created: f64,
+    /// The Rust thread's name (the fence helper's); None on threads Python
+    /// made, whose name Python knows.
+    thread: Option<String>,
+}
+
+static QUEUE: Mutex<VecDeque<Queued>> = Mutex::new(VecDeque::new());
+static PENDING: AtomicBool = AtomicBool::new(false);
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+struct PyLogger;
+
+impl Log for PyLogger {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        metadata.level() <= log::max_level()
+    }
+
+    fn log(&self, record: &Record<'_>) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let q = Queued {
+            level: record.level(),
+            target: record.target().to_owned(),
+            message: record.args().to_string(),
+            file: record.file().map(str::to_owned),
+            line: record.line().unwrap_or(0),
+            created,
+            thread: std::thread::current().name().map(str::to_owned),
+        };
+        let mut queue = QUEUE.lock().unwrap_or_else(|p| p.into_inner());
+        if queue.len() >= QUEUE_MAX {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+        } else {
+            queue.push_back(q);
+        }
+        PENDING.store(true, Ordering::Release);
+    }
+
+    fn flush(&self) {}
+}
+
+static LOGGER: PyLogger = PyLogger;
+
+/// Install the logger (once per process; the level starts off until Python
+/// sets it).
+pub(crate) fn init() {
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(LevelFilter::Off);
+    }
+}
+
+fn python_level(level: Level) -> i32 {
+    match level {
+        Level::Error => 40,
+        Level::Warn => 30,
+        Level::Info => 20,
+        Level::Debug => 10,
+        Level::Trace => 5,
+    }
+}
+
+/// Delivers the queued records when dropped: the first line of an entry
+/// point, so that what the call logged reaches Python as it returns.
+pub(crate) struct Deliver<'py>(pub Python<'py>);
+
+impl Drop for Deliver<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        flush(self.0);
+    }
+}
+
+/// Deliver the queued records, if any: call at a safe point (the GIL held,
+/// no gpuptr lock held).
+#[inline]
+pub(crate) fn flush(py: Python<'_>) {
+    if PENDING.load(Ordering::Acquire) {
+        deliver(py);
+    }
+}
+
+#[cold]
+fn deliver(py: Python<'_>) {
+    let records: Vec<Queued> = {
+        let mut queue = QUEUE.lock().unwrap_or_else(|p| p.into_inner());
+        PENDING.store(false, Ordering::Release);
+        queue.drain(..).collect()
+    };
+    let dropped = DROPPED.swap(0, Ordering::Relaxed);
+    // A handler's error must not surface in an unrelated gpuptr call: it is
+    // reported as unraisable, and the rest are still delivered.
+    let result = (|| -> PyResult<()> {
+        static LOGGER_OBJ: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let logger = LOGGER_OBJ
+            .get_or_try_init(py, || {
+                py.import("logging")?
+                    .call_method1("getLogger", ("gpuptr",))
+                    .map(Bound::unbind)
+            })?
+            .bind(py);
+        if dropped > 0 {
+            logger.call_method1(
+                "warning",
+                (format!(
+                    "{dropped} gpuptr log records were dropped (more than {QUEUE_MAX} queued)"
+                ),),
+            )?;
+        }
+        for r in records {
+            let level = python_level(r.level);
+            if !logger.call_method1("isEnabledFor", (level,))?.is_truthy()? {
+                continue;
+            }
+            let record = logger.call_method1(
+                "makeRecord",
+                (
+                    "gpuptr",
+                    level,
+                    r.file.as_deref().unwrap_or("<rust>"),
+                    r.line,
+                    r.message,
+                    py.None(),
+                    py.None(),
+                    r.target,
+                ),
+            )?;
+            record.setattr("created", r.created)?;
+            record.setattr("msecs", (r.created.fract() * 1000.0).floor())?;
+            if let Some(name) = r.thread {
+                record.setattr("threadName", name)?;
+            }
+            logger.call_method1("handle", (record,))?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        e.write_unraisable(py, None);
+    }
+}
+
+/// Set the level records are kept at, from a Python logging level (the
+/// `gpuptr` logger's effective level), and deliver what is queued.
+#[pyfunction]
+pub(crate) fn _set_log_level(py: Python<'_>, level: i32) {
+    let filter = match level {
+        i32::MIN..=5 => LevelFilter::Trace,
+        6..=10 => LevelFilter::Debug,
+        11..=20 => LevelFilter::Info,
+        21..=30 => LevelFilter::Warn,
+        31..=40 => LevelFilter::Error,
+        _ => LevelFilter::Off,
+    };
+    log::set_max_level(filter);
+    flush(py);
+}
+
+/// Deliver the records the core queued (gpuptr's entry points do this
+/// themselves; this is for the end of a program, or a test).
+#[pyfunction]
+pub(crate) fn _flush_log(py: Python<'_>) {
+    flush(py);
+}

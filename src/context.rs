@@ -7,6 +7,8 @@ use std::sync::Arc;
 use crate::driver::{Driver, RawContext, RawStream};
 use crate::error::Result;
 use crate::memory::{Client, DevicePointer};
+use crate::track::Site;
+
 use crate::runtime::Runtime;
 
 /// A retained primary context. Shared through `Arc`: creating the first one
@@ -93,8 +95,10 @@ impl Context {
     /// Allocate `size` bytes of device memory in this context, for use in
     /// any stream (freed blocks are reused only after all work queued before
     /// their free has finished).
+    #[track_caller]
     pub fn alloc(self: &Arc<Self>, size: usize) -> Result<Arc<DevicePointer>> {
-        DevicePointer::alloc(self, size, None, Client::Direct)
+        let at = std::panic::Location::caller();
+        self.alloc_at(size, None, Client::Direct, || Site::Rust(at))
     }
 
     /// Fill this device's pool ahead of demand with about `bytes` of ready
@@ -112,33 +116,55 @@ impl Context {
     /// `cudaMallocAsync`): a block freed on `stream` is reused at once, and
     /// dropping the pointer frees it on `stream`. Use
     /// [`DevicePointer::record_stream`] for other streams it is used on.
+    #[track_caller]
     pub fn alloc_on(
         self: &Arc<Self>,
         size: usize,
         stream: RawStream,
     ) -> Result<Arc<DevicePointer>> {
-        DevicePointer::alloc(self, size, Some(stream), Client::Direct)
+        let at = std::panic::Location::caller();
+        self.alloc_at(size, Some(stream), Client::Direct, || Site::Rust(at))
     }
 
     /// Allocate `size` bytes for `client` (per-client statistics), for an
     /// owner on `stream` (as [`Context::alloc_on`]) or on any stream (as
     /// [`Context::alloc`]).
+    #[track_caller]
     pub fn alloc_for(
         self: &Arc<Self>,
         size: usize,
         stream: Option<RawStream>,
         client: Client,
     ) -> Result<Arc<DevicePointer>> {
-        DevicePointer::alloc(self, size, stream, client)
+        let at = std::panic::Location::caller();
+        self.alloc_at(size, stream, client, || Site::Rust(at))
+    }
+
+    /// As [`Context::alloc_for`], made at `site` for the leak report (a
+    /// binding passes its own language's call site; `site` is called only
+    /// while tracking is on).
+    #[inline]
+    pub fn alloc_at(
+        self: &Arc<Self>,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+        site: impl FnOnce() -> Site,
+    ) -> Result<Arc<DevicePointer>> {
+        let p = DevicePointer::alloc(self, size, stream, client)?;
+        p.note_site(site);
+        Ok(p)
     }
 
     /// Allocate `size` bytes of managed (unified) memory in this context.
+    #[track_caller]
     pub fn alloc_managed(
         self: &Arc<Self>,
         size: usize,
         attach_global: bool,
     ) -> Result<Arc<DevicePointer>> {
-        DevicePointer::alloc_managed(self, size, attach_global)
+        let at = std::panic::Location::caller();
+        DevicePointer::alloc_managed_at(self, size, attach_global, || Site::Rust(at))
     }
 
     /// Allocate `size` bytes of pinned host memory in this context.

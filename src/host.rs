@@ -360,23 +360,38 @@ impl Drop for HostMemory {
 impl DevicePointer {
     /// Allocate `size` bytes of managed (unified) memory in `context`,
     /// attached globally or to the host.
+    #[track_caller]
     pub fn alloc_managed(
         context: &Arc<Context>,
         size: usize,
         attach_global: bool,
+    ) -> Result<Arc<Self>> {
+        let at = std::panic::Location::caller();
+        DevicePointer::alloc_managed_at(context, size, attach_global, || crate::Site::Rust(at))
+    }
+
+    /// As [`DevicePointer::alloc_managed`], made at `site` for the leak
+    /// report.
+    pub fn alloc_managed_at(
+        context: &Arc<Context>,
+        size: usize,
+        attach_global: bool,
+        site: impl FnOnce() -> crate::Site,
     ) -> Result<Arc<Self>> {
         let flags = if attach_global {
             crate::driver::MEM_ATTACH_GLOBAL
         } else {
             crate::driver::MEM_ATTACH_HOST
         };
-        DevicePointer::alloc_with(
+        let p = DevicePointer::alloc_with(
             context,
             size,
             // SAFETY: `ctx.raw()` is retained by the Context.
             |ctx| unsafe { ctx.driver().mem_alloc_managed(ctx.raw(), size, flags) },
             true,
             crate::memory::Client::Direct,
-        )
+        )?;
+        p.note_site(site);
+        Ok(p)
     }
 }

@@ -38,6 +38,7 @@ mod memory;
 mod pool;
 mod registry;
 mod runtime;
+mod track;
 
 #[cfg(feature = "python")]
 mod python;
@@ -54,6 +55,7 @@ pub use layout::{typestr_itemsize, Layout};
 pub use memory::{Client, DevicePointer, KeepAlive, Loan, Origin, View};
 pub use pool::{size_class, ClassStats, PoolConfig};
 pub use runtime::{ClientStats, DeviceStats, Runtime};
+pub use track::{Outstanding, Site};
 
 /// `CUresult` codes gpuptr refers to by name.
 pub mod codes {

@@ -10,6 +10,7 @@ use crate::driver::{DevicePtr, MemoryType, RawStream, STREAM_LEGACY, STREAM_PER_
 use crate::error::{Error, Result};
 use crate::host::HostMemory;
 use crate::registry::Registration;
+use crate::track::Site;
 
 /// Anything a pointer must keep alive until its memory is released (a
 /// foreign owner, a finalizer object). Dropped when the pointer is freed.
@@ -238,7 +239,9 @@ pub struct DevicePointer {
     generation: u64,
     registration: Option<Registration>,
     /// The pool shard a pooled block goes back to.
-    pool_shard: u32,
+    /// (A u16: shards are at most 1024, and a u32 would make the struct a
+    /// word longer, which a pool pair measurably pays for.)
+    pool_shard: u16,
     life: Lifetime,
     /// The stream it is released on ([`NO_STREAM`], [`MANY_STREAMS`] or a handle).
     stream: AtomicUsize,
@@ -249,6 +252,8 @@ pub struct DevicePointer {
     has_keepalive: bool,
     /// The library that asked for it (statistics).
     client: Client,
+    /// Noted by the leak report (forgotten on release).
+    tracked: bool,
     keepalive: Mutex<Option<KeepAlive>>,
 }
 
@@ -319,18 +324,23 @@ impl DevicePointer {
 
     /// Allocate `size` bytes straight from the driver (`cuMemAlloc`),
     /// bypassing the pool.
+    #[track_caller]
     pub fn alloc_uncached(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
-        DevicePointer::alloc_with(
+        let at = std::panic::Location::caller();
+        let p = DevicePointer::alloc_with(
             context,
             size,
             // SAFETY: `ctx.raw()` is retained by the Context.
             |ctx| unsafe { ctx.driver().mem_alloc(ctx.raw(), size) },
             false,
             Client::Direct,
-        )
+        )?;
+        p.note_site(|| Site::Rust(at));
+        Ok(p)
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     fn counted(
         context: &Arc<Context>,
         address: DevicePtr,
@@ -348,8 +358,11 @@ impl DevicePointer {
         let mut p = DevicePointer::base(context.clone(), address, size, origin);
         p.managed = managed;
         p.registration = registration;
-        p.pool_shard = pool_shard;
+        p.pool_shard = pool_shard as u16;
         p.client = client;
+        // Noted by the leak report once the caller gives the site
+        // ([`DevicePointer::note_site`]): one load here while it is off.
+        p.tracked = address != 0 && context.runtime().tracker().enabled();
         Arc::new(p)
     }
 
@@ -372,6 +385,7 @@ impl DevicePointer {
             has_keepalive: false,
             keepalive: Mutex::new(None),
             client: Client::Direct,
+            tracked: false,
         }
     }
 
@@ -609,6 +623,30 @@ impl DevicePointer {
         self.free()
     }
 
+    /// Record where this allocation was made, for the leak report, if
+    /// tracking was on when it was made (`site` is called only then).
+    #[inline]
+    pub fn note_site(&self, site: impl FnOnce() -> Site) {
+        if self.tracked {
+            self.record_site(site());
+        }
+    }
+
+    #[cold]
+    fn record_site(&self, site: Site) {
+        let device = self.context.device();
+        self.context
+            .runtime()
+            .tracker()
+            .record(self.address, device, self.size, self.client, site);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn forget_site(&self) {
+        self.context.runtime().tracker().forget(self.address);
+    }
+
     /// Release the memory; the caller has claimed the release.
     fn release(&self) -> Result<()> {
         let stale = self.is_stale();
@@ -627,7 +665,7 @@ impl DevicePointer {
                 let block = crate::pool::Block {
                     address: self.address,
                     class,
-                    shard: self.pool_shard,
+                    shard: u32::from(self.pool_shard),
                     new_allocation: None,
                 };
                 let stream = match self.stream.load(Ordering::Relaxed) {
@@ -655,6 +693,9 @@ impl DevicePointer {
                 .state()
                 .counters()
                 .released(self.size, self.client);
+        }
+        if self.tracked {
+            self.forget_site();
         }
         if self.has_keepalive {
             release_keepalive(&self.keepalive);

@@ -133,11 +133,13 @@ impl std::hash::Hasher for IdentityHasher {
             self.0 = self.0.rotate_left(8) ^ u64::from(*b);
         }
     }
+    // One integer is taken as it is; a tuple's (a stream and a class)
+    // are mixed, so that streams of one class do not collide.
     fn write_u64(&mut self, n: u64) {
-        self.0 = n;
+        self.0 = self.0.rotate_left(26) ^ n;
     }
     fn write_usize(&mut self, n: usize) {
-        self.0 = n as u64;
+        self.write_u64(n as u64);
     }
 }
 
@@ -420,7 +422,7 @@ struct Shard {
     pending: Vec<(DevicePtr, usize)>,
     pending_bytes: usize,
     /// Freed on a stream: reusable at once on that stream.
-    on_stream: HashMap<(RawStream, usize), Vec<DevicePtr>>,
+    on_stream: FastMap<(RawStream, usize), Vec<DevicePtr>>,
     stream_bytes: usize,
     /// Sealed batches, oldest first.
     sealed: VecDeque<Sealed>,
@@ -461,7 +463,7 @@ impl Default for Shard {
             ready_bytes: 0,
             pending: Vec::new(),
             pending_bytes: 0,
-            on_stream: HashMap::new(),
+            on_stream: FastMap::default(),
             stream_bytes: 0,
             sealed: VecDeque::new(),
             sealed_bytes: 0,

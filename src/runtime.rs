@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Client, DevicePointer, KeepAlive};
 use crate::pool::{Allocation, Block, ClassStats, Pool, PoolConfig};
 use crate::registry::{Registration, Registry};
+use crate::track::{Outstanding, Tracker};
 
 /// Allocation counters of one device (allocations made outside the pool).
 #[derive(Default, Debug)]
@@ -430,6 +431,7 @@ pub struct Runtime {
     driver: Arc<dyn Driver>,
     registry: Registry,
     devices: Vec<DeviceState>,
+    tracker: Tracker,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -454,6 +456,7 @@ impl Runtime {
             devices: (0..n).map(|d| DeviceState::new(d, &driver, pool)).collect(),
             driver,
             registry: Registry::new(),
+            tracker: Tracker::new(false),
         }))
     }
 
@@ -579,7 +582,11 @@ impl Runtime {
                     Ok("0") | Ok("off") => None,
                     _ => Some(PoolConfig::default()),
                 };
-                Runtime::with_pool(driver::open(DriverChoice::from_env()?)?, pool)
+                let rt = Runtime::with_pool(driver::open(DriverChoice::from_env()?)?, pool)?;
+                if matches!(std::env::var("GPUPTR_TRACK").as_deref(), Ok("1") | Ok("on")) {
+                    rt.set_tracking(true);
+                }
+                Ok(rt)
             })
             .as_ref()
             .map_err(Clone::clone)
@@ -595,6 +602,30 @@ impl Runtime {
     #[inline]
     pub(crate) fn registry(&self) -> &Registry {
         &self.registry
+    }
+
+    #[inline]
+    pub(crate) fn tracker(&self) -> &Tracker {
+        &self.tracker
+    }
+
+    /// Turn the leak report on or off (`GPUPTR_TRACK=1` turns it on for the
+    /// global runtime). On, every allocation records where it was made until
+    /// it is released; allocations made while it was off are not listed.
+    pub fn set_tracking(&self, on: bool) {
+        self.tracker.set_enabled(on);
+    }
+
+    /// Whether allocations record where they were made.
+    #[inline]
+    pub fn tracking(&self) -> bool {
+        self.tracker.enabled()
+    }
+
+    /// The live allocations made while tracking was on, grouped by where
+    /// they were made, the most bytes first.
+    pub fn outstanding(&self) -> Vec<Outstanding> {
+        self.tracker.outstanding()
     }
 
     /// Number of address ranges the pointer→context registry knows.

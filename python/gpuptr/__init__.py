@@ -41,7 +41,10 @@ from gpuptr._core import (
     reserve,
     reset_context,
     reset_peak_stats,
+    outstanding,
     stats,
+    track,
+    tracking,
     trim,
     wrap,
 )
@@ -57,7 +60,7 @@ from gpuptr._errors import (
 from gpuptr._install import install
 from gpuptr import _log  # noqa: F401,E402  (the core's records into logging)
 from gpuptr._summary import memory_summary
-from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, MemoryInfo
+from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, MemoryInfo, Outstanding
 from gpuptr.interop import ArrayView, as_array, from_cuda_array_interface, from_dlpack
 
 __all__ = [
@@ -83,6 +86,7 @@ __all__ = [
     "PinnedMemory",
     "NoDriverError",
     "OutOfMemoryError",
+    "Outstanding",
     "__version__",
     "alloc",
     "alloc_host",
@@ -101,7 +105,10 @@ __all__ = [
     "reserve",
     "reset_context",
     "reset_peak_stats",
+    "outstanding",
     "stats",
+    "track",
+    "tracking",
     "trim",
     "wrap",
 ]

@@ -2,7 +2,7 @@
 
 from typing import Any, Optional, final
 
-from gpuptr._types import ClassStats, DeviceStats, DriverInfo
+from gpuptr._types import ClassStats, DeviceStats, DriverInfo, Outstanding
 
 from gpuptr._types import MemoryInfo
 
@@ -36,6 +36,9 @@ __all__ = [
     "_dlpack_consume",
     "_dlpack_export",
     "_alloc_for",
+    "track",
+    "tracking",
+    "outstanding",
     "_set_log_level",
     "_flush_log",
     "_hooks_configure",
@@ -443,6 +446,19 @@ def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: A
     """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``
     or ``"direct"``), counted under that client in ``stats()``. The hook
     for gpuptr's own allocator plugins.
+    """
+def track(enabled: bool = True) -> None:
+    """Turn the leak report on (or off): while on, every allocation gpuptr
+    makes records where it was made (the Python stack, or the Rust location
+    for Rust callers) until it is released. ``GPUPTR_TRACK=1`` turns it on at
+    start. Allocations made while it is off are not listed.
+    """
+def tracking() -> bool:
+    """Whether the leak report is on."""
+def outstanding() -> list[Outstanding]:
+    """The live allocations made while tracking was on, grouped by where they
+    were made, the most bytes first: dicts of ``site`` (the stack, innermost
+    first), ``count``, ``bytes``, ``devices`` and ``clients``.
     """
 def _set_log_level(level: int) -> None:
     """Set the level records are kept at, from a Python logging level (the

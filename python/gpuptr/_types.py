@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, TypedDict
+from typing import Dict, List, NamedTuple, TypedDict
 
-__all__ = ["ClassStats", "ClientStats", "DeviceStats", "DriverInfo", "MemoryInfo"]
+__all__ = ["ClassStats", "ClientStats", "DeviceStats", "DriverInfo", "MemoryInfo", "Outstanding"]
 
 
 class MemoryInfo(NamedTuple):
@@ -65,3 +65,17 @@ class DeviceStats(TypedDict):
 ClassStats = TypedDict(
     "ClassStats", {"class": int, "live_blocks": int, "peak_blocks": int, "cached_blocks": int}
 )
+
+
+class Outstanding(TypedDict):
+    """One site of ``gpuptr.outstanding()``: the live allocations made there
+    while tracking was on."""
+
+    #: The Python stack, innermost first (``file:line in function``, joined
+    #: by ``" <- "``), or a Rust ``file:line``.
+    site: str
+    count: int
+    bytes: int
+    devices: List[int]
+    #: ``"direct"``, ``"numba"``, ``"cupy"`` or ``"torch"``.
+    clients: List[str]

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::prelude::*;
 
-use crate::{Client, DevicePointer, RawStream, Runtime};
+use crate::{Client, DevicePointer, RawStream, Runtime, Site};
 
 const SHARDS: usize = 64;
 
@@ -64,7 +64,7 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> *mut 
     let stream = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
     let mem = match rt
         .context(device)
-        .and_then(|ctx| ctx.alloc_for(size, stream, client))
+        .and_then(|ctx| ctx.alloc_at(size, stream, client, caller_site))
     {
         Ok(mem) => mem,
         Err(_) => return fail(),
@@ -72,6 +72,23 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> *mut 
     let address = mem.address();
     live().shard(address).insert(address, mem);
     address as usize as *mut c_void
+}
+
+/// The Python stack of the thread allocating, if it holds the GIL now (a
+/// PyTorch call from Python); the hooks never wait for the GIL.
+fn caller_site() -> Site {
+    extern "C" {
+        // In every CPython 3 (pyo3's abi3 bindings leave it out): whether
+        // the calling thread holds the GIL.
+        fn PyGILState_Check() -> c_int;
+    }
+    // SAFETY: it only reads the calling thread's state, and the extension
+    // module is loaded into a CPython, which exports it.
+    if unsafe { PyGILState_Check() } == 1 {
+        Python::attach(super::track::python_site)
+    } else {
+        Site::Described("<a PyTorch allocation outside Python>".into())
+    }
 }
 
 fn free(ptr: *mut c_void, stream: RawStream) {

@@ -580,7 +580,9 @@ pub(crate) fn alloc_managed(
 ) -> PyResult<Py<PyManagedMemory>> {
     let ctx = device_context(device)?;
     let size = size_arg(nbytes)?;
+    // Allocated without the GIL; its Python site is noted once it is back.
     let mem = py.detach(|| ctx.alloc_managed(size, attach_global))?;
+    mem.note_site(|| super::track::python_site(py));
     let pyctx = py_context(py, &ctx)?;
     Py::new(
         py,

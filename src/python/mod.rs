@@ -11,6 +11,7 @@ mod logging;
 mod pointer;
 mod py_context;
 mod testing;
+mod track;
 
 use std::sync::Arc;
 
@@ -58,10 +59,9 @@ fn alloc(
     let ctx = device_context(device)?;
     let stream = args::stream_arg(stream)?;
     let pyctx = py_context(py, &ctx)?;
-    let mem = match stream {
-        Some(s) => ctx.alloc_on(size, s)?,
-        None => ctx.alloc(size)?,
-    };
+    let mem = ctx.alloc_at(size, stream, crate::Client::Direct, || {
+        track::python_site(py)
+    })?;
     Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }
 
@@ -84,7 +84,7 @@ fn _alloc_for(
     let ctx = device_context(device)?;
     let stream = args::stream_arg(stream)?;
     let pyctx = py_context(py, &ctx)?;
-    let mem = ctx.alloc_for(size, stream, client)?;
+    let mem = ctx.alloc_at(size, stream, client, || track::python_site(py))?;
     Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }
 
@@ -307,6 +307,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context, m)?)?;
     m.add_function(wrap_pyfunction!(alloc, m)?)?;
     m.add_function(wrap_pyfunction!(_alloc_for, m)?)?;
+    m.add_function(wrap_pyfunction!(track::track, m)?)?;
+    m.add_function(wrap_pyfunction!(track::tracking, m)?)?;
+    m.add_function(wrap_pyfunction!(track::outstanding, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_hooks_configure, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_hooks_state, m)?)?;
     m.add_function(wrap_pyfunction!(wrap, m)?)?;

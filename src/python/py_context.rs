@@ -145,7 +145,11 @@ impl PyContext {
     /// Allocate `size` bytes in this context (numba's `Context.memalloc`).
     fn memalloc(slf: &Bound<'_, Self>, size: isize) -> PyResult<PyMemoryPointer> {
         let size = super::size_arg(size)?;
-        let mem = slf.get().inner.alloc(size)?;
+        let ctx = &slf.get().inner;
+        let py = slf.py();
+        let mem = ctx.alloc_at(size, None, crate::Client::Direct, || {
+            super::track::python_site(py)
+        })?;
         Ok(PyMemoryPointer::owning(mem, Some(slf.clone().unbind())))
     }
 

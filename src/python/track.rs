@@ -1,0 +1,88 @@
+//! The leak report from Python: `track()`, `outstanding()`, and the Python
+//! call site each allocation records while tracking is on.
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList};
+
+use super::runtime;
+use crate::Site;
+
+/// Frames of the Python stack a site keeps (innermost first).
+const FRAMES: usize = 8;
+
+/// Where the running Python code allocates: its stack, innermost first,
+/// without the frames of gpuptr's own package (so a CuPy or numba
+/// allocation names the user's line, not gpuptr's allocator glue). Only
+/// called while tracking is on.
+pub(crate) fn python_site(py: Python<'_>) -> Site {
+    match python_stack(py) {
+        Ok(s) if !s.is_empty() => Site::Described(s.into()),
+        _ => Site::Described("<no Python caller>".into()),
+    }
+}
+
+fn python_stack(py: Python<'_>) -> PyResult<String> {
+    static GETFRAME: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static PACKAGE: PyOnceLock<String> = PyOnceLock::new();
+    let getframe = GETFRAME.import(py, "sys", "_getframe")?;
+    let package = PACKAGE.get_or_try_init(py, || -> PyResult<String> {
+        let file: String = py.import("gpuptr")?.getattr("__file__")?.extract()?;
+        let dir = std::path::Path::new(&file)
+            .parent()
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(format!("{dir}{}", std::path::MAIN_SEPARATOR))
+    })?;
+    // The innermost frame is the Python code that called into gpuptr.
+    let mut frame = getframe.call0()?;
+    let mut parts = Vec::new();
+    while !frame.is_none() && parts.len() < FRAMES {
+        let code = frame.getattr("f_code")?;
+        let file: String = code.getattr("co_filename")?.extract()?;
+        if !file.starts_with(package.as_str()) {
+            let line: i64 = frame.getattr("f_lineno")?.extract().unwrap_or(0);
+            let name: String = code.getattr("co_name")?.extract()?;
+            parts.push(format!("{file}:{line} in {name}"));
+        }
+        frame = frame.getattr("f_back")?;
+    }
+    Ok(parts.join(" <- "))
+}
+
+/// Turn the leak report on (or off): while on, every allocation gpuptr
+/// makes records where it was made (the Python stack, or the Rust location
+/// for Rust callers) until it is released. ``GPUPTR_TRACK=1`` turns it on at
+/// start. Allocations made while it is off are not listed.
+#[pyfunction]
+#[pyo3(signature = (enabled=true))]
+pub(crate) fn track(enabled: bool) -> PyResult<()> {
+    runtime()?.set_tracking(enabled);
+    Ok(())
+}
+
+/// Whether the leak report is on.
+#[pyfunction]
+pub(crate) fn tracking() -> PyResult<bool> {
+    Ok(runtime()?.tracking())
+}
+
+/// The live allocations made while tracking was on, grouped by where they
+/// were made, the most bytes first: dicts of ``site`` (the stack, innermost
+/// first), ``count``, ``bytes``, ``devices`` and ``clients``.
+#[pyfunction]
+pub(crate) fn outstanding(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    let _log = super::logging::Deliver(py);
+    let list = PyList::empty(py);
+    for o in runtime()?.outstanding() {
+        let d = PyDict::new(py);
+        d.set_item("site", o.site)?;
+        d.set_item("count", o.count)?;
+        d.set_item("bytes", o.bytes)?;
+        d.set_item("devices", o.devices)?;
+        let clients: Vec<&str> = o.clients.iter().map(|c| c.name()).collect();
+        d.set_item("clients", clients)?;
+        list.append(d)?;
+    }
+    Ok(list)
+}

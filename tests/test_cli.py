@@ -45,6 +45,12 @@ def test_bench_quick_writes_json_with_positive_ratios(tmp_path):
             assert r["ratio"] is None and r["skipped"]
         else:
             assert r["gpuptr_ns"] > 0 and r["baseline_ns"] > 0 and r["ratio"] > 0
+            # The spread: each run's time, the best of which is the row's.
+            for side in ("gpuptr", "baseline"):
+                if r[f"{side}_runs"]:
+                    assert min(r[f"{side}_runs"]) == r[f"{side}_ns"] <= max(r[f"{side}_runs"])
+    observed = {r["row"]: r for r in rows if "tracking on" in r["row"] or "logging on" in r["row"]}
+    assert len(observed) == 2 and not any(r["skipped"] for r in observed.values()), observed
     # the table names each baseline
     for r in rows:
         assert r["baseline"] in out.stdout

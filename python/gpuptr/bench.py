@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 #: A row's two timed callables: gpuptr's and the baseline's.
 Pair = Tuple[Callable[[], object], Callable[[], object]]
@@ -26,17 +26,26 @@ Pair = Tuple[Callable[[], object], Callable[[], object]]
 __all__ = ["run", "main"]
 
 
-def best_ns(fn: Callable[[], object], n: int, repeat: int) -> float:
-    """Best mean time per call, in ns, over ``repeat`` runs of ``n`` calls."""
+_NULL_HANDLER = __import__("logging").NullHandler()
+
+
+def runs_ns(fn: Callable[[], object], n: int, repeat: int) -> List[float]:
+    """Mean time per call, in ns, of each of ``repeat`` runs of ``n`` calls
+    (after a warm-up)."""
     for _ in range(min(n, 200)):
         fn()
-    best = float("inf")
+    out = []
     for _ in range(repeat):
         t = time.perf_counter()
         for _ in range(n):
             fn()
-        best = min(best, (time.perf_counter() - t) / n)
-    return best * 1e9
+        out.append((time.perf_counter() - t) / n * 1e9)
+    return out
+
+
+def best_ns(fn: Callable[[], object], n: int, repeat: int) -> float:
+    """Best mean time per call, in ns, over ``repeat`` runs of ``n`` calls."""
+    return min(runs_ns(fn, n, repeat))
 
 
 @dataclass
@@ -48,6 +57,9 @@ class Result:
     ratio: Optional[float] = None
     skipped: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: Each run's mean ns per call (the best is ``gpuptr_ns``/``baseline_ns``).
+    gpuptr_runs: List[float] = field(default_factory=list)
+    baseline_runs: List[float] = field(default_factory=list)
 
 
 class Bench:
@@ -67,9 +79,20 @@ class Bench:
             self.results.append(Result(name, baseline, skipped=f"{type(e).__name__}: {e}"))
             return
         n = max(10, int(self.n * scale))
-        a = best_ns(ours, n, self.repeat)
-        b = best_ns(theirs, n, self.repeat)
-        self.results.append(Result(name, baseline, round(a, 1), round(b, 1), round(b / a, 2)))
+        a_runs = runs_ns(ours, n, self.repeat)
+        b_runs = runs_ns(theirs, n, self.repeat)
+        a, b = min(a_runs), min(b_runs)
+        self.results.append(
+            Result(
+                name,
+                baseline,
+                round(a, 1),
+                round(b, 1),
+                round(b / a, 2),
+                gpuptr_runs=[round(x, 1) for x in a_runs],
+                baseline_runs=[round(x, 1) for x in b_runs],
+            )
+        )
 
     def add(self, result: Result) -> None:
         self.results.append(result)
@@ -328,6 +351,57 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
 
         return alloc_pair, pair
 
+    # What observability costs: gpuptr.alloc+free with the leak report on,
+    # and with DEBUG logging on (records to a NullHandler), each against the
+    # same pair with it off, measured one after the other.
+    def observed(name: str, switch: Callable[[bool], None]) -> None:
+        print(f"  measuring: {name} ...", file=out, flush=True)
+        n = max(10, b.n // 4)
+        try:
+            switch(True)
+            try:
+                on = runs_ns(alloc_pair, n, b.repeat)
+            finally:
+                switch(False)
+            off = runs_ns(alloc_pair, n, b.repeat)
+        except Exception as e:
+            b.add(Result(name, "the same, off", skipped=f"{type(e).__name__}: {e}"))
+            return
+        b.add(
+            Result(
+                name,
+                "the same, off",
+                round(min(on), 1),
+                round(min(off), 1),
+                round(min(off) / min(on), 2),
+                gpuptr_runs=[round(x, 1) for x in on],
+                baseline_runs=[round(x, 1) for x in off],
+            )
+        )
+
+    def tracking(on: bool) -> None:
+        if on and gpuptr.tracking():
+            raise RuntimeError("tracking is already on in this process (GPUPTR_TRACK)")
+        gpuptr.track(on)
+
+    def debug_logging(on: bool) -> None:
+        import logging
+
+        logger = logging.getLogger("gpuptr")
+        if on:
+            debug_logging.saved = (logger.level, logger.propagate)  # type: ignore[attr-defined]
+            logger.addHandler(_NULL_HANDLER)
+            logger.propagate = False
+            logger.setLevel(logging.DEBUG)
+        else:
+            level, propagate = debug_logging.saved  # type: ignore[attr-defined]
+            logger.setLevel(level)
+            logger.propagate = propagate
+            logger.removeHandler(_NULL_HANDLER)
+
+    observed("gpuptr.alloc+free 1 MiB, tracking on", tracking)
+    observed("gpuptr.alloc+free 1 MiB, DEBUG logging on", debug_logging)
+
     b.row("alloc+free 1 MiB", "cupy.cuda.alloc (CuPy pool)", cupy_setup, scale=0.5)
     b.row("alloc+free 1 MiB", "cuMemAllocAsync+FreeAsync (cuda.bindings)", async_setup, scale=0.5)
     b.row("alloc+free 1 MiB", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
@@ -442,29 +516,55 @@ def format_table(report: Dict[str, Any]) -> str:
 
 
 def plot(report: Dict[str, Any], path: str) -> None:
+    """Two panels: the speed-up of each row, and the absolute time of both
+    sides with the spread of their runs (bar: best run; line: best to worst)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     rows = [r for r in report["rows"] if not r["skipped"]]
     labels = [f"{r['row']}\nvs {r['baseline']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(rows) + 1.5))
-    from matplotlib.ticker import FuncFormatter
-
+    fig, (ax, at) = plt.subplots(
+        1, 2, figsize=(15, 0.6 * len(rows) + 1.8), sharey=True, gridspec_kw={"width_ratios": [1, 1.2]}
+    )
+    ys = list(range(len(rows)))
     ratios = [r["ratio"] for r in rows]
-    ax.barh(range(len(rows)), ratios, color=["#4a7" if x >= 1 else "#c54" for x in ratios])
+    ax.barh(ys, ratios, color=["#4a7" if x >= 1 else "#c54" for x in ratios])
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_yticks(ys, labels, fontsize=7)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     for i, x in enumerate(ratios):
         ax.text(x, i, f" {x:.1f}×", va="center", fontsize=7)
     ax.set_xlabel("speed-up (baseline time / gpuptr time)")
-    ax.set_title(f"gpuptr on {report['meta']['device']}")
+
+    h = 0.38
+    for side, color, dy in (("gpuptr", "#4a7", -h / 2), ("baseline", "#888", h / 2)):
+        best = [r[f"{side}_ns"] for r in rows]
+        at.barh([y + dy for y in ys], best, height=h, color=color, label=side)
+        for y, r in zip(ys, rows):
+            runs = r.get(f"{side}_runs") or [r[f"{side}_ns"]]
+            at.plot([min(runs), max(runs)], [y + dy, y + dy], color="k", lw=1)
+            at.text(max(runs), y + dy, f" {_fmt_ns(r[f'{side}_ns'])}", va="center", fontsize=6)
+    at.set_xscale("log")
+    at.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_ns(v)))
+    at.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    at.set_xlabel("time per operation (bar: best run; line: spread over the runs)")
+    at.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"gpuptr on {report['meta']['device']} ({report['meta']['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _fmt_ns(ns: float) -> str:
+    if ns >= 1e6:
+        return f"{ns / 1e6:.2f} ms"
+    if ns >= 1e3:
+        return f"{ns / 1e3:.2f} µs"
+    return f"{ns:.0f} ns"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

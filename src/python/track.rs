@@ -3,7 +3,8 @@
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList};
+use pyo3::intern;
+use pyo3::types::{PyDict, PyList, PyString};
 
 use super::runtime;
 use crate::Site;
@@ -38,14 +39,18 @@ fn python_stack(py: Python<'_>) -> PyResult<String> {
     let mut frame = getframe.call0()?;
     let mut parts = Vec::new();
     while !frame.is_none() && parts.len() < FRAMES {
-        let code = frame.getattr("f_code")?;
-        let file: String = code.getattr("co_filename")?.extract()?;
+        let code = frame.getattr(intern!(py, "f_code"))?;
+        let file = code.getattr(intern!(py, "co_filename"))?;
+        let file = file.cast::<PyString>()?.to_str()?;
         if !file.starts_with(package.as_str()) {
-            let line: i64 = frame.getattr("f_lineno")?.extract().unwrap_or(0);
-            let name: String = code.getattr("co_name")?.extract()?;
+            let line: i64 = frame
+                .getattr(intern!(py, "f_lineno"))?
+                .extract()
+                .unwrap_or(0);
+            let name = code.getattr(intern!(py, "co_name"))?;
             parts.push(format!("{file}:{line} in {name}"));
         }
-        frame = frame.getattr("f_back")?;
+        frame = frame.getattr(intern!(py, "f_back"))?;
     }
     Ok(parts.join(" <- "))
 }

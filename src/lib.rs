@@ -46,13 +46,13 @@ mod python;
 pub use context::Context;
 pub use driver::{
     CallKind, CudaDriver, DevicePtr, Driver, DriverKind, RawContext, RawStream, SimConfig,
-    SimDriver,
+    SimDriver, STREAM_LEGACY, STREAM_PER_THREAD,
 };
 pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};
 pub use layout::{typestr_itemsize, Layout};
-pub use memory::{Client, DevicePointer, KeepAlive, Loan, Origin, View};
+pub use memory::{ordering_stream, Client, DevicePointer, KeepAlive, Loan, Origin, View};
 pub use pool::{size_class, ClassStats, PoolConfig};
 pub use runtime::{ClientStats, DeviceStats, Runtime};
 pub use track::{Outstanding, Site};

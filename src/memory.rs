@@ -214,10 +214,12 @@ const NO_STREAM: usize = usize::MAX;
 /// Used on several streams: the unordered path too.
 const MANY_STREAMS: usize = usize::MAX - 1;
 
-/// The stream a block may be reused on at once, if any: the legacy stream's
-/// two handles are one; the per-thread default stream differs per thread, so
-/// it orders nothing the pool could rely on.
-pub(crate) fn ordering_stream(stream: RawStream) -> Option<RawStream> {
+/// The stream that orders work queued on `stream`, as the pool compares
+/// them (a block freed there may be reused at once there), if any: the
+/// legacy stream's two handles (0 and [`STREAM_LEGACY`]) are one, `0`; the
+/// per-thread default stream differs per thread, so it orders nothing that
+/// can be relied on elsewhere (`None`).
+pub fn ordering_stream(stream: RawStream) -> Option<RawStream> {
     match stream {
         STREAM_LEGACY => Some(0),
         STREAM_PER_THREAD => None,

@@ -75,3 +75,48 @@ def test_a_negative_device_is_an_invalid_argument_everywhere(call):
 def test_a_device_that_is_not_an_int_is_a_type_error_everywhere(call):
     with pytest.raises(TypeError):
         call()
+
+
+def _binding_imports():
+    """Each src/python/*.rs file's references to its siblings."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "python"
+    if not root.is_dir():
+        pytest.skip("needs the source tree")
+    files = {p.stem: p.read_text() for p in root.glob("*.rs")}
+    deps = {}
+    for name, text in files.items():
+        if name == "mod":
+            continue
+        used = set(re.findall(r"\bsuper::([a-z_]+)::", text))
+        used |= {m for m in re.findall(r"use super::\{?([a-z_]+)", text)}
+        deps[name] = {u for u in used if u in files and u != name}
+    return files, deps
+
+
+def test_binding_modules_depend_on_each_other_in_one_direction():
+    _, deps = _binding_imports()
+    seen, stack = set(), []
+
+    def visit(n):
+        if n in stack:
+            raise AssertionError("import loop: " + " -> ".join(stack[stack.index(n):] + [n]))
+        if n in seen:
+            return
+        stack.append(n)
+        for d in sorted(deps.get(n, ())):
+            visit(d)
+        stack.pop()
+        seen.add(n)
+
+    for n in sorted(deps):
+        visit(n)
+    assert deps["args"] == set() and deps["dlpack"] == set(), deps
+
+
+def test_the_binding_never_calls_the_driver():
+    files, _ = _binding_imports()
+    for name, text in files.items():
+        assert "crate::driver" not in text, name

@@ -1,10 +1,19 @@
 """Type stubs for gpuptr's native module."""
 
-from typing import Any, Optional, final
+import ctypes
+from typing import Any, Callable, Optional, TypeVar, Union, final, overload
 
 from gpuptr._types import ClassStats, DeviceStats, DriverInfo, Outstanding
 
 from gpuptr._types import MemoryInfo
+
+
+#: A CUDA stream argument: None, an int handle (0 and 1: the legacy default
+#: stream, 2: the per-thread one), or a numba, CuPy, torch or cuda.core
+#: stream object (anything with ``__cuda_stream__``, ``handle``, ``ptr`` or
+#: ``cuda_stream``).
+_Stream = object
+_Buffer = TypeVar("_Buffer")
 
 __all__ = [
     "Context",
@@ -88,7 +97,7 @@ class Context:
         """`MemoryInfo(free, total)` from `cuMemGetInfo`."""
     def synchronize(self) -> None:
         """Wait for all work in this context to finish."""
-    def stream_synchronize(self, stream: Any) -> None:
+    def stream_synchronize(self, stream: _Stream) -> None:
         """Wait for the work queued on ``stream`` (an int handle, or a numba or
         CuPy stream object) to finish.
         """
@@ -101,11 +110,11 @@ class MemoryPointer:
     __cuda_memory__: bool
     def __new__(
         cls,
-        context: Optional[Any],
-        pointer: Any,
+        context: object,
+        pointer: object,
         size: int,
-        owner: Optional[Any] = None,
-        finalizer: Optional[Any] = None,
+        owner: object = None,
+        finalizer: Optional[Callable[[], object]] = None,
     ) -> MemoryPointer: ...
     @property
     def context(self) -> Context:
@@ -119,7 +128,7 @@ class MemoryPointer:
     def device_pointer_value(self) -> Optional[int]:
         """The address as an int, or None for a null pointer."""
     @property
-    def device_ctypes_pointer(self) -> Any:
+    def device_ctypes_pointer(self) -> ctypes.c_size_t:
         """The address as a `ctypes.c_size_t`."""
     @property
     def handle(self) -> Any:
@@ -131,7 +140,7 @@ class MemoryPointer:
     def _cuda_memsize_(self) -> int:
         """Size in bytes (numba's `device_memory_size` reads this)."""
     @property
-    def owner(self) -> Any:
+    def owner(self) -> object:
         """The object that owns the memory: the given owner, else this pointer."""
     @property
     def stream(self) -> Optional[int]:
@@ -149,7 +158,7 @@ class MemoryPointer:
         max_version: Optional[tuple[int, int]] = None,
         dl_device: Optional[tuple[int, int]] = None,
         copy: Optional[bool] = None,
-    ) -> Any:
+    ) -> object:
         """..."""
     def __dlpack_device__(self) -> tuple[int, int]:
         """..."""
@@ -171,7 +180,7 @@ class MemoryPointer:
         """Whether the memory was freed."""
     def own(self) -> MemoryPointer:
         """Another handle on the same memory; the allocation lives while any does."""
-    def free(self, stream: Any = None) -> None:
+    def free(self, stream: _Stream = None) -> None:
         """Release the memory now. A second call, or a call on a view or a
         non-owning wrap, does nothing. Views of freed memory raise
         `InvalidPointerError` when used.
@@ -184,12 +193,12 @@ class MemoryPointer:
         or memoryviews of host-reachable memory are alive this raises
         ``BufferError``.
         """
-    def record_stream(self, stream: Any) -> None:
+    def record_stream(self, stream: _Stream) -> None:
         """Declare that the memory is also used on ``stream`` (as torch's
         ``record_stream``): its block is then reused only after all work on
         every stream queued before its free is done.
         """
-    def memset(self, byte: int, count: Optional[int] = None, stream: Any = None) -> None:
+    def memset(self, byte: int, count: Optional[int] = None, stream: _Stream = None) -> None:
         """Set ``count`` bytes (default: all) to ``byte``, on ``stream``
         (0: synchronously).
         """
@@ -198,26 +207,26 @@ class MemoryPointer:
         the end). It keeps the allocation alive. Out-of-range, reversed or
         negative bounds raise `InvalidPointerError`.
         """
-    def copy_from_host(self, src: Any, stream: Any = None) -> None:
+    def copy_from_host(self, src: object, stream: _Stream = None) -> None:
         """Copy a C-contiguous host buffer (bytes, numpy array, ...) to the
         start of this memory, on ``stream`` if given (it returns once the
         buffer may be reused). Other Python threads run during the copy, as
         they do during numba's.
         """
-    def copy_to_host(self, dst: Any = None, stream: Any = None) -> Any:
+    def copy_to_host(self, dst: Optional[_Buffer] = None, stream: _Stream = None) -> Union[bytes, _Buffer]:
         """Copy this memory to the host: into the writable buffer ``dst`` if
         given (exactly this memory's size), else into new ``bytes``; on
         ``stream`` if given (it returns once the bytes are there). Other
         Python threads run during the copy.
         """
-    def copy_from_device(self, src: MemoryPointer, count: Optional[int] = None, stream: Any = None) -> None:
+    def copy_from_device(self, src: MemoryPointer, count: Optional[int] = None, stream: _Stream = None) -> None:
         """Copy ``count`` bytes (default: all of ``src``) from device memory
         ``src`` to the start of this memory, on ``stream`` if given.
         """
 
 def context(device: int = 0) -> Context:
     """The context of `device` (default 0): one object per device."""
-def alloc(nbytes: int, device: Optional[int] = None, stream: Any = None) -> MemoryPointer:
+def alloc(nbytes: int, device: Optional[int] = None, stream: _Stream = None) -> MemoryPointer:
     """Allocate ``nbytes`` of device memory on ``device`` (default: the current
     context's device, else 0), from the device's pool.
 
@@ -229,12 +238,12 @@ def alloc(nbytes: int, device: Optional[int] = None, stream: Any = None) -> Memo
     the memory is freed on it when dropped (``record_stream`` declares other
     streams it is used on).
     """
-def wrap(address: Any, nbytes: int, owner: Any = None, context: Optional[Context] = None) -> MemoryPointer:
+def wrap(address: object, nbytes: int, owner: object = None, context: Optional[Context] = None) -> MemoryPointer:
     """Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a
     MemoryPointer that keeps ``owner`` alive. Without ``context``, the
     context is resolved from the address itself, never from the current one.
     """
-def context_of(address: Any) -> Context:
+def context_of(address: object) -> Context:
     """The context of the memory at ``address``: a registry lookup for memory
     gpuptr knows, one driver query otherwise.
     """
@@ -242,7 +251,7 @@ def driver_info() -> DriverInfo:
     """Which driver is in use, its version and the device count."""
 def devices() -> list[Device]:
     """The devices, as `Device` objects."""
-def probe_cuda() -> tuple[bool, Any]:
+def probe_cuda() -> tuple[bool, Union[int, str]]:
     """Whether the CUDA driver can be used here, without opening it for use:
     ``(True, version)`` or ``(False, reason)``.
     """
@@ -262,7 +271,7 @@ class PinnedMemory:
     """Page-locked host memory; exports its bytes (buffer protocol)."""
 
     def __new__(
-        cls, context: Optional[Any], pointer: Any, size: int, owner: Any = None, finalizer: Any = None
+        cls, context: object, pointer: object, size: int, owner: object = None, finalizer: Optional[Callable[[], object]] = None
     ) -> PinnedMemory: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
@@ -279,7 +288,7 @@ class PinnedMemory:
     def size(self) -> int:
         """Size in bytes."""
     @property
-    def owned(self) -> Any:
+    def owned(self) -> object:
         """The object whose memory this is (registered memory), if any."""
     @property
     def readonly(self) -> bool:
@@ -300,7 +309,7 @@ class MappedMemory(MemoryPointer):
     """Host memory mapped into the device; exports its host bytes."""
 
     def __new__(
-        cls, context: Optional[Any], pointer: Any, size: int, owner: Any = None, finalizer: Any = None
+        cls, context: object, pointer: object, size: int, owner: object = None, finalizer: Optional[Callable[[], object]] = None
     ) -> MappedMemory: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
@@ -308,7 +317,7 @@ class MappedMemory(MemoryPointer):
     def host_pointer(self) -> int:
         """The host address (an int)."""
     @property
-    def owned(self) -> Any:
+    def owned(self) -> object:
         """The object whose memory this is (registered memory), if any."""
     @property
     def readonly(self) -> bool:
@@ -324,17 +333,17 @@ class ManagedMemory(MemoryPointer):
     """Managed (unified) memory; exports its bytes."""
 
     def __new__(
-        cls, context: Optional[Any], pointer: Any, size: int, owner: Any = None, finalizer: Any = None
+        cls, context: object, pointer: object, size: int, owner: object = None, finalizer: Optional[Callable[[], object]] = None
     ) -> ManagedMemory: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
-def alloc_host(nbytes: int, mapped: bool = False, portable: bool = False, wc: bool = False, device: Optional[int] = None) -> Any:
+def alloc_host(nbytes: int, mapped: bool = False, portable: bool = False, wc: bool = False, device: Optional[int] = None) -> Union[PinnedMemory, MappedMemory]:
     """Allocate ``nbytes`` of pinned host memory on ``device`` (default: the
     current one). With ``mapped``, it is mapped into the device and returned
     as a `MappedMemory`, else as a `PinnedMemory`.
     """
-def register_host(obj: Any, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any:
+def register_host(obj: Any, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Union[PinnedMemory, MappedMemory]:
     """Pin the memory of ``obj`` (any writable or read-only C-contiguous
     buffer: numpy array, bytearray, ...) in place, keeping ``obj`` alive until
     it is unregistered. With ``mapped``, returns a `MappedMemory`.
@@ -379,12 +388,12 @@ class ImportedArray:
         for a typestr that names none (``"|V16"``).
         """
 
-def _import_cai(desc: Any, owner: Any = None, sync: bool = True) -> ImportedArray:
+def _import_cai(desc: dict[str, Any], owner: object = None, sync: bool = True) -> ImportedArray:
     """Import a CUDA Array Interface dict (v0-v3) as an ``ImportedArray``.
     With ``sync`` and a named stream, waits for that stream (v3's rule)
     unless it is idle.
     """
-def _import_dlpack(capsule: Any) -> ImportedArray:
+def _import_dlpack(capsule: object) -> ImportedArray:
     """Import a DLPack ``"dltensor"`` or ``"dltensor_versioned"`` capsule as an
     ``ImportedArray``, consuming it as the protocol asks: the capsule is
     renamed ``"used_…"``, and the pointer keeps an owner that calls the
@@ -436,13 +445,13 @@ def _dlpack_export(
     max_version: Optional[tuple[int, int]] = None,
     dl_device: Optional[tuple[int, int]] = None,
     copy: Optional[bool] = None,
-) -> Any:
+) -> object:
     """Export an array over ``pointer`` (element 0 at its address, byte
     ``strides`` or None for C order, element type ``dtype`` by name) as a
     DLPack capsule for a consumer's ``__dlpack__`` call. ``producer_stream``
     is a stream whose queued work may still use the memory.
     """
-def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: Any = None) -> MemoryPointer:
+def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: _Stream = None) -> MemoryPointer:
     """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``
     or ``"direct"``), counted under that client in ``stats()``. The hook
     for gpuptr's own allocator plugins.
@@ -481,12 +490,12 @@ def _dtype_info(name: str) -> tuple[str, int, int, int]:
     """``(typestr, itemsize, DLPack code, bits)`` of an element type named as
     numpy names it (``"float32"``, ``"bfloat16"``, ``"float8_e4m3fn"``).
     """
-def _dlpack_consume(capsule: Any) -> DLPackOwner:
+def _dlpack_consume(capsule: object) -> DLPackOwner:
     """Consume a `"dltensor"` or `"dltensor_versioned"` capsule (after
     [`describe`] read it): rename it `"used_…"` and return the owner that
     frees the tensor.
     """
-def register_host_ptr(address: Any, size: int, owner: Any = None, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Any:
+def register_host_ptr(address: object, size: int, owner: object = None, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Union[PinnedMemory, MappedMemory]:
     """Pin ``size`` bytes of host memory at ``address`` in place (numba's
     ``mempin``), keeping ``owner`` alive until it is unregistered.
     """

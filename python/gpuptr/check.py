@@ -133,6 +133,7 @@ def check_host() -> str:
     import gpuptr
 
     mapped = gpuptr.alloc_host(4096, mapped=True)
+    assert isinstance(mapped, gpuptr.MappedMemory), type(mapped)
     mapped.memset(7)
     assert bytes(memoryview(mapped))[:4] == b"\x07" * 4
     managed = gpuptr.alloc_managed(4096)

@@ -6,9 +6,12 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
 
-use super::py_context::PyContext;
-use super::runtime;
-use crate::{Context, DevicePtr, Error, RawStream};
+use crate::{DevicePtr, Error, RawStream, Runtime};
+
+/// The process runtime (`GPUPTR_DRIVER` picks the driver on first use).
+pub(crate) fn runtime() -> PyResult<&'static Arc<Runtime>> {
+    Ok(Runtime::global()?)
+}
 
 /// The context of a ``device`` argument, or of the current device when it
 /// is absent or ``None``.
@@ -138,25 +141,4 @@ pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawS
         }
     }
     Err(bad())
-}
-
-/// The context a constructor argument names: a gpuptr context, a numba
-/// context (read through `.device.id`), or None (resolve by address).
-pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context>>> {
-    if obj.is_none() {
-        return Ok(None);
-    }
-    if let Ok(c) = obj.cast::<PyContext>() {
-        return Ok(Some(c.get().inner.clone()));
-    }
-    let id: usize = obj
-        .getattr("device")
-        .and_then(|d| d.getattr("id"))
-        .and_then(|i| i.extract())
-        .map_err(|_| {
-            Error::InvalidArgument(
-                "context must be a gpuptr Context, a numba Context or None".into(),
-            )
-        })?;
-    Ok(Some(runtime()?.context(id)?))
 }

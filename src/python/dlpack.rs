@@ -15,8 +15,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 
-use super::pointer::PyMemoryPointer;
-use crate::{Error, Layout, Loan, RawStream};
+use crate::{Error, Layout, Loan, RawStream, View};
 
 /// `kDLCUDA`: the device type gpuptr exports (and imports, with managed).
 pub(crate) const DEVICE_CUDA: i32 = 2;
@@ -395,7 +394,7 @@ fn buffer_error(msg: impl Into<String>) -> PyErr {
 /// ambiguous and refused.
 fn consumer_stream(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawStream>> {
     let Some(s) = stream.filter(|s| !s.is_none()) else {
-        return Ok(Some(crate::driver::STREAM_LEGACY));
+        return Ok(Some(crate::STREAM_LEGACY));
     };
     match s.extract::<i64>() {
         Ok(-1) => Ok(None),
@@ -411,17 +410,22 @@ fn consumer_stream(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawStre
 /// `__dlpack__(stream, max_version, dl_device, copy)`. The data is made
 /// ready on the consumer's stream: if the memory is ordered on another
 /// stream, that stream is synchronized first.
-#[allow(clippy::too_many_arguments)]
+///
+/// `view` is the memory of `exporter`, the Python object the tensor keeps
+/// alive (it may hold the memory's foreign owner).
 pub(crate) fn export<'py>(
-    pointer: &Bound<'py, PyMemoryPointer>,
+    view: &View,
+    exporter: &Bound<'py, PyAny>,
     spec: ArraySpec,
-    stream: Option<&Bound<'py, PyAny>>,
-    max_version: Option<&Bound<'py, PyAny>>,
-    dl_device: Option<&Bound<'py, PyAny>>,
-    copy: Option<bool>,
+    request: Request<'_, 'py>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let py = pointer.py();
-    let view = &pointer.get().view;
+    let Request {
+        stream,
+        max_version,
+        dl_device,
+        copy,
+    } = request;
+    let py = exporter.py();
     let device = view.context().device() as i32;
     if copy == Some(true) {
         return Err(buffer_error("gpuptr exports device memory without copying"));
@@ -472,7 +476,7 @@ pub(crate) fn export<'py>(
     // Ready on the consumer's stream: wait for the producer's, unless they
     // are one (the per-thread default stream orders nothing we can see).
     if let (Some(p), Some(c)) = (spec.producer_stream, consumer_stream(stream)?) {
-        if crate::memory::ordering_stream(c) != Some(p) {
+        if crate::ordering_stream(c) != Some(p) {
             let ctx = view.context().clone();
             // SAFETY: `p` is the stream the memory was allocated or freed on,
             // named by its owner (`alloc(stream=…)`), or a default stream.
@@ -497,7 +501,7 @@ pub(crate) fn export<'py>(
         strides: strides.as_ptr(),
         byte_offset: 0,
     };
-    let keep = pointer.clone().into_any().unbind();
+    let keep = exporter.clone().unbind();
     let (ptr, name, destructor): (*mut c_void, &CStr, pyo3::ffi::PyCapsule_Destructor) =
         if versioned {
             let b = Box::into_raw(Box::new(Exported {
@@ -550,43 +554,18 @@ pub(crate) fn export<'py>(
     Ok(unsafe { Bound::from_owned_ptr(py, capsule) })
 }
 
-/// ``(device_type, device_id)`` for ``__dlpack_device__``.
-pub(crate) fn device_of<'py>(
-    pointer: &Bound<'py, PyMemoryPointer>,
-) -> PyResult<Bound<'py, PyTuple>> {
-    let device = pointer.get().view.context().device() as i32;
-    PyTuple::new(pointer.py(), [DEVICE_CUDA, device])
+/// ``(device_type, device_id)`` for ``__dlpack_device__`` of memory in
+/// `view`.
+pub(crate) fn device_of<'py>(py: Python<'py>, view: &View) -> PyResult<Bound<'py, PyTuple>> {
+    PyTuple::new(py, [DEVICE_CUDA, view.context().device() as i32])
 }
 
-/// Export an array over ``pointer`` (element 0 at its address, byte
-/// ``strides`` or None for C order, element type ``dtype`` by name) as a
-/// DLPack capsule for a consumer's ``__dlpack__`` call. ``producer_stream``
-/// is a stream whose queued work may still use the memory.
-#[pyfunction]
-#[pyo3(signature = (pointer, shape, strides, dtype, readonly, producer_stream, stream=None, max_version=None, dl_device=None, copy=None))]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn _dlpack_export<'py>(
-    pointer: &Bound<'py, PyMemoryPointer>,
-    shape: Vec<usize>,
-    strides: Option<Vec<i64>>,
-    dtype: &str,
-    readonly: bool,
-    producer_stream: Option<RawStream>,
-    stream: Option<&Bound<'py, PyAny>>,
-    max_version: Option<&Bound<'py, PyAny>>,
-    dl_device: Option<&Bound<'py, PyAny>>,
-    copy: Option<bool>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let (dt, _) = dtype_named(dtype)
-        .ok_or_else(|| buffer_error(format!("element type {dtype:?} has no DLPack code")))?;
-    let spec = ArraySpec {
-        shape,
-        strides,
-        dtype: dt,
-        readonly,
-        producer_stream: producer_stream.and_then(crate::memory::ordering_stream),
-    };
-    export(pointer, spec, stream, max_version, dl_device, copy)
+/// A consumer's `__dlpack__` arguments.
+pub(crate) struct Request<'a, 'py> {
+    pub stream: Option<&'a Bound<'py, PyAny>>,
+    pub max_version: Option<&'a Bound<'py, PyAny>>,
+    pub dl_device: Option<&'a Bound<'py, PyAny>>,
+    pub copy: Option<bool>,
 }
 
 /// ``(typestr, itemsize, DLPack code, bits)`` of an element type named as

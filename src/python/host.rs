@@ -10,9 +10,9 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::args::{context_arg, device_context, pointer_arg, size_arg};
+use super::args::{device_context, pointer_arg, runtime, size_arg};
 use super::pointer::{keep_finalizer, PyMemoryPointer};
-use super::py_context::{lazy_context, py_context, PyContext};
+use super::py_context::{context_arg, lazy_context, py_context, PyContext};
 use crate::{Error, HostFlags, HostMemory};
 
 /// Fill a `Py_buffer` over `[ptr, ptr+len)`, exported by `owner`
@@ -438,7 +438,7 @@ impl PyManagedMemory {
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         // The host reads its bytes at the address: it must be managed memory.
-        super::runtime()?.check_managed(pointer_arg(pointer)?, size_arg(size)?)?;
+        runtime()?.check_managed(pointer_arg(pointer)?, size_arg(size)?)?;
         let base = PyMemoryPointer::py_new(context, pointer, size, owner, finalizer)?;
         Ok(PyManagedMemory::init(base))
     }

@@ -1,14 +1,17 @@
 //! The CUDA Array Interface and DLPack import paths, parsed in Rust because
 //! they sit on the per-array hot path of `as_cuda_array`.
 
+use pyo3::exceptions::PyBufferError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
-use super::dlpack::{_dlpack_consume, describe, dtype_name_of_typestr};
+use super::args::runtime;
+use super::dlpack::{
+    self, _dlpack_consume, describe, dtype_name_of_typestr, dtype_named, ArraySpec, Request,
+};
 use super::pointer::PyMemoryPointer;
-use super::runtime;
-use crate::{typestr_itemsize, Error, Layout, View};
+use crate::{typestr_itemsize, Error, Layout, RawStream, View};
 
 fn bad(msg: impl Into<String>) -> PyErr {
     Error::InvalidArgument(msg.into()).into()
@@ -228,4 +231,42 @@ pub(crate) fn _import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<ImportedArr
         Some(owner),
         None,
     )
+}
+
+/// Export an array over ``pointer`` (element 0 at its address, byte
+/// ``strides`` or None for C order, element type ``dtype`` by name) as a
+/// DLPack capsule for a consumer's ``__dlpack__`` call. ``producer_stream``
+/// is a stream whose queued work may still use the memory.
+#[pyfunction]
+#[pyo3(signature = (pointer, shape, strides, dtype, readonly, producer_stream, stream=None, max_version=None, dl_device=None, copy=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn _dlpack_export<'py>(
+    pointer: &Bound<'py, PyMemoryPointer>,
+    shape: Vec<usize>,
+    strides: Option<Vec<i64>>,
+    dtype: &str,
+    readonly: bool,
+    producer_stream: Option<RawStream>,
+    stream: Option<&Bound<'py, PyAny>>,
+    max_version: Option<&Bound<'py, PyAny>>,
+    dl_device: Option<&Bound<'py, PyAny>>,
+    copy: Option<bool>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (dt, _) = dtype_named(dtype).ok_or_else(|| {
+        PyBufferError::new_err(format!("element type {dtype:?} has no DLPack code"))
+    })?;
+    let spec = ArraySpec {
+        shape,
+        strides,
+        dtype: dt,
+        readonly,
+        producer_stream: producer_stream.and_then(crate::ordering_stream),
+    };
+    let request = Request {
+        stream,
+        max_version,
+        dl_device,
+        copy,
+    };
+    dlpack::export(&pointer.get().view, pointer.as_any(), spec, request)
 }

@@ -13,20 +13,13 @@ mod py_context;
 mod testing;
 mod track;
 
-use std::sync::Arc;
-
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict, PyList};
 
 use crate::{Error, Runtime};
-use args::{device_arg, device_context, int_arg, optional_device, pointer_arg, size_arg};
+use args::{device_arg, device_context, int_arg, optional_device, pointer_arg, runtime, size_arg};
 use pointer::PyMemoryPointer;
 use py_context::{py_context, PyContext, PyContextHandle, PyDevice};
-
-/// The process runtime (`GPUPTR_DRIVER` picks the driver on first use).
-pub(crate) fn runtime() -> PyResult<&'static Arc<Runtime>> {
-    Ok(Runtime::global()?)
-}
 
 /// The context of `device` (default 0): one object per device.
 #[pyfunction]
@@ -325,7 +318,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pool_classes, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;
-    m.add_function(wrap_pyfunction!(dlpack::_dlpack_export, m)?)?;
+    m.add_function(wrap_pyfunction!(interop::_dlpack_export, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dtype_info, m)?)?;
     m.add_function(wrap_pyfunction!(reset_context, m)?)?;
     m.add_function(wrap_pyfunction!(interop::_import_cai, m)?)?;

@@ -8,17 +8,17 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyAny, PyBytes, PyDict, PyTuple};
 
-use super::args::{context_arg, pointer_arg, size_arg, stream_arg};
-use super::dlpack::{self, ArraySpec};
-use super::py_context::{lazy_context, PyContext};
-use super::runtime;
+use super::args::runtime;
+use super::args::{pointer_arg, size_arg, stream_arg};
+use super::dlpack::{self, ArraySpec, Request};
+use super::py_context::{context_arg, lazy_context, PyContext};
 use crate::{DevicePointer, DevicePtr, Error, RawStream, View};
 
 /// A stream as the protocols name it: the legacy default stream is 1 (0 is
 /// ambiguous in the CUDA Array Interface).
 pub(crate) fn legacy_as_one(stream: RawStream) -> RawStream {
     if stream == 0 {
-        crate::driver::STREAM_LEGACY
+        crate::STREAM_LEGACY
     } else {
         stream
     }
@@ -287,12 +287,18 @@ impl PyMemoryPointer {
         let parent = me.view.parent();
         let mut spec = ArraySpec::bytes(me.view.size(), parent.stream());
         spec.readonly = parent.is_readonly();
-        dlpack::export(slf, spec, stream, max_version, dl_device, copy)
+        let request = Request {
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        };
+        dlpack::export(&me.view, slf.as_any(), spec, request)
     }
 
     /// ``(2, device_id)``: CUDA memory of the context's device.
-    fn __dlpack_device__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        dlpack::device_of(slf)
+    fn __dlpack_device__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        dlpack::device_of(py, &self.view)
     }
 
     /// The object that owns the memory: the given owner, else this pointer.
@@ -557,5 +563,21 @@ impl PyMemoryPointer {
                 ""
             }
         ))
+    }
+}
+
+/// numba's `Context.memalloc` lives here, beside the type it returns (the
+/// context module does not depend on this one).
+#[pymethods]
+impl PyContext {
+    /// Allocate `size` bytes in this context (numba's `Context.memalloc`).
+    fn memalloc(slf: &Bound<'_, Self>, size: isize) -> PyResult<PyMemoryPointer> {
+        let size = size_arg(size)?;
+        let ctx = &slf.get().inner;
+        let py = slf.py();
+        let mem = ctx.alloc_at(size, None, crate::Client::Direct, || {
+            super::track::python_site(py)
+        })?;
+        Ok(PyMemoryPointer::owning(mem, Some(slf.clone().unbind())))
     }
 }

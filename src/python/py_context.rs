@@ -8,9 +8,8 @@ use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyAny;
 
-use super::pointer::PyMemoryPointer;
-use super::runtime;
-use crate::Context;
+use super::args::runtime;
+use crate::{Context, Error};
 
 /// A device, as numba's `Device` is read: `.id`, plus its name and memory.
 #[pyclass(frozen, module = "gpuptr._core", name = "Device")]
@@ -142,17 +141,6 @@ pub struct PyContext {
 
 #[pymethods]
 impl PyContext {
-    /// Allocate `size` bytes in this context (numba's `Context.memalloc`).
-    fn memalloc(slf: &Bound<'_, Self>, size: isize) -> PyResult<PyMemoryPointer> {
-        let size = super::size_arg(size)?;
-        let ctx = &slf.get().inner;
-        let py = slf.py();
-        let mem = ctx.alloc_at(size, None, crate::Client::Direct, || {
-            super::track::python_site(py)
-        })?;
-        Ok(PyMemoryPointer::owning(mem, Some(slf.clone().unbind())))
-    }
-
     /// `MemoryInfo(free, total)` from `cuMemGetInfo`.
     fn get_memory_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         static MEMORY_INFO: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -279,4 +267,25 @@ pub(crate) fn lazy_context(
 pub(crate) fn release_contexts() {
     let old = std::mem::take(&mut *PY_CONTEXTS.lock().unwrap_or_else(|p| p.into_inner()));
     drop(old);
+}
+
+/// The context a constructor argument names: a gpuptr context, a numba
+/// context (read through `.device.id`), or None (resolve by address).
+pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context>>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    if let Ok(c) = obj.cast::<PyContext>() {
+        return Ok(Some(c.get().inner.clone()));
+    }
+    let id: usize = obj
+        .getattr("device")
+        .and_then(|d| d.getattr("id"))
+        .and_then(|i| i.extract())
+        .map_err(|_| {
+            Error::InvalidArgument(
+                "context must be a gpuptr Context, a numba Context or None".into(),
+            )
+        })?;
+    Ok(Some(runtime()?.context(id)?))
 }

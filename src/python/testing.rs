@@ -7,8 +7,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyAny;
 
 use super::args::pointer_arg;
+use super::args::runtime;
 use super::py_context::{py_context, PyContext};
-use super::runtime;
 use crate::{CallKind, Error, SimDriver};
 
 fn sim() -> PyResult<&'static SimDriver> {

@@ -1,12 +1,12 @@
 //! The leak report from Python: `track()`, `outstanding()`, and the Python
 //! call site each allocation records while tracking is on.
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::intern;
 use pyo3::types::{PyDict, PyList, PyString};
 
-use super::runtime;
+use super::args::runtime;
 use crate::Site;
 
 /// Frames of the Python stack a site keeps (innermost first).

@@ -114,8 +114,7 @@ pub struct DeviceStats {
     pub pool_misses: u64,
     /// Fences completed (each makes a batch of freed blocks reusable).
     pub fences: u64,
-    /// The live allocations per client, indexed by [`Client::index`]
-    /// (`Client::ALL` order).
+    /// The live allocations per client, in [`Client::ALL`] order.
     pub clients: [ClientStats; 4],
 }
 

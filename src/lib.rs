@@ -33,6 +33,7 @@ mod fork;
 
 mod context;
 mod host;
+mod ipc;
 mod layout;
 mod memory;
 mod pool;
@@ -51,6 +52,7 @@ pub use driver::{
 pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};
+pub use ipc::IpcHandle;
 pub use layout::{typestr_itemsize, Layout};
 pub use memory::{ordering_stream, Client, DevicePointer, KeepAlive, Loan, Origin, View};
 pub use pool::{size_class, ClassStats, PoolConfig};

@@ -207,6 +207,9 @@ pub enum Origin {
     /// A block of the device's caching pool, of the given size class; it
     /// goes back to the pool when freed.
     Pool(usize),
+    /// Another process's allocation, mapped by opening its IPC handle;
+    /// unmapped when freed.
+    Ipc,
 }
 
 /// No stream known: the pool's unordered (fenced) path.
@@ -437,6 +440,20 @@ impl DevicePointer {
         Arc::new(p)
     }
 
+    /// The mapping of another process's allocation at `address`, `size`
+    /// bytes, made by opening an IPC handle: registered, so its context
+    /// resolves by address, and unmapped on release.
+    pub(crate) fn ipc_mapping(
+        context: &Arc<Context>,
+        address: DevicePtr,
+        size: usize,
+    ) -> Arc<Self> {
+        let reg = context.runtime().registry().insert(address, size, context);
+        let mut p = DevicePointer::base(context.clone(), address, size, Origin::Ipc);
+        p.registration = Some(reg);
+        Arc::new(p)
+    }
+
     /// The device view of mapped host memory: its operations hold `host`,
     /// and it is read-only when `host` is.
     pub(crate) fn over_host(
@@ -661,6 +678,16 @@ impl DevicePointer {
                     self.context
                         .driver()
                         .mem_free(self.context.raw(), self.address)?
+                }
+            }
+            Origin::Ipc if !stale => {
+                // SAFETY: a mapping this pointer's `ipc_open_handle` made in
+                // its live context; the release is claimed once, and no
+                // operation is in flight.
+                unsafe {
+                    self.context
+                        .driver()
+                        .ipc_close_handle(self.context.raw(), self.address)?
                 }
             }
             Origin::Pool(class) if !stale => {

@@ -11,6 +11,7 @@ use crate::driver::{
     self, DevicePtr, Driver, DriverChoice, DriverKind, MemoryType, RawContext, RawStream, SimDriver,
 };
 use crate::error::{Error, Result};
+use crate::ipc::Ipc;
 use crate::memory::{Client, DevicePointer, KeepAlive};
 use crate::pool::{Allocation, Block, ClassStats, Pool, PoolConfig};
 use crate::registry::{Registration, Registry};
@@ -431,6 +432,7 @@ pub struct Runtime {
     registry: Registry,
     devices: Vec<DeviceState>,
     tracker: Tracker,
+    ipc: Ipc,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -456,6 +458,7 @@ impl Runtime {
             driver,
             registry: Registry::new(),
             tracker: Tracker::new(false),
+            ipc: Ipc::default(),
         }))
     }
 
@@ -606,6 +609,10 @@ impl Runtime {
     #[inline]
     pub(crate) fn tracker(&self) -> &Tracker {
         &self.tracker
+    }
+
+    pub(crate) fn ipc(&self) -> &Ipc {
+        &self.ipc
     }
 
     /// Turn the leak report on or off (`GPUPTR_TRACK=1` turns it on for the

@@ -44,6 +44,8 @@ __all__ = [
     "reset_context",
     "_dlpack_consume",
     "_dlpack_export",
+    "IpcHandle",
+    "open_ipc",
     "_alloc_for",
     "track",
     "tracking",
@@ -192,6 +194,11 @@ class MemoryPointer:
         work queued before now, on every stream, is done. While numpy arrays
         or memoryviews of host-reachable memory are alive this raises
         ``BufferError``.
+        """
+    def ipc_handle(self) -> IpcHandle:
+        """A picklable ``IpcHandle`` another process opens to use this memory
+        (device memory gpuptr allocated; not managed, host or wrapped
+        memory, which raise ``InvalidArgumentError``).
         """
     def record_stream(self, stream: _Stream) -> None:
         """Declare that the memory is also used on ``stream`` (as torch's
@@ -456,6 +463,36 @@ def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: _
     or ``"direct"``), counted under that client in ``stats()``. The hook
     for gpuptr's own allocator plugins.
     """
+@final
+class IpcHandle:
+    """..."""
+    @property
+    def device(self) -> int:
+        """The device the memory is on."""
+    @property
+    def offset(self) -> int:
+        """Bytes from the start of the exporter's driver allocation (a pool
+        block lies inside a larger one).
+        """
+    @property
+    def size(self) -> int:
+        """Bytes of memory."""
+    @property
+    def pid(self) -> int:
+        """The exporting process's id."""
+    def to_bytes(self) -> bytes:
+        """The handle as bytes (what pickling stores)."""
+    @staticmethod
+    def from_bytes(data: bytes) -> IpcHandle:
+        """A handle from ``to_bytes()``; other bytes raise
+        ``InvalidArgumentError``.
+        """
+    def __reduce__(self) -> tuple[object, tuple[bytes]]: ...
+    def open(self) -> MemoryPointer:
+        """The memory this handle names (see the class)."""
+
+def open_ipc(handle: IpcHandle) -> MemoryPointer:
+    """``handle.open()``: the memory an ``IpcHandle`` names."""
 def track(enabled: bool = True) -> None:
     """Turn the leak report on (or off): while on, every allocation gpuptr
     makes records where it was made (the Python stack, or the Rust location

@@ -13,8 +13,8 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::{
-    DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes, PrimaryContextState,
-    RawContext, RawStream,
+    DevicePtr, Driver, DriverKind, HostPtr, IpcMemHandle, MemoryType, PointerAttributes,
+    PrimaryContextState, RawContext, RawStream,
 };
 use crate::error::{Error, Result, CUDA_ERROR_NO_DEVICE};
 
@@ -420,6 +420,45 @@ impl Driver for CudaDriver {
                 sys::cuMemcpyAsync(dst, src, count, s as sys::CUstream).result()
             }),
         }
+    }
+
+    unsafe fn ipc_get_handle(&self, context: RawContext, base: DevicePtr) -> Result<IpcMemHandle> {
+        self.enter(context)?;
+        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `base` starts a live allocation of the current context (this
+        // fn's contract); the call writes only the local handle.
+        guard("cuIpcGetMemHandle", || unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, base).result()
+        })?;
+        Ok(handle.reserved.map(|b| b as u8))
+    }
+
+    unsafe fn ipc_open_handle(
+        &self,
+        context: RawContext,
+        handle: &IpcMemHandle,
+    ) -> Result<DevicePtr> {
+        self.enter(context)?;
+        let h = sys::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as ::core::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
+        // SAFETY: `context` is current; the handle is passed by value (the
+        // driver validates it) and the call writes only the local pointer.
+        guard("cuIpcOpenMemHandle", || unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags).result()
+        })?;
+        Ok(ptr)
+    }
+
+    unsafe fn ipc_close_handle(&self, context: RawContext, mapped: DevicePtr) -> Result<()> {
+        self.enter(context)?;
+        // SAFETY: `mapped` came from ipc_open_handle in this context and is
+        // closed once, with no user left (this fn's contract).
+        guard("cuIpcCloseMemHandle", || unsafe {
+            sys::cuIpcCloseMemHandle(mapped).result()
+        })
     }
 
     fn pointer_attributes(&self, ptr: DevicePtr) -> Result<PointerAttributes> {

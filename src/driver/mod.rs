@@ -128,11 +128,13 @@ pub enum CallKind {
     MemAllocManaged,
     /// device queries: count, name, total memory
     DeviceQuery,
+    /// `cuIpcGetMemHandle`, `cuIpcOpenMemHandle`, `cuIpcCloseMemHandle`
+    Ipc,
 }
 
 impl CallKind {
     /// Every kind, for tests that fail each in turn.
-    pub const ALL: [CallKind; 17] = [
+    pub const ALL: [CallKind; 18] = [
         CallKind::ContextRetain,
         CallKind::ContextRelease,
         CallKind::ContextCurrent,
@@ -150,6 +152,7 @@ impl CallKind {
         CallKind::HostUnregister,
         CallKind::HostDevicePointer,
         CallKind::MemAllocManaged,
+        CallKind::Ipc,
     ];
 
     /// The snake-case name used from Python (`"mem_alloc"`, ...).
@@ -172,6 +175,7 @@ impl CallKind {
             CallKind::HostUnregister => "host_unregister",
             CallKind::HostDevicePointer => "host_device_pointer",
             CallKind::MemAllocManaged => "mem_alloc_managed",
+            CallKind::Ipc => "ipc",
         }
     }
 
@@ -187,6 +191,9 @@ impl CallKind {
 pub const STREAM_LEGACY: RawStream = 1;
 /// `CU_STREAM_PER_THREAD`.
 pub const STREAM_PER_THREAD: RawStream = 2;
+
+/// A `CUipcMemHandle`: 64 opaque bytes.
+pub type IpcMemHandle = [u8; 64];
 
 /// Every CUDA call the core makes. Calls that touch memory take the context
 /// they act in; the CUDA implementation makes it current when it is not.
@@ -367,6 +374,30 @@ pub trait Driver: Send + Sync + 'static {
     /// `cuPointerGetAttributes`: context, device, memory type and range.
     /// Only reads the driver's tables; any address is fine.
     fn pointer_attributes(&self, ptr: DevicePtr) -> Result<PointerAttributes>;
+
+    /// `cuIpcGetMemHandle`: a handle another process can open to map the
+    /// allocation that starts at `base`.
+    ///
+    /// # Safety
+    /// `base` is the start of a live `cuMemAlloc` allocation of `context`.
+    unsafe fn ipc_get_handle(&self, context: RawContext, base: DevicePtr) -> Result<IpcMemHandle>;
+    /// `cuIpcOpenMemHandle` (with lazy peer access): map the allocation a
+    /// handle names into `context`; the address it is mapped at. The handle
+    /// is only data: a stale or forged one fails, it does not map.
+    ///
+    /// # Safety
+    /// `context` is live.
+    unsafe fn ipc_open_handle(
+        &self,
+        context: RawContext,
+        handle: &IpcMemHandle,
+    ) -> Result<DevicePtr>;
+    /// `cuIpcCloseMemHandle`: unmap what [`Driver::ipc_open_handle`] mapped.
+    ///
+    /// # Safety
+    /// `mapped` was returned by `ipc_open_handle` in `context`, is closed once,
+    /// and nothing uses it afterwards.
+    unsafe fn ipc_close_handle(&self, context: RawContext, mapped: DevicePtr) -> Result<()>;
 
     /// The simulator behind this driver, for tests that inject faults.
     fn as_sim(&self) -> Option<&SimDriver> {

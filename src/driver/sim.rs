@@ -11,7 +11,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 use super::{
-    CallKind, DevicePtr, Driver, DriverKind, HostPtr, MemoryType, PointerAttributes,
+    CallKind, DevicePtr, Driver, DriverKind, HostPtr, IpcMemHandle, MemoryType, PointerAttributes,
     PrimaryContextState, RawContext, RawStream, HOST_ALLOC_DEVICEMAP, STREAM_LEGACY,
 };
 use crate::error::{
@@ -38,6 +38,8 @@ fn err(call: &'static str, code: i32) -> Error {
 }
 const ALIGN: u64 = 512;
 const CONTEXT_BASE: RawContext = 0x5100_0000;
+/// The first bytes of the simulator's IPC handles.
+const SIM_IPC_MAGIC: &[u8; 8] = b"gpuptrSM";
 
 /// How the simulator is set up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -202,6 +204,12 @@ struct State {
     quarantine_bytes: usize,
     /// Quarantined buffers found written after they were freed.
     stale_host_writes: u64,
+    /// Device allocations with an IPC handle out: base -> serial (a freed
+    /// and reallocated base gets a new one, so old handles fail to open).
+    ipc_serials: HashMap<DevicePtr, u64>,
+    next_ipc_serial: u64,
+    /// Open IPC mappings, by mapped address, with their open count.
+    ipc_open: HashMap<DevicePtr, u32>,
 }
 
 impl State {
@@ -229,6 +237,7 @@ impl State {
         let Some(block) = self.blocks.remove(&start) else {
             return;
         };
+        self.ipc_serials.remove(&start);
         if block.counts_as_device() {
             self.used[block.device] -= block.len;
         } else if matches!(block.kind, Kind::Pinned { .. }) {
@@ -330,6 +339,9 @@ pub struct SimDriver {
     state: Mutex<State>,
     /// Signalled when queued work completes.
     completed: Condvar,
+    /// Names this simulator in its IPC handles: another simulator (another
+    /// process's) cannot open them.
+    instance: u64,
 }
 
 impl std::fmt::Debug for SimDriver {
@@ -348,10 +360,15 @@ impl SimDriver {
             retains: vec![0; config.devices],
             ..State::default()
         };
+        use std::hash::{BuildHasher, Hasher};
+        let instance = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
         SimDriver {
             config,
             state: Mutex::new(state),
             completed: Condvar::new(),
+            instance,
         }
     }
 
@@ -516,6 +533,11 @@ impl SimDriver {
     /// How many calls of `kind` were made.
     pub fn calls(&self, kind: CallKind) -> u64 {
         self.lock().calls.get(&kind).copied().unwrap_or(0)
+    }
+
+    /// IPC mappings opened and not closed yet.
+    pub fn ipc_mappings(&self) -> usize {
+        self.lock().ipc_open.values().map(|n| *n as usize).sum()
     }
 
     /// Bytes of simulated device memory allocated now, over all devices.
@@ -962,6 +984,64 @@ impl Driver for SimDriver {
         }
         let bytes = st.span_mut(src, count, "cuMemcpy")?.to_vec();
         st.span_mut(dst, count, "cuMemcpy")?.copy_from_slice(&bytes);
+        Ok(())
+    }
+
+    unsafe fn ipc_get_handle(&self, context: RawContext, base: DevicePtr) -> Result<IpcMemHandle> {
+        let (mut st, device) = self.begin(CallKind::Ipc, "cuIpcGetMemHandle", context)?;
+        match st.blocks.get(&base) {
+            Some(b) if b.kind == Kind::Device && b.device == device => {}
+            _ => return Err(err("cuIpcGetMemHandle", CUDA_ERROR_INVALID_VALUE)),
+        }
+        let serial = match st.ipc_serials.get(&base) {
+            Some(s) => *s,
+            None => {
+                st.next_ipc_serial += 1;
+                let s = st.next_ipc_serial;
+                st.ipc_serials.insert(base, s);
+                s
+            }
+        };
+        let mut h = [0u8; 64];
+        h[..8].copy_from_slice(SIM_IPC_MAGIC);
+        h[8..16].copy_from_slice(&self.instance.to_le_bytes());
+        h[16..24].copy_from_slice(&base.to_le_bytes());
+        h[24..32].copy_from_slice(&serial.to_le_bytes());
+        h[32..40].copy_from_slice(&(device as u64).to_le_bytes());
+        Ok(h)
+    }
+
+    /// A handle of this simulator maps the same memory again (as another
+    /// process would see it); another simulator's, or one whose allocation
+    /// was freed since, fails.
+    unsafe fn ipc_open_handle(
+        &self,
+        context: RawContext,
+        handle: &IpcMemHandle,
+    ) -> Result<DevicePtr> {
+        let (mut st, device) = self.begin(CallKind::Ipc, "cuIpcOpenMemHandle", context)?;
+        let word = |i: usize| u64::from_le_bytes(handle[i..i + 8].try_into().expect("8 bytes"));
+        let invalid = || err("cuIpcOpenMemHandle", CUDA_ERROR_INVALID_VALUE);
+        if &handle[..8] != SIM_IPC_MAGIC || word(8) != self.instance {
+            return Err(invalid());
+        }
+        let (base, serial, owner) = (word(16), word(24), word(32));
+        if st.ipc_serials.get(&base) != Some(&serial) || owner != device as u64 {
+            return Err(invalid());
+        }
+        *st.ipc_open.entry(base).or_insert(0) += 1;
+        Ok(base)
+    }
+
+    unsafe fn ipc_close_handle(&self, context: RawContext, mapped: DevicePtr) -> Result<()> {
+        let (mut st, _) = self.begin(CallKind::Ipc, "cuIpcCloseMemHandle", context)?;
+        match st.ipc_open.get_mut(&mapped) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                st.ipc_open.remove(&mapped);
+            }
+            None => return Err(err("cuIpcCloseMemHandle", CUDA_ERROR_INVALID_VALUE)),
+        }
         Ok(())
     }
 

@@ -7,6 +7,7 @@ mod errors;
 mod hooks;
 mod host;
 mod interop;
+mod ipc;
 mod logging;
 mod pointer;
 mod py_context;
@@ -324,6 +325,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(interop::_import_cai, m)?)?;
     m.add_function(wrap_pyfunction!(interop::_import_dlpack, m)?)?;
     m.add_class::<interop::ImportedArray>()?;
+    m.add_class::<ipc::PyIpcHandle>()?;
+    m.add_function(wrap_pyfunction!(ipc::open_ipc, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     testing::register(m)?;
     Ok(())

@@ -1,0 +1,97 @@
+//! `IpcHandle`: sharing gpuptr memory with another process, without numba.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use super::args::runtime;
+use super::pointer::PyMemoryPointer;
+use crate::IpcHandle;
+
+/// A handle another process opens to use this memory: picklable (it is
+/// bytes: the device, the offset in the driver's allocation, the size and
+/// the exporting process). ``open()`` (or ``gpuptr.open_ipc(h)``) gives a
+/// MemoryPointer: in another process, the mapped memory (unmapped when the
+/// last pointer over it goes); in the exporting process, the original
+/// memory, or ``InvalidPointerError`` if it was freed.
+#[pyclass(frozen, eq, module = "gpuptr._core", name = "IpcHandle")]
+#[derive(PartialEq)]
+pub(crate) struct PyIpcHandle(IpcHandle);
+
+#[pymethods]
+impl PyIpcHandle {
+    /// The device the memory is on.
+    #[getter]
+    fn device(&self) -> usize {
+        self.0.device
+    }
+
+    /// Bytes from the start of the exporter's driver allocation (a pool
+    /// block lies inside a larger one).
+    #[getter]
+    fn offset(&self) -> usize {
+        self.0.offset
+    }
+
+    /// Bytes of memory.
+    #[getter]
+    fn size(&self) -> usize {
+        self.0.size
+    }
+
+    /// The exporting process's id.
+    #[getter]
+    fn pid(&self) -> u32 {
+        self.0.pid
+    }
+
+    /// The handle as bytes (what pickling stores).
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.0.to_bytes())
+    }
+
+    /// A handle from ``to_bytes()``; other bytes raise
+    /// ``InvalidArgumentError``.
+    #[staticmethod]
+    fn from_bytes(data: &[u8]) -> PyResult<Self> {
+        Ok(PyIpcHandle(IpcHandle::from_bytes(data)?))
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let from_bytes = slf.get_type().getattr("from_bytes")?;
+        let args = PyTuple::new(py, [slf.get().to_bytes(py)])?;
+        PyTuple::new(py, [from_bytes.into_any(), args.into_any()])
+    }
+
+    /// The memory this handle names (see the class).
+    fn open(&self, py: Python<'_>) -> PyResult<PyMemoryPointer> {
+        let rt = runtime()?;
+        let view = py.detach(|| rt.ipc_open(&self.0))?;
+        Ok(PyMemoryPointer::over(view, None))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<gpuptr.IpcHandle {} bytes at offset {} on device {} from pid {}>",
+            self.0.size, self.0.offset, self.0.device, self.0.pid
+        )
+    }
+}
+
+/// Sharing from the pointer's side: here, so that the pointer's module does
+/// not depend on this one.
+#[pymethods]
+impl PyMemoryPointer {
+    /// A picklable ``IpcHandle`` another process opens to use this memory
+    /// (device memory gpuptr allocated; not managed, host or wrapped
+    /// memory, which raise ``InvalidArgumentError``).
+    fn ipc_handle(&self) -> PyResult<PyIpcHandle> {
+        Ok(PyIpcHandle(runtime()?.ipc_export(&self.view)?))
+    }
+}
+
+/// ``handle.open()``: the memory an ``IpcHandle`` names.
+#[pyfunction]
+pub(crate) fn open_ipc(py: Python<'_>, handle: &PyIpcHandle) -> PyResult<PyMemoryPointer> {
+    handle.open(py)
+}

@@ -1,0 +1,76 @@
+"""IpcHandle from Python: pickling, opening in the exporting process, and
+validation (these run on either driver; a child process on the simulator
+has its own simulator, so the parent's handle fails there with a typed
+error, which is what CPU CI checks). The GPU tests open it for real."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gpuptr
+
+
+def test_handle_pickles_and_opens_in_the_exporting_process():
+    mem = gpuptr.alloc(8192)
+    mem.copy_from_host(bytes(range(256)) * 32)
+    h = mem.view(256, 768).ipc_handle()
+    assert (h.device, h.size, h.pid) == (0, 512, os.getpid())
+    back = pickle.loads(pickle.dumps(h))
+    assert back == h and back.to_bytes() == h.to_bytes() and back.offset == h.offset
+    opened = back.open()
+    assert opened.device_pointer_value == mem.device_pointer_value + 256
+    assert opened.copy_to_host() == (bytes(range(256)) * 32)[256:768]
+    assert opened.context is mem.context
+    assert gpuptr.open_ipc(h).size == 512
+    del opened
+    mem.free()
+    with pytest.raises(gpuptr.InvalidPointerError, match="freed"):
+        h.open()
+
+
+def test_bad_handles_and_bad_memory_get_typed_errors():
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.IpcHandle.from_bytes(b"not a handle")
+    with pytest.raises(TypeError):
+        gpuptr.open_ipc(b"bytes are not a handle")
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.alloc_managed(4096).ipc_handle()
+    m = gpuptr.alloc(4096)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.wrap(m.device_pointer_value, 4096).ipc_handle()
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.alloc(0).ipc_handle()
+    raw = bytearray(m.ipc_handle().to_bytes())
+    raw[8:12] = (99).to_bytes(4, "little")  # device 99
+    with pytest.raises(gpuptr.InvalidArgumentError, match="device 99"):
+        gpuptr.IpcHandle.from_bytes(bytes(raw)).open()
+
+
+@pytest.mark.sim
+def test_a_handle_in_another_process_is_validated_without_numba():
+    mem = gpuptr.alloc(4096)
+    h = mem.ipc_handle()
+    code = textwrap.dedent(
+        """
+        import pickle, sys
+        h = pickle.loads(sys.stdin.buffer.read())
+        import gpuptr
+        try:
+            h.open()
+            print("opened")
+        except gpuptr.CudaError as e:
+            print("CudaError", "numba" in sys.modules)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(h), capture_output=True, timeout=120, env=dict(os.environ)
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    # Another simulator cannot map this one's memory: a typed error, no crash.
+    assert out.stdout.decode().split() == ["CudaError", "False"]

@@ -1,0 +1,66 @@
+"""IpcHandle across processes on the GPU (marked ``gpu``): each device, a
+pool block inside a larger driver allocation, a child that never imports
+numba, and a handle whose allocation is gone."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+
+import pytest
+
+import gpuptr
+
+pytestmark = pytest.mark.gpu
+
+
+def _child_read(payload, q):
+    import sys
+
+    import gpuptr as g
+
+    h = pickle.loads(payload)
+    try:
+        mem = h.open()
+        q.put(("ok", mem.copy_to_host(), mem.context.device.id, "numba" in sys.modules))
+    except g.GpuptrError as e:
+        q.put((type(e).__name__, str(e), None, "numba" in sys.modules))
+
+
+def _open_in_child(h):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_read, args=(pickle.dumps(h), q))
+    p.start()
+    try:
+        return q.get(timeout=120)
+    finally:
+        p.join(60)
+
+
+@pytest.mark.parametrize("device", range(2))
+def test_a_spawned_child_reads_the_parents_bytes_on_each_device(device):
+    if device >= len(gpuptr.devices()):
+        pytest.skip("needs a second GPU")
+    gpuptr.reserve(16 << 20, block_size=1 << 20, device=device)
+    blocks = [gpuptr.alloc(1 << 20, device=device) for _ in range(4)]
+    inner = next(b for b in blocks if b.ipc_handle().offset > 0)  # carved from one allocation
+    payload = bytes(range(256)) * 4096
+    inner.copy_from_host(payload)
+    h = inner.ipc_handle()
+    status, data, dev, numba_loaded = _open_in_child(h)
+    assert status == "ok", data
+    assert data == payload and dev == device
+    assert not numba_loaded, "IPC without numba"
+
+
+def test_a_handle_whose_allocation_is_gone_fails_to_open():
+    mem = gpuptr.alloc(300 << 20)  # its own driver allocation
+    h = mem.ipc_handle()
+    mem.free()
+    with pytest.raises(gpuptr.InvalidPointerError):
+        h.open()  # in the exporting process
+    gpuptr.flush_pool()
+    gpuptr.trim()  # the driver allocation is freed now
+    status, message, _, _ = _open_in_child(h)
+    assert status == "CudaError", (status, message)

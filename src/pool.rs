@@ -51,7 +51,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
-use crate::error::Result;
+use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
 use crate::memory::Client;
 use crate::runtime::ClientStats;
 
@@ -757,6 +757,10 @@ struct Held {
     allocations: FastMap<DevicePtr, Allocation>,
     /// The base of each carved block that is not its allocation's first.
     carved: FastMap<DevicePtr, DevicePtr>,
+    /// Bytes of `allocations`.
+    bytes: usize,
+    /// Bytes of driver allocations under way (counted against the limit).
+    pending: usize,
 }
 
 impl Held {
@@ -765,6 +769,7 @@ impl Held {
     }
 
     fn record(&mut self, a: Allocation) {
+        self.bytes += a.bytes();
         self.allocations.insert(a.base, a);
         for p in a.block_addresses().skip(1) {
             self.carved.insert(p, a.base);
@@ -777,6 +782,7 @@ impl Held {
             .allocations
             .remove(&base)
             .expect("a recorded allocation");
+        self.bytes -= a.bytes();
         for p in a.block_addresses().skip(1) {
             self.carved.remove(&p);
         }
@@ -799,6 +805,8 @@ pub(crate) struct Pool {
     fencer: Fencer,
     held: Mutex<Held>,
     growth: Mutex<Growth>,
+    /// The most bytes `held` may hold (`usize::MAX`: no limit).
+    limit: AtomicUsize,
 }
 
 impl std::fmt::Debug for Pool {
@@ -828,6 +836,7 @@ impl Pool {
                 .collect(),
             held: Mutex::new(Held::default()),
             growth: Mutex::new(Growth::default()),
+            limit: AtomicUsize::new(usize::MAX),
         }
     }
 
@@ -1098,14 +1107,29 @@ impl Pool {
 
     /// One driver allocation of `blocks` blocks of `class`, recorded.
     fn allocate(&self, context: RawContext, class: usize, blocks: usize) -> Result<Allocation> {
+        let bytes = blocks * class;
+        {
+            let mut held = lock(&self.held);
+            let limit = self.limit.load(Ordering::Relaxed);
+            if held.bytes + held.pending + bytes > limit {
+                return Err(Error::cuda(
+                    "gpuptr pool limit",
+                    CUDA_ERROR_OUT_OF_MEMORY,
+                    "CUDA_ERROR_OUT_OF_MEMORY",
+                ));
+            }
+            held.pending += bytes;
+        }
         // SAFETY: the pool's owner passes its live, retained context.
-        let base = unsafe { self.driver.mem_alloc(context, blocks * class) }?;
+        let r = unsafe { self.driver.mem_alloc(context, bytes) };
+        let mut held = lock(&self.held);
+        held.pending -= bytes;
         let a = Allocation {
-            base,
+            base: r?,
             class,
             blocks,
         };
-        lock(&self.held).record(a);
+        held.record(a);
         Ok(a)
     }
 
@@ -1283,12 +1307,30 @@ impl Pool {
         }
         let mut held = lock(&self.held);
         held.carved.clear();
+        held.bytes = 0;
         held.allocations.drain().map(|(_, a)| a).collect()
     }
 
     /// Number of driver allocations the pool holds (cached or handed out).
     pub(crate) fn held_blocks(&self) -> usize {
         lock(&self.held).allocations.len()
+    }
+
+    /// Bytes the pool holds from the driver (handed out or cached).
+    pub(crate) fn held_bytes(&self) -> usize {
+        lock(&self.held).bytes
+    }
+
+    /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).
+    /// Past it, an allocation goes through the out-of-memory path (the
+    /// fence, then returning the cache) and fails as out of memory if that
+    /// does not make room. What it holds already is not given back.
+    pub(crate) fn set_limit(&self, bytes: usize) {
+        self.limit.store(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
     }
 
     /// Wait for the fence that covers every block freed so far, and make

@@ -117,6 +117,10 @@ pub struct DeviceStats {
     pub fences: u64,
     /// The live allocations per client, in [`Client::ALL`] order.
     pub clients: [ClientStats; 4],
+    /// Bytes the pool holds from the driver (handed out or cached).
+    pub pool_bytes: usize,
+    /// The cap on `pool_bytes`, if one is set ([`Runtime::set_pool_limit`]).
+    pub pool_limit: Option<usize>,
 }
 
 /// Everything gpuptr keeps about one device, in one place: the slot of its
@@ -413,6 +417,12 @@ impl DeviceState {
                 s += p.clients[k.index()];
                 s
             }),
+            pool_bytes: self.pool.as_ref().map_or(0, Pool::held_bytes),
+            pool_limit: self
+                .pool
+                .as_ref()
+                .map(Pool::limit)
+                .filter(|l| *l != usize::MAX),
         }
     }
 
@@ -513,6 +523,18 @@ impl Runtime {
         crate::fork::check()?;
         self.check_device(device)?;
         self.devices[device].reset()
+    }
+
+    /// Cap the bytes `device`'s pool holds from the driver (`None`: no cap,
+    /// the default), as RMM's maximum pool size: past it an allocation first
+    /// reuses and returns the cache, then fails as out of memory. A device
+    /// without a pool ignores it.
+    pub fn set_pool_limit(&self, device: usize, bytes: Option<usize>) -> Result<()> {
+        self.check_device(device)?;
+        if let Some(pool) = &self.devices[device].pool {
+            pool.set_limit(bytes.unwrap_or(usize::MAX));
+        }
+        Ok(())
     }
 
     /// The pool of `device` by size class (empty when it has no pool).

@@ -263,3 +263,39 @@ fn test_a_failed_free_during_trim_still_unregisters_the_blocks_that_were_freed()
     rt.trim().unwrap();
     assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
 }
+
+#[test]
+fn test_a_pool_limit_caps_what_the_pool_holds_and_reuses_first() {
+    let (drv, rt) = sim_pooled(1, 256 << 20);
+    let ctx = rt.context(0).unwrap();
+    rt.set_pool_limit(0, Some(8 << 20)).unwrap();
+    assert_eq!(rt.stats()[0].pool_limit, Some(8 << 20));
+    let held: Vec<_> = (0..8).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    assert_eq!(rt.stats()[0].pool_bytes, 8 << 20);
+    let over = ctx.alloc(1 << 20);
+    assert!(
+        matches!(over, Err(gpuptr::Error::OutOfMemory { .. })),
+        "{over:?}"
+    );
+    assert_eq!(drv.live_bytes(), 8 << 20, "nothing past the cap");
+    drop(held);
+    // Freed blocks come back through the fence; then the cache is reused,
+    // and a different size class makes room by returning the cache.
+    for _ in 0..100 {
+        let p = ctx.alloc(1 << 20).unwrap();
+        drop(p);
+    }
+    let big = ctx.alloc(6 << 20).unwrap();
+    assert!(rt.stats()[0].pool_bytes <= 8 << 20);
+    drop(big);
+    // A reservation stops at the cap with what fitted.
+    let got = ctx.reserve(1 << 20, 64 << 20).unwrap();
+    assert!(
+        got <= 8 << 20 && rt.stats()[0].pool_bytes <= 8 << 20,
+        "{got}"
+    );
+    rt.set_pool_limit(0, None).unwrap();
+    assert_eq!(rt.stats()[0].pool_limit, None);
+    let _more: Vec<_> = (0..16).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    assert!(rt.stats()[0].pool_bytes > 8 << 20);
+}

@@ -56,3 +56,27 @@ def test_memory_summary_matches_stats(no_leaks):
 def test_memory_summary_of_a_device_that_does_not_exist_is_an_invalid_argument():
     with pytest.raises(gpuptr.InvalidArgumentError):
         gpuptr.memory_summary(99)
+
+
+def test_set_pool_limit_caps_the_pool_and_shows_in_stats():
+    import gpuptr as g
+
+    dev = 1 if len(g.devices()) > 1 else 0
+    g.trim()
+    base = g.stats()[dev]["pool_bytes"]
+    g.set_pool_limit(base + (4 << 20), device=dev)
+    try:
+        assert g.stats()[dev]["pool_limit"] == base + (4 << 20)
+        held = []
+        with pytest.raises(g.OutOfMemoryError):
+            for _ in range(64):
+                held.append(g.alloc(1 << 20, device=dev))
+        assert len(held) <= 4 and g.stats()[dev]["pool_bytes"] <= base + (4 << 20)
+        with pytest.raises(g.InvalidArgumentError):
+            g.set_pool_limit(-1)
+        with pytest.raises(g.InvalidArgumentError):
+            g.set_pool_limit(1 << 20, device=99)
+    finally:
+        g.set_pool_limit(None)
+    assert g.stats()[dev]["pool_limit"] is None
+    assert g.alloc(1 << 20, device=dev).size == 1 << 20

@@ -39,6 +39,7 @@ __all__ = [
     "trim",
     "flush_pool",
     "reserve",
+    "set_pool_limit",
     "pool_classes",
     "reset_peak_stats",
     "reset_context",
@@ -493,6 +494,13 @@ class IpcHandle:
 
 def open_ipc(handle: IpcHandle) -> MemoryPointer:
     """``handle.open()``: the memory an ``IpcHandle`` names."""
+def set_pool_limit(nbytes: Optional[int], device: Optional[int] = None) -> None:
+    """Cap the bytes the pool of ``device`` (default: every device) holds from
+    the driver at ``nbytes`` (None: no cap, the default), as RMM's maximum
+    pool size. Past it an allocation reuses and returns the cache first, then
+    raises ``OutOfMemoryError``. ``stats()`` shows ``pool_bytes`` and
+    ``pool_limit``.
+    """
 def track(enabled: bool = True) -> None:
     """Turn the leak report on (or off): while on, every allocation gpuptr
     makes records where it was made (the Python stack, or the Rust location

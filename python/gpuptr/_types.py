@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, TypedDict
+from typing import Dict, List, NamedTuple, Optional, TypedDict
 
 __all__ = ["ClassStats", "ClientStats", "DeviceStats", "DriverInfo", "MemoryInfo", "Outstanding"]
 
@@ -57,6 +57,10 @@ class DeviceStats(TypedDict):
     #: The allocations per client: ``"direct"`` (``gpuptr.alloc``),
     #: ``"numba"``, ``"cupy"`` and ``"torch"`` (gpuptr's allocator plugins).
     clients: Dict[str, ClientStats]
+    #: Bytes the pool holds from the driver (handed out or cached), and the
+    #: cap ``set_pool_limit()`` put on them (None: none).
+    pool_bytes: int
+    pool_limit: Optional[int]
 
 
 #: One size class of a device's pool (``_core.pool_classes``): the block

@@ -174,6 +174,8 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
             clients.set_item(k.name(), e)?;
         }
         d.set_item("clients", clients)?;
+        d.set_item("pool_bytes", s.pool_bytes)?;
+        d.set_item("pool_limit", s.pool_limit)?;
         list.append(d)?;
     }
     Ok(list)
@@ -197,6 +199,33 @@ fn flush_pool(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<boo
             .try_fold(true, |ok, d| Ok(rt.flush_pool(d)? && ok))
     })
     .map_err(|e: Error| e.into())
+}
+
+/// Cap the bytes the pool of ``device`` (default: every device) holds from
+/// the driver at ``nbytes`` (None: no cap, the default), as RMM's maximum
+/// pool size. Past it an allocation reuses and returns the cache first, then
+/// raises ``OutOfMemoryError``. ``stats()`` shows ``pool_bytes`` and
+/// ``pool_limit``.
+#[pyfunction]
+#[pyo3(signature = (nbytes, device=None))]
+fn set_pool_limit(
+    nbytes: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let limit = match nbytes.filter(|n| !n.is_none()) {
+        Some(n) => Some(size_arg(int_arg(n, "nbytes")?)?),
+        None => None,
+    };
+    let rt = runtime()?;
+    match optional_device(device)? {
+        Some(d) => rt.set_pool_limit(d, limit)?,
+        None => {
+            for d in 0..rt.device_count() {
+                rt.set_pool_limit(d, limit)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Fill the pool ahead of demand with about ``nbytes`` of ready blocks of
@@ -316,6 +345,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(trim, m)?)?;
     m.add_function(wrap_pyfunction!(flush_pool, m)?)?;
     m.add_function(wrap_pyfunction!(reserve, m)?)?;
+    m.add_function(wrap_pyfunction!(set_pool_limit, m)?)?;
     m.add_function(wrap_pyfunction!(pool_classes, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;

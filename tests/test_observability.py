@@ -80,3 +80,23 @@ def test_set_pool_limit_caps_the_pool_and_shows_in_stats():
         g.set_pool_limit(None)
     assert g.stats()[dev]["pool_limit"] is None
     assert g.alloc(1 << 20, device=dev).size == 1 << 20
+
+
+def test_a_reservation_in_a_fresh_process_stays_until_trim():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import gpuptr\n"
+        "got = gpuptr.reserve(4 << 20, block_size=1 << 20)\n"
+        "s = gpuptr.stats()[0]\n"
+        "print(got, s['pool_bytes'], s['cached_bytes'])\n"
+        "gpuptr.trim()\n"
+        "print(gpuptr.stats()[0]['pool_bytes'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first.split() == [str(4 << 20)] * 3, "kept: nothing else held the context"
+    assert second == "0"

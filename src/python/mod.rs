@@ -252,6 +252,10 @@ fn reserve(
         return Err(Error::InvalidArgument("block_size must be positive".into()).into());
     }
     let ctx = device_context(device)?;
+    // gpuptr's own hold on the context (as `alloc` takes): the reservation
+    // lives with the context, which would otherwise end with this call and
+    // give the blocks back.
+    py_context(py, &ctx)?;
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }
 

@@ -299,3 +299,32 @@ fn test_a_pool_limit_caps_what_the_pool_holds_and_reuses_first() {
     let _more: Vec<_> = (0..16).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
     assert!(rt.stats()[0].pool_bytes > 8 << 20);
 }
+
+#[test]
+fn test_threads_under_a_pool_limit_never_hold_more_than_it() {
+    let (drv, rt) = sim_pooled(1, 256 << 20);
+    rt.set_pool_limit(0, Some(16 << 20)).unwrap();
+    let ctx = rt.context(0).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (ctx, drv) = (ctx.clone(), &drv);
+            s.spawn(move || {
+                let mut held = Vec::new();
+                for i in 0..2000 {
+                    match ctx.alloc(64 << 10 << ((t + i) % 4)) {
+                        Ok(p) => held.push(p),
+                        Err(gpuptr::Error::OutOfMemory { .. }) => {
+                            held.clear();
+                        }
+                        Err(e) => panic!("{e:?}"),
+                    }
+                    if held.len() > 3 {
+                        held.remove(0);
+                    }
+                    assert!(drv.live_bytes() <= 16 << 20, "{}", drv.live_bytes());
+                }
+            });
+        }
+    });
+    assert!(rt.stats()[0].pool_bytes <= 16 << 20);
+}

@@ -328,3 +328,21 @@ def test_install_after_numba_chose_another_manager_says_why():
         """
     )
     assert out.split() == ["InstallError", "True"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_torch_entry_points_in_a_forked_child_refuse_without_touching_the_parents_memory(fenced_hooks):
+    import os
+
+    p = t_alloc(1 << 20, 0, None)
+    assert p
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's contexts are not its own
+        ok = t_alloc(4096, 0, None) is None
+        t_free(p, 1 << 20, 0, None)  # must not free the parent's block
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, "the child got no memory"
+    before = client("torch")["live_bytes"]
+    t_free(p, 1 << 20, 0, None)
+    assert client("torch")["live_bytes"] == before - (1 << 20), "the parent's block was still its own"

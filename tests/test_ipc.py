@@ -74,3 +74,14 @@ def test_a_handle_in_another_process_is_validated_without_numba():
     assert out.returncode == 0, out.stderr.decode()
     # Another simulator cannot map this one's memory: a typed error, no crash.
     assert out.stdout.decode().split() == ["CudaError", "False"]
+
+
+def test_a_handle_of_a_reset_context_does_not_open():
+    dev = 1 if len(gpuptr.devices()) > 1 else 0
+    mem = gpuptr.alloc(4096, device=dev)
+    h = mem.ipc_handle()
+    gpuptr.reset_context(dev)
+    with pytest.raises(gpuptr.InvalidPointerError):
+        h.open()
+    with pytest.raises(gpuptr.InvalidPointerError):
+        mem.ipc_handle()

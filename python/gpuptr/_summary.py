@@ -19,8 +19,8 @@ def _size(n: int) -> str:
 def memory_summary(device: Optional[int] = None) -> str:
     """A table of each device's memory as gpuptr sees it: live, cached
     (waiting for a fence included) and peak bytes, pool hits, misses and
-    fences, then the same per size class. ``device``: one device (default:
-    all)."""
+    fences, what the pool holds (and its limit), live bytes per client, then
+    the same per size class. ``device``: one device (default: all)."""
     stats = _core.stats()
     if device is not None:
         _core.pool_classes(device)  # a device that does not exist raises here
@@ -37,6 +37,17 @@ def memory_summary(device: Optional[int] = None) -> str:
             f"  cached {_size(s['cached_bytes'])} ({_size(s['pending_bytes'])} waiting for a fence);"
             f" pool hits {s['pool_hits']}, misses {s['pool_misses']}, fences {s['fences']}"
         )
+        limit = s["pool_limit"]
+        lines.append(
+            f"  the pool holds {_size(s['pool_bytes'])} from the driver"
+            + (f" (limit {_size(limit)})" if limit is not None else "")
+        )
+        users = [(k, c) for k, c in s["clients"].items() if c["live_count"] or c["alloc_count"]]
+        if users:
+            lines.append(
+                "  by client: "
+                + ", ".join(f"{k} {_size(c['live_bytes'])} in {c['live_count']} ({c['alloc_count']} made)" for k, c in users)
+            )
         classes = _core.pool_classes(d)
         if classes:
             lines.append(f"  {'block size':>12} {'live':>8} {'peak':>8} {'cached':>8} {'live bytes':>12} {'cached bytes':>12}")

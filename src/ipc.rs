@@ -10,22 +10,33 @@
 //! process and handle; later opens share the mapping, and the last holder
 //! unmaps it). Opening it in the exporting process itself gives the original
 //! memory back, as the driver cannot map a process's own memory, or a typed
-//! error if that memory was freed since. A handle whose driver allocation
-//! was freed fails to open in any process; a pool block freed back to the
-//! pool is only caught in the exporting process (elsewhere the driver still
-//! maps its allocation).
+//! error if that memory was freed since.
+//!
+//! Freed memory is caught in other processes too: the exporter keeps a small
+//! liveness file (`/dev/shm/gpuptr-ipc-<pid>-<token>`, one 8-byte slot per
+//! live export, cleared when the memory is released), and an importer reads
+//! the handle's slot before it maps. So a pool block freed back to the pool,
+//! whose driver allocation is still mapped, gives `InvalidPointer`, not
+//! another owner's bytes. (Memory freed *after* another process mapped it
+//! is that process's to stop using.) Without the file (no `/dev/shm`, or
+//! 65536 exports live at once) a handle has no slot, and only the driver's
+//! own check applies.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use crate::driver::IpcMemHandle;
+use crate::driver::{DevicePtr, IpcMemHandle};
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, Origin, View};
 use crate::runtime::Runtime;
 
-const MAGIC: &[u8; 8] = b"gpuptrI1";
-const LEN: usize = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 64;
+const MAGIC: &[u8; 8] = b"gpuptrI2";
+const LEN: usize = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 64;
+/// No liveness slot.
+const NO_SLOT: u32 = u32::MAX;
+/// Slots in a liveness file (8 bytes each; the file is sparse).
+const SLOTS: u32 = 1 << 16;
 
 /// A picklable handle to device memory for another process.
 #[derive(Clone, PartialEq, Eq)]
@@ -44,6 +55,8 @@ pub struct IpcHandle {
     pub process: u64,
     /// Which export of that process this is.
     pub export: u64,
+    /// The export's slot in the exporter's liveness file (`u32::MAX`: none).
+    pub slot: u32,
 }
 
 impl std::fmt::Debug for IpcHandle {
@@ -79,6 +92,7 @@ impl IpcHandle {
         v.extend_from_slice(&self.export.to_le_bytes());
         v.extend_from_slice(&(self.offset as u64).to_le_bytes());
         v.extend_from_slice(&(self.size as u64).to_le_bytes());
+        v.extend_from_slice(&self.slot.to_le_bytes());
         v.extend_from_slice(&self.handle);
         v
     }
@@ -103,7 +117,8 @@ impl IpcHandle {
             export: u64_at(24),
             offset,
             size,
-            handle: b[48..112].try_into().expect("64 bytes"),
+            slot: u32_at(48),
+            handle: b[52..116].try_into().expect("64 bytes"),
         })
     }
 }
@@ -117,6 +132,136 @@ pub(crate) struct Ipc {
     exports: Mutex<HashMap<u64, (Weak<DevicePointer>, usize)>>,
     /// Driver handle -> the mapping made by opening it.
     opened: Mutex<HashMap<IpcMemHandle, Weak<DevicePointer>>>,
+    /// This process's liveness file, made at the first export.
+    liveness: OnceLock<Option<Liveness>>,
+}
+
+/// The exporter's liveness file: slot `i` holds the export number of a live
+/// export, or 0.
+struct Liveness {
+    file: std::fs::File,
+    slots: Mutex<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    next: u32,
+    free: Vec<u32>,
+    /// The slots of each exported allocation, by address.
+    by_address: HashMap<DevicePtr, Vec<u32>>,
+}
+
+fn liveness_path(pid: u32, process: u64) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("/dev/shm/gpuptr-ipc-{pid}-{process:016x}"))
+}
+
+/// The path to unlink at exit, and the process that made it (a forked child
+/// inherits the exit handler, and must not remove its parent's file).
+static LIVENESS_FILE: OnceLock<(u32, std::ffi::CString)> = OnceLock::new();
+
+extern "C" fn remove_liveness_file() {
+    if let Some((pid, path)) = LIVENESS_FILE.get() {
+        if *pid == std::process::id() {
+            // SAFETY: a NUL-terminated path that lives for the process.
+            unsafe { libc::unlink(path.as_ptr()) };
+        }
+    }
+}
+
+impl Liveness {
+    fn create() -> Option<Liveness> {
+        let path = liveness_path(std::process::id(), process_token());
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .ok()?;
+        file.set_len(u64::from(SLOTS) * 8).ok()?;
+        let c = std::ffi::CString::new(path.into_os_string().into_encoded_bytes()).ok()?;
+        if LIVENESS_FILE.set((std::process::id(), c)).is_ok() {
+            // SAFETY: registers a plain `extern "C" fn()` that only unlinks.
+            unsafe { libc::atexit(remove_liveness_file) };
+        }
+        Some(Liveness {
+            file,
+            slots: Mutex::default(),
+        })
+    }
+
+    fn write(&self, slot: u32, value: u64) -> bool {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_at(&value.to_le_bytes(), u64::from(slot) * 8)
+            .is_ok()
+    }
+
+    /// A slot holding `export` for the allocation at `address`, if any left.
+    fn take(&self, address: DevicePtr, export: u64) -> Option<u32> {
+        let mut s = lock(&self.slots);
+        let slot = match s.free.pop() {
+            Some(slot) => slot,
+            None if s.next < SLOTS => {
+                s.next += 1;
+                s.next - 1
+            }
+            None => return None,
+        };
+        if !self.write(slot, export) {
+            s.free.push(slot);
+            return None;
+        }
+        s.by_address.entry(address).or_default().push(slot);
+        Some(slot)
+    }
+
+    fn clear(&self, address: DevicePtr) {
+        let mut s = lock(&self.slots);
+        for slot in s.by_address.remove(&address).unwrap_or_default() {
+            self.write(slot, 0);
+            s.free.push(slot);
+        }
+    }
+}
+
+/// Whether the exporter of `handle` still has it live: its slot holds its
+/// export number. `Err` for a handle whose exporter says it is freed, or
+/// whose exporter is gone.
+fn check_alive(handle: &IpcHandle) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    if handle.slot == NO_SLOT {
+        return Ok(());
+    }
+    let path = liveness_path(handle.pid, handle.process);
+    let file = std::fs::File::open(&path).map_err(|_| {
+        Error::InvalidPointer(format!(
+            "the process that exported this memory (pid {}) has exited",
+            handle.pid
+        ))
+    })?;
+    let mut word = [0u8; 8];
+    file.read_exact_at(&mut word, u64::from(handle.slot) * 8)
+        .map_err(|e| Error::InvalidPointer(format!("unreadable IPC liveness file: {e}")))?;
+    if u64::from_le_bytes(word) != handle.export {
+        return Err(Error::InvalidPointer(format!(
+            "the memory this IPC handle names was freed by the process that exported it (pid {})",
+            handle.pid
+        )));
+    }
+    Ok(())
+}
+
+impl Ipc {
+    fn liveness(&self) -> Option<&Liveness> {
+        self.liveness.get_or_init(Liveness::create).as_ref()
+    }
+
+    /// The allocation at `address` was released: clear its slots.
+    pub(crate) fn forget_exports(&self, address: DevicePtr) {
+        if let Some(Some(l)) = self.liveness.get() {
+            l.clear(address);
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -160,6 +305,17 @@ impl Runtime {
             }
             exports.insert(export, (Arc::downgrade(parent), view.offset()));
         }
+        parent.mark_exported();
+        let slot = ipc
+            .liveness()
+            .and_then(|l| l.take(parent.address(), export))
+            .unwrap_or(NO_SLOT);
+        if parent.is_freed() {
+            // Freed while this export was made: its release may have run
+            // before the slot was taken.
+            ipc.forget_exports(parent.address());
+            return Err(Error::InvalidPointer("the memory was freed".into()));
+        }
         Ok(IpcHandle {
             device: ctx.device(),
             handle,
@@ -168,6 +324,7 @@ impl Runtime {
             pid: std::process::id(),
             process: process_token(),
             export,
+            slot,
         })
     }
 
@@ -199,6 +356,7 @@ impl Runtime {
             let parent = parent.ok_or_else(freed)?;
             return parent.view_all().view(at, Some(at + handle.size));
         }
+        check_alive(handle)?;
         let ctx = self.context(handle.device)?;
         let mut opened = lock(&ipc.opened);
         let mapping = match opened.get(&handle.handle).and_then(Weak::upgrade) {

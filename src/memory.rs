@@ -2,7 +2,7 @@
 //! sub-range that keeps its allocation (and so the context) alive.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::context::Context;
@@ -259,6 +259,9 @@ pub struct DevicePointer {
     client: Client,
     /// Noted by the leak report (forgotten on release).
     tracked: bool,
+    /// Shared with another process (its IPC liveness slots are cleared on
+    /// release).
+    exported: AtomicBool,
     keepalive: Mutex<Option<KeepAlive>>,
 }
 
@@ -391,6 +394,7 @@ impl DevicePointer {
             keepalive: Mutex::new(None),
             client: Client::Direct,
             tracked: false,
+            exported: AtomicBool::new(false),
         }
     }
 
@@ -642,6 +646,12 @@ impl DevicePointer {
         self.free()
     }
 
+    /// Note that an IPC handle of this memory went out (its liveness slots
+    /// are cleared when it is released).
+    pub(crate) fn mark_exported(&self) {
+        self.exported.store(true, Ordering::Release);
+    }
+
     /// Record where this allocation was made, for the leak report, if
     /// tracking was on when it was made (`site` is called only then).
     #[inline]
@@ -725,6 +735,11 @@ impl DevicePointer {
         }
         if self.tracked {
             self.forget_site();
+        }
+        if self.exported.load(Ordering::Acquire) {
+            // Before anyone can reuse it: another process that opens a
+            // handle of it from now on gets a typed error.
+            self.context.runtime().ipc().forget_exports(self.address);
         }
         if self.has_keepalive {
             release_keepalive(&self.keepalive);

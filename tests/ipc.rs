@@ -8,7 +8,10 @@ use common::{sim, sim_pooled};
 use gpuptr::{Error, IpcHandle};
 
 fn foreign(mut h: IpcHandle) -> IpcHandle {
-    h.process ^= 0x5a5a; // as if another process had exported it
+    // As if another process had exported it, one without a liveness file
+    // (the file's check runs in a real second process: tests/test_ipc.py).
+    h.process ^= 0x5a5a;
+    h.slot = u32::MAX;
     h
 }
 
@@ -30,7 +33,7 @@ fn test_handle_bytes_round_trip_and_reject_anything_else() {
         ));
     }
     let mut overflow = bytes.clone();
-    overflow[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
+    overflow[40..48].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(matches!(
         IpcHandle::from_bytes(&overflow),
         Err(Error::InvalidArgument(_))

@@ -53,6 +53,34 @@ def test_bad_handles_and_bad_memory_get_typed_errors():
 
 
 @pytest.mark.sim
+def test_another_process_learns_that_a_pool_block_was_freed_before_it_maps():
+    live = gpuptr.alloc(1 << 20)
+    gone = gpuptr.alloc(1 << 20)
+    handles = [live.ipc_handle(), gone.ipc_handle()]
+    gone.free()  # back to the pool: its driver allocation is still there
+    code = textwrap.dedent(
+        """
+        import pickle, sys
+        import gpuptr
+        for h in pickle.loads(sys.stdin.buffer.read()):
+            try:
+                h.open()
+                print("opened")
+            except gpuptr.GpuptrError as e:
+                print(type(e).__name__, "freed by the process that exported it" in str(e))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(handles), capture_output=True, timeout=120, env=dict(os.environ)
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    # The live one passes the exporter's liveness check and reaches the
+    # driver (another simulator cannot map it); the freed one stops there.
+    assert out.stdout.decode().split("\n")[:2] == ["CudaError False", "InvalidPointerError True"]
+    del live
+
+
+@pytest.mark.sim
 def test_a_handle_in_another_process_is_validated_without_numba():
     mem = gpuptr.alloc(4096)
     h = mem.ipc_handle()

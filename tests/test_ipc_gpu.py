@@ -1,6 +1,6 @@
 """IpcHandle across processes on the GPU (marked ``gpu``): each device, a
 pool block inside a larger driver allocation, a child that never imports
-numba, and a handle whose allocation is gone."""
+numba, and handles of freed memory."""
 
 from __future__ import annotations
 
@@ -54,13 +54,22 @@ def test_a_spawned_child_reads_the_parents_bytes_on_each_device(device):
     assert not numba_loaded, "IPC without numba"
 
 
-def test_a_handle_whose_allocation_is_gone_fails_to_open():
-    mem = gpuptr.alloc(300 << 20)  # its own driver allocation
-    h = mem.ipc_handle()
-    mem.free()
+def test_a_handle_of_freed_memory_fails_to_open_in_any_process():
+    block = gpuptr.alloc(1 << 20)  # a pool block: its driver allocation stays
+    h = block.ipc_handle()
+    block.free()
     with pytest.raises(gpuptr.InvalidPointerError):
         h.open()  # in the exporting process
-    gpuptr.flush_pool()
-    gpuptr.trim()  # the driver allocation is freed now
     status, message, _, _ = _open_in_child(h)
+    assert status == "InvalidPointerError" and "freed" in message, (status, message)
+    # Past the liveness slot, the driver's own check: a handle whose driver
+    # allocation is gone.
+    big = gpuptr.alloc(300 << 20)
+    raw = bytearray(big.ipc_handle().to_bytes())
+    raw[48:52] = (2**32 - 1).to_bytes(4, "little")  # no liveness slot
+    h2 = gpuptr.IpcHandle.from_bytes(bytes(raw))
+    big.free()
+    gpuptr.flush_pool()
+    gpuptr.trim()
+    status, message, _, _ = _open_in_child(h2)
     assert status == "CudaError", (status, message)

@@ -12,7 +12,8 @@ use crate::IpcHandle;
 /// the exporting process). ``open()`` (or ``gpuptr.open_ipc(h)``) gives a
 /// MemoryPointer: in another process, the mapped memory (unmapped when the
 /// last pointer over it goes); in the exporting process, the original
-/// memory, or ``InvalidPointerError`` if it was freed.
+/// memory. Memory the exporter freed before the open raises
+/// ``InvalidPointerError`` in any process.
 #[pyclass(frozen, eq, module = "gpuptr._core", name = "IpcHandle")]
 #[derive(PartialEq)]
 pub(crate) struct PyIpcHandle(IpcHandle);

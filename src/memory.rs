@@ -678,6 +678,11 @@ impl DevicePointer {
 
     /// Release the memory; the caller has claimed the release.
     fn release(&self) -> Result<()> {
+        if self.exported.load(Ordering::Acquire) {
+            // First, before the memory can be reused: another process that
+            // opens a handle of it from now on gets a typed error.
+            self.context.runtime().ipc().forget_exports(self.address);
+        }
         let stale = self.is_stale();
         match self.origin {
             Origin::Driver if self.address != 0 && !stale => {
@@ -735,11 +740,6 @@ impl DevicePointer {
         }
         if self.tracked {
             self.forget_site();
-        }
-        if self.exported.load(Ordering::Acquire) {
-            // Before anyone can reuse it: another process that opens a
-            // handle of it from now on gets a typed error.
-            self.context.runtime().ipc().forget_exports(self.address);
         }
         if self.has_keepalive {
             release_keepalive(&self.keepalive);

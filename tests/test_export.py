@@ -14,6 +14,7 @@ import pytest
 
 import gpuptr
 from gpuptr import _testing
+from helpers import DLManagedTensor, DLManagedTensorVersioned
 
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _get_pointer.restype = ctypes.c_void_p
@@ -23,38 +24,8 @@ _set_name.restype = ctypes.c_int
 _set_name.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class Managed(ctypes.Structure):
-    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-class Versioned(ctypes.Structure):
-    _fields_ = [
-        ("major", ctypes.c_uint32),
-        ("minor", ctypes.c_uint32),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", DLTensor),
-    ]
-
-
 def tensor_of(capsule, name=b"dltensor"):
-    kind = Managed if name == b"dltensor" else Versioned
+    kind = DLManagedTensor if name == b"dltensor" else DLManagedTensorVersioned
     return kind.from_address(_get_pointer(capsule, name))
 
 
@@ -137,8 +108,8 @@ def test_legacy_capsule_describes_the_bytes_and_round_trips():
     m.copy_from_host(bytes(range(256)) * 16)
     cap = m.__dlpack__()
     t = tensor_of(cap).dl_tensor
-    assert (t.data, t.device_type, t.device_id, t.ndim) == (m.device_pointer_value, 2, 0, 1)
-    assert (t.code, t.bits, t.lanes, t.shape[0], t.strides[0], t.byte_offset) == (1, 8, 1, 4096, 1, 0)
+    assert (t.data, t.device.device_type, t.device.device_id, t.ndim) == (m.device_pointer_value, 2, 0, 1)
+    assert (t.dtype.code, t.dtype.bits, t.dtype.lanes, t.shape[0], t.strides[0], t.byte_offset) == (1, 8, 1, 4096, 1, 0)
     v = gpuptr.from_dlpack(Producer(cap))
     assert (v.shape, v.dtype_name, v.readonly) == ((4096,), "uint8", False)
     assert v.pointer.copy_to_host()[:256] == bytes(range(256))
@@ -257,7 +228,7 @@ def test_as_array_types_travel_through_dlpack(dtype, typestr, code, bits):
     assert a.__cuda_array_interface__["typestr"] == typestr
     cap = a.__dlpack__()
     t = tensor_of(cap).dl_tensor
-    assert (t.code, t.bits, t.ndim, t.shape[0], t.shape[1]) == (code, bits, 2, 4, 8)
+    assert (t.dtype.code, t.dtype.bits, t.ndim, t.shape[0], t.shape[1]) == (code, bits, 2, 4, 8)
     assert (t.strides[0], t.strides[1]) == (8, 1), "DLPack counts elements"
     back = gpuptr.from_dlpack(Producer(cap))
     assert back.typestr == typestr and back.strides == a.strides and back.ptr == m.device_pointer_value

@@ -10,6 +10,7 @@ import weakref
 import pytest
 
 import gpuptr
+from helpers import DLDataType, DLDevice, DLManagedTensor
 
 
 def desc(address, shape, typestr="<i4", strides=None, **extra):
@@ -162,30 +163,6 @@ def test_device_1_array_resolves_to_device_1_while_device_0_is_current():
 # --- DLPack -----------------------------------------------------------------
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
 class FakeCudaTensor:
     """A DLPack exporter of device memory, built with ctypes (no GPU library
     needed), so the capsule reader is tested on the simulator too."""
@@ -193,11 +170,11 @@ class FakeCudaTensor:
     def __init__(self, address, shape, strides=None, code=2, bits=32, byte_offset=0, device_type=2, name=b"dltensor"):
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
         self._strides = (ctypes.c_int64 * len(shape))(*strides) if strides else None
-        t = _DLManagedTensor()
+        t = DLManagedTensor()
         t.dl_tensor.data = address
-        t.dl_tensor.device = _DLDevice(device_type, 0)
+        t.dl_tensor.device = DLDevice(device_type, 0)
         t.dl_tensor.ndim = len(shape)
-        t.dl_tensor.dtype = _DLDataType(code, bits, 1)
+        t.dl_tensor.dtype = DLDataType(code, bits, 1)
         t.dl_tensor.shape = self._shape
         t.dl_tensor.strides = self._strides
         t.dl_tensor.byte_offset = byte_offset

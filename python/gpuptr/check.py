@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import traceback
-from typing import Callable, List, Tuple, TextIO
+from typing import Callable, List, Optional, Tuple, TextIO
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
 
@@ -39,17 +39,24 @@ def run_plugin(code: str, timeout: int = 300) -> str:
     file so that spawned children can re-import it; its stdout. A failure
     raises ``RuntimeError`` with the child's output. gpuptr's checks and its
     test suite share it."""
+    return _run_script(code, timeout, manager="gpuptr.numba")
+
+
+def _run_script(code: str, timeout: int = 300, manager: Optional[str] = None) -> str:
+    """``code`` (dedented) as a script from a file, on the CUDA driver, with
+    numba's memory manager ``manager`` (None: numba's own); its stdout."""
     import tempfile
 
-    env = {k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}
-    env["NUMBA_CUDA_MEMORY_MANAGER"] = "gpuptr.numba"
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUPTR_DRIVER", "NUMBA_CUDA_MEMORY_MANAGER")}
+    if manager:
+        env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "plugin_case.py")
+        path = os.path.join(d, "case.py")
         with open(path, "w") as f:
             f.write(textwrap.dedent(code))
         out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout, cwd=d)
     if out.returncode != 0:
-        raise RuntimeError(f"the plugin script failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
+        raise RuntimeError(f"the script failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
     return out.stdout
 
 
@@ -253,7 +260,7 @@ def check_export() -> str:
 def check_ipc_without_numba() -> str:
     if not _on_gpu():
         raise Skip("IPC between processes needs the GPU")
-    out = _run_cuda(
+    out = _run_script(
         """
         import multiprocessing as mp, pickle, sys
 
@@ -286,7 +293,7 @@ def check_one_pool() -> str:
         import torch  # noqa: F401
     except Exception as e:
         raise Skip(f"needs CuPy and torch ({type(e).__name__})")
-    out = _run_cuda(
+    out = _run_script(
         """
         import gc, gpuptr
         report = gpuptr.install()
@@ -322,22 +329,6 @@ def check_leak_report() -> str:
     finally:
         gpuptr.track(False)
     return "an allocation names its caller until freed"
-
-
-def _run_cuda(code: str, timeout: int = 300) -> str:
-    """``code`` (dedented) as a script from a file, on the CUDA driver,
-    without numba's memory manager set; its stdout."""
-    import tempfile
-
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUPTR_DRIVER", "NUMBA_CUDA_MEMORY_MANAGER")}
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "case.py")
-        with open(path, "w") as f:
-            f.write(textwrap.dedent(code))
-        out = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout, cwd=d)
-    if out.returncode != 0:
-        raise RuntimeError(f"the script failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
-    return out.stdout
 
 
 CHECKS: List[Tuple[str, Callable[[], str]]] = [

@@ -151,6 +151,18 @@ print(best_ns(pair, n, repeat))
 """
 
 
+def _launch_kernel(nargs: int) -> Any:
+    """A trivial @cuda.jit kernel of ``nargs`` float32 array arguments."""
+    from numba import cuda
+
+    names = ", ".join(f"a{i}" for i in range(nargs))
+    body = " + ".join(f"a{i}[i]" for i in range(nargs))
+    src = f"def k({names}):\n    i = cuda.grid(1)\n    if i < a0.size:\n        a0[i] = {body}\n"
+    ns: Dict[str, Any] = {"cuda": cuda}
+    exec(src, ns)
+    return cuda.jit(ns["k"])
+
+
 def library_alloc_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
     """``cp.empty(1 MiB)`` (``lib="cupy"``) or ``torch.empty(1 MiB)``
     (``"torch"``) alloc+free, in ns, in a child process whose allocator is
@@ -405,6 +417,44 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
     b.row("alloc+free 1 MiB", "cupy.cuda.alloc (CuPy pool)", cupy_setup, scale=0.5)
     b.row("alloc+free 1 MiB", "cuMemAllocAsync+FreeAsync (cuda.bindings)", async_setup, scale=0.5)
     b.row("alloc+free 1 MiB", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
+
+    # Kernel launches on foreign arrays (the numba-cuda #536 complaint): 1
+    # and 8 array arguments, CuPy and torch, through gpuptr.numba.foreign_args
+    # against passing them directly, and against native numba arrays.
+    def launch_setup(lib: str, nargs: int, against: str) -> Callable[[], Pair]:
+        def setup() -> Pair:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            import numpy as np
+            from numba import cuda
+
+            from gpuptr.numba import foreign_args
+
+            kernel = _launch_kernel(nargs)
+            if lib == "cupy":
+                import cupy as cp
+
+                args = [cp.zeros(1024, dtype=cp.float32) for _ in range(nargs)]
+            else:
+                import torch
+
+                args = [torch.zeros(1024, dtype=torch.float32, device="cuda") for _ in range(nargs)]
+            fast = foreign_args(kernel)[4, 256]
+            if against == "direct":
+                direct = kernel[4, 256]
+                return (lambda: fast(*args)), (lambda: direct(*args))
+            native = [cuda.to_device(np.zeros(1024, dtype=np.float32)) for _ in range(nargs)]
+            direct = kernel[4, 256]
+            return (lambda: fast(*args)), (lambda: direct(*native))
+
+        return setup
+
+    for nargs in (1, 8):
+        for lib in ("cupy", "torch"):
+            b.row(f"launch, {nargs} {lib} arg(s) via foreign_args", f"{lib} arrays passed directly",
+                  launch_setup(lib, nargs, "direct"), scale=0.05)
+            b.row(f"launch, {nargs} {lib} arg(s) via foreign_args", "native numba arrays",
+                  launch_setup(lib, nargs, "native"), scale=0.05)
 
     # numba device_array under each memory manager, in child processes.
     n_child = 500 if quick else 5000

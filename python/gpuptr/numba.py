@@ -9,7 +9,7 @@ address, not from numba's current context), at a fraction of numba's cost.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 from numba import cuda
@@ -19,7 +19,7 @@ from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
 from gpuptr import _core
 
-__all__ = ["MemoryManager", "as_cuda_array", "from_cuda_array_interface_numba"]
+__all__ = ["ArgCache", "Launcher", "MemoryManager", "as_cuda_array", "foreign_args", "from_cuda_array_interface_numba"]
 
 
 @lru_cache(maxsize=1024)
@@ -76,6 +76,182 @@ def as_cuda_array(obj: Any, sync: bool = True) -> DeviceNDArray:
     except AttributeError:
         raise TypeError("*obj* doesn't implement the cuda array interface.") from None
     return from_cuda_array_interface_numba(desc, owner=obj, sync=sync)
+
+
+# --- foreign arrays at kernel launch ------------------------------------------
+
+import threading  # noqa: E402
+import weakref  # noqa: E402
+
+
+class _Converted:
+    __slots__ = ("ref", "fingerprint", "array", "device")
+
+    def __init__(self, ref: Any, fingerprint: Tuple[Any, ...], array: DeviceNDArray, device: int) -> None:
+        self.ref, self.fingerprint, self.array, self.device = ref, fingerprint, array, device
+
+
+def _fingerprint(obj: Any) -> Optional[Tuple[Any, ...]]:
+    """What a conversion of ``obj`` depends on, read without its (slow)
+    ``__cuda_array_interface__``: the data pointer, shape, strides and
+    element type, for torch tensors and CuPy arrays; None for others (they
+    are converted afresh at each launch)."""
+    try:
+        data_ptr = getattr(obj, "data_ptr", None)
+        if data_ptr is not None and callable(data_ptr):  # torch.Tensor
+            return ("torch", data_ptr(), tuple(obj.shape), tuple(obj.stride()), str(obj.dtype), obj.device.index)
+        data: Any = getattr(obj, "data", None)
+        ptr = getattr(data, "ptr", None)
+        if isinstance(ptr, int):  # cupy.ndarray
+            return ("cupy", ptr, tuple(obj.shape), tuple(obj.strides), obj.dtype.str, data.device_id)
+    except Exception:
+        return None
+    return None
+
+
+def _exporter_stream(obj: Any) -> Optional[int]:
+    """The stream ``obj``'s ``__cuda_array_interface__`` would name now (its
+    library's current stream, the legacy default as 1), for torch and CuPy."""
+    try:
+        if callable(getattr(obj, "data_ptr", None)):
+            import torch
+
+            s = int(torch.cuda.current_stream(obj.device).cuda_stream)
+        else:
+            import cupy
+
+            s = int(cupy.cuda.get_current_stream().ptr)
+    except Exception:
+        return None
+    return s or 1
+
+
+class ArgCache:
+    """Conversions of foreign device arrays (torch tensors, CuPy arrays) to
+    numba arrays, kept per array object and reused while the array's data
+    pointer, shape, strides and element type are what they were. A reused
+    numba array also keeps what numba derives from it per object (its type),
+    which a fresh conversion at each launch pays for again.
+
+    - It never keeps an array alive: an entry holds the array weakly and goes
+      when the array does (objects that take no weak reference are converted
+      afresh each time), and the numba array it keeps does not own the
+      memory. So only :class:`Launcher` hands these arrays out, for the
+      duration of a launch, while the caller holds the originals.
+    - A changed pointer, shape, strides or type is converted again.
+    - The CUDA Array Interface's stream rule holds on every launch: the
+      stream the exporter would name now is synchronized (unless idle), as
+      numba does, when ``sync`` and numba's ``CUDA_ARRAY_INTERFACE_SYNC`` say
+      so.
+    - Thread-safe.
+    """
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        self._entries: Dict[int, _Converted] = {}
+        self._lock = threading.RLock()  # weakref callbacks may run inside
+        self._maxsize = maxsize
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _forget(self, key: int, ref: Any) -> None:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None and e.ref is ref:
+                del self._entries[key]
+
+    def convert(self, obj: Any, sync: bool = True, streams: Optional[set] = None) -> DeviceNDArray:  # type: ignore[type-arg]
+        """The numba array for ``obj`` (which must export the CUDA Array
+        Interface). Streams to wait for are added to ``streams`` when given
+        (the launcher waits once per stream), else waited for here."""
+        fp = _fingerprint(obj)
+        key = id(obj)
+        if fp is not None:
+            with self._lock:
+                e = self._entries.get(key)
+                hit = e is not None and e.ref() is obj and e.fingerprint == fp
+            if hit:
+                assert e is not None
+                self.hits += 1
+                if sync and config.CUDA_ARRAY_INTERFACE_SYNC:
+                    s = _exporter_stream(obj)
+                    if s is not None:
+                        if streams is None:
+                            _core.context(e.device).stream_synchronize(s)
+                        else:
+                            streams.add((e.device, s))
+                return e.array
+        self.misses += 1
+        desc = obj.__cuda_array_interface__
+        if fp is None:
+            return from_cuda_array_interface_numba(desc, owner=obj, sync=sync)
+        # Not owning: the cache must not keep `obj` alive.
+        arr = from_cuda_array_interface_numba(desc, owner=None, sync=sync)
+        def gone(r: Any, key: int = key) -> None:
+            self._forget(key, r)
+
+        try:
+            ref = weakref.ref(obj, gone)
+        except TypeError:
+            return from_cuda_array_interface_numba(desc, owner=obj, sync=False)
+        with self._lock:
+            if len(self._entries) >= self._maxsize:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = _Converted(ref, fp, arr, arr.gpu_data.context.device.id)
+        return arr
+
+    def clear(self) -> None:
+        """Forget every conversion."""
+        with self._lock:
+            self._entries.clear()
+
+
+_ARG_CACHE = ArgCache()
+
+
+class Launcher:
+    """A numba CUDA kernel that takes torch tensors and CuPy arrays (and any
+    other CUDA Array Interface exporter) through gpuptr's importer and
+    :class:`ArgCache`: ``foreign_args(kernel)[grid, block](x, y, 2.0)``.
+    numba arrays, scalars and everything else pass through unchanged; the
+    kernel sees what it would see launched directly."""
+
+    def __init__(self, kernel: Any, sync: bool = True, cache: Optional[ArgCache] = None) -> None:
+        self.kernel = kernel
+        self.sync = sync
+        self.cache = _ARG_CACHE if cache is None else cache
+
+    def convert_args(self, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """The arguments as the kernel takes them (after the stream waits)."""
+        streams: set = set()  # type: ignore[type-arg]
+        out = []
+        for a in args:
+            t = type(a)
+            # A class attribute test: reading the interface itself is slow.
+            if t is DeviceNDArray or not hasattr(t, "__cuda_array_interface__") or hasattr(t, "__cuda_ndarray__"):
+                out.append(a)
+            else:
+                out.append(self.cache.convert(a, self.sync, streams))
+        for device, s in streams:
+            _core.context(device).stream_synchronize(s)
+        return tuple(out)
+
+    def __getitem__(self, config: Any) -> Callable[..., Any]:
+        configured = self.kernel[config]
+
+        def launch(*args: Any) -> Any:
+            return configured(*self.convert_args(args))
+
+        return launch
+
+
+def foreign_args(kernel: Any, sync: bool = True) -> Launcher:
+    """Wrap a ``@cuda.jit`` kernel so that torch, CuPy and other CUDA Array
+    Interface arguments go through gpuptr's fast importer and a conversion
+    cache (see :class:`ArgCache`)."""
+    return Launcher(kernel, sync)
 
 
 # --- the External Memory Management plugin -----------------------------------

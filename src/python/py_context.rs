@@ -161,8 +161,14 @@ impl PyContext {
         let Some(stream) = super::args::stream_arg(Some(stream))? else {
             return Ok(());
         };
+        // An idle stream (the common case) costs a query, without letting
+        // go of the GIL.
         // SAFETY: a stream handle is the caller's, as numba and CuPy take
         // them; stream objects give their own live handle.
+        if unsafe { self.inner.stream_is_idle(stream) }? {
+            return Ok(());
+        }
+        // SAFETY: as above.
         Ok(py.detach(|| unsafe { self.inner.stream_synchronize(stream) })?)
     }
 

@@ -303,14 +303,7 @@ impl DevicePointer {
         crate::fork::check()?;
         let state = context.state();
         if !state.pooled() || size == 0 {
-            return DevicePointer::alloc_with(
-                context,
-                size,
-                // SAFETY: `ctx.raw()` is retained by the Context.
-                |ctx| unsafe { ctx.driver().mem_alloc(ctx.raw(), size) },
-                false,
-                client,
-            );
+            return DevicePointer::alloc_driver(context, size, client);
         }
         let stream = stream.and_then(ordering_stream);
         let block = state.pool_alloc(context, size, stream, client)?;
@@ -335,16 +328,21 @@ impl DevicePointer {
     #[track_caller]
     pub fn alloc_uncached(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
         let at = std::panic::Location::caller();
-        let p = DevicePointer::alloc_with(
+        let p = DevicePointer::alloc_driver(context, size, Client::Direct)?;
+        p.note_site(|| Site::Rust(at));
+        Ok(p)
+    }
+
+    /// `size` bytes from `cuMemAlloc` for `client`, registered and counted.
+    fn alloc_driver(context: &Arc<Context>, size: usize, client: Client) -> Result<Arc<Self>> {
+        DevicePointer::alloc_with(
             context,
             size,
             // SAFETY: `ctx.raw()` is retained by the Context.
             |ctx| unsafe { ctx.driver().mem_alloc(ctx.raw(), size) },
             false,
-            Client::Direct,
-        )?;
-        p.note_site(|| Site::Rust(at));
-        Ok(p)
+            client,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -712,10 +710,7 @@ impl DevicePointer {
                     shard: u32::from(self.pool_shard),
                     new_allocation: None,
                 };
-                let stream = match self.stream.load(Ordering::Relaxed) {
-                    NO_STREAM | MANY_STREAMS => None,
-                    s => Some(s),
-                };
+                let stream = self.stream();
                 self.context.state().pool_release(
                     &self.context,
                     self.generation,

@@ -1060,9 +1060,7 @@ impl Pool {
             if let Some(p) = sh.take_ready(class) {
                 drop(sh);
                 if let Some((j, q, _)) = claimed {
-                    let mut home = self.shard(j);
-                    home.put_pending(q, class);
-                    home.seal(&self.fencer, context, false);
+                    self.wait_again(context, j, q, class);
                 }
                 return Some(p);
             }
@@ -1075,10 +1073,15 @@ impl Pool {
             return Some(p);
         }
         // The fence failed: the block waits for the next one, as before.
+        self.wait_again(context, i, p, class);
+        None
+    }
+
+    /// Put a claimed block back into shard `i`, waiting for the next fence.
+    fn wait_again(&self, context: RawContext, i: usize, p: DevicePtr, class: usize) {
         let mut sh = self.shard(i);
         sh.put_pending(p, class);
         sh.seal(&self.fencer, context, false);
-        None
     }
 
     /// New memory from the driver for blocks of `class`: one block, or,

@@ -45,6 +45,7 @@ __all__ = [
     "reset_context",
     "_dlpack_consume",
     "_dlpack_export",
+    "_layout",
     "IpcHandle",
     "open_ipc",
     "_alloc_for",
@@ -530,6 +531,12 @@ def _hooks_state() -> tuple[int, int]:
     """``(live allocations, failures)`` of the C entry points: allocations
     handed out and not freed, and calls that returned null or freed an
     address they did not hand out.
+    """
+def _layout(shape: tuple[int, ...], strides: Optional[tuple[int, ...]], itemsize: int) -> tuple[list[int], int, int]:
+    """``(strides, lo, span)`` of an array of ``shape`` with byte ``strides``
+    (None: C order) and elements of ``itemsize`` bytes, as the importers
+    compute them: the strides, the lowest byte offset from element 0 (at
+    most 0), and the bytes from there to the end of the highest element.
     """
 def _dtype_info(name: str) -> tuple[str, int, int, int]:
     """``(typestr, itemsize, DLPack code, bits)`` of an element type named as

@@ -251,26 +251,15 @@ def as_array(
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in dims):
         raise InvalidArgumentError(f"shape must be non-negative ints, got {shape!r}")
-    if strides is None:
-        steps = []
-        step = itemsize
-        for n in reversed(dims):
-            steps.append(step)
-            step *= max(n, 1)
-        strides = tuple(reversed(steps))
-    else:
+    if strides is not None:
         strides = tuple(strides)
         if len(strides) != len(dims) or any(not isinstance(s, int) or isinstance(s, bool) for s in strides):
             raise InvalidArgumentError(f"strides {strides!r} do not match shape {dims!r}")
-    lo = hi = 0
-    if 0 not in dims:
-        for n, st in zip(dims, strides):
-            reach = (n - 1) * st
-            if reach >= 0:
-                hi += reach
-            else:
-                lo += reach
-    span = 0 if 0 in dims else hi - lo + itemsize
+    try:
+        steps, lo, span = _core._layout(dims, strides, itemsize)
+    except OverflowError:
+        raise InvalidArgumentError("the array's extent overflows") from None
+    strides = tuple(steps)
     if span > ptr.size:
         raise InvalidArgumentError(f"an array of {span} bytes does not fit in {ptr.size} bytes")
     readonly = bool(ptr.__cuda_array_interface__["data"][1])

@@ -72,6 +72,54 @@ struct DLManagedTensorVersioned {
     dl_tensor: DLTensor,
 }
 
+/// What the two managed-tensor ABIs share, so that what is the same for
+/// both (consuming, deleting, exporting) is written once.
+trait Managed: Sized + 'static {
+    /// The name of an unconsumed capsule of this ABI.
+    const NAME: &'static CStr;
+    fn manager_ctx(&self) -> *mut c_void;
+    fn set_manager_ctx(&mut self, ctx: *mut c_void);
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)>;
+}
+
+impl Managed for DLManagedTensor {
+    const NAME: &'static CStr = c"dltensor";
+    fn manager_ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+    fn set_manager_ctx(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
+        self.deleter
+    }
+}
+
+impl Managed for DLManagedTensorVersioned {
+    const NAME: &'static CStr = c"dltensor_versioned";
+    fn manager_ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+    fn set_manager_ctx(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
+        self.deleter
+    }
+}
+
+/// Call the producer's deleter of `t`, if it has one.
+///
+/// # Safety
+/// `t` is a live managed tensor whose deleter is ours to call, once.
+unsafe fn call_deleter<T: Managed>(t: *mut T) {
+    // SAFETY: live (this fn's contract).
+    if let Some(deleter) = unsafe { (*t).deleter() } {
+        // SAFETY: the producer's deleter, called once with its own tensor.
+        unsafe { deleter(t) };
+    }
+}
+
 /// The element types gpuptr exchanges: name, DLPack code and bits, and the
 /// array-interface typestr (bfloat16 and the float8 types have none of
 /// their own: numpy shows them, through ml_dtypes, as void of their size).
@@ -117,10 +165,12 @@ pub(crate) fn dtype_named(name: &str) -> Option<(DLDataType, &'static str)> {
 /// The name of an array-interface typestr's type, where it names one
 /// (void typestrs name none: `"<V2"` is not necessarily bfloat16).
 pub(crate) fn dtype_name_of_typestr(typestr: &str) -> Option<&'static str> {
-    let ts = typestr.replace('=', "<");
+    // `=` (native order) reads as `<`: the table is little-endian.
+    let (order, rest) = typestr.split_at_checked(1)?;
+    let order = if order == "=" { "<" } else { order };
     DTYPES
         .iter()
-        .find(|d| d.3 == ts && !d.3.contains('V'))
+        .find(|d| d.3.split_at(1) == (order, rest) && !rest.starts_with('V'))
         .map(|d| d.0)
 }
 
@@ -162,23 +212,15 @@ impl Drop for DLPackOwner {
         // objects drop with the GIL held, as producers' deleters expect.
         unsafe {
             match self.0 {
-                Consumed::Legacy(t) => {
-                    if let Some(deleter) = (*t).deleter {
-                        deleter(t);
-                    }
-                }
-                Consumed::Versioned(t) => {
-                    if let Some(deleter) = (*t).deleter {
-                        deleter(t);
-                    }
-                }
+                Consumed::Legacy(t) => call_deleter(t),
+                Consumed::Versioned(t) => call_deleter(t),
             }
         }
     }
 }
 
-const LEGACY: &CStr = c"dltensor";
-const VERSIONED: &CStr = c"dltensor_versioned";
+const LEGACY: &CStr = DLManagedTensor::NAME;
+const VERSIONED: &CStr = DLManagedTensorVersioned::NAME;
 
 fn as_capsule<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PyCapsule>> {
     obj.cast::<PyCapsule>()
@@ -307,52 +349,66 @@ struct Exported<T> {
     _keep: Py<PyAny>,
 }
 
-unsafe extern "C" fn delete_legacy(t: *mut DLManagedTensor) {
+/// The deleter of an exported tensor: frees its `Exported` box.
+unsafe extern "C" fn delete<T: Managed>(t: *mut T) {
     if t.is_null() {
         return;
     }
-    // SAFETY: `t` is the tensor of an `Exported` box this module leaked;
-    // its deleter runs once (the protocol's contract), so the box is ours.
-    // No unwinding crosses the C boundary: a panic aborts there instead.
-    let _ = std::panic::catch_unwind(|| unsafe {
-        drop(Box::from_raw(
-            (*t).manager_ctx as *mut Exported<DLManagedTensor>,
-        ))
-    });
-}
-
-unsafe extern "C" fn delete_versioned(t: *mut DLManagedTensorVersioned) {
-    if t.is_null() {
-        return;
-    }
-    // SAFETY: as in `delete_legacy`.
-    let _ = std::panic::catch_unwind(|| unsafe {
-        drop(Box::from_raw(
-            (*t).manager_ctx as *mut Exported<DLManagedTensorVersioned>,
-        ))
+    // SAFETY: `t` is the tensor of an `Exported` box this module leaked
+    // (its manager context); its deleter runs once (the protocol's
+    // contract), so the box is ours.
+    let exported = unsafe { (*t).manager_ctx() } as *mut Exported<T>;
+    // No unwinding crosses the C boundary: a panic stops here.
+    let exported = std::panic::AssertUnwindSafe(exported);
+    let _ = std::panic::catch_unwind(move || {
+        let exported = exported;
+        // SAFETY: as above.
+        drop(unsafe { Box::from_raw(exported.0) })
     });
 }
 
 /// The capsule's destructor: a capsule nobody consumed frees its tensor.
-unsafe extern "C" fn destroy_legacy(capsule: *mut pyo3::ffi::PyObject) {
+unsafe extern "C" fn destroy<T: Managed>(capsule: *mut pyo3::ffi::PyObject) {
     // SAFETY: CPython calls this with the dying capsule; IsValid and
     // GetPointer with its own name set no error.
     unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(capsule, LEGACY.as_ptr()) == 1 {
-            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr());
-            delete_legacy(t.cast());
+        if pyo3::ffi::PyCapsule_IsValid(capsule, T::NAME.as_ptr()) == 1 {
+            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, T::NAME.as_ptr());
+            delete::<T>(t.cast());
         }
     }
 }
 
-unsafe extern "C" fn destroy_versioned(capsule: *mut pyo3::ffi::PyObject) {
-    // SAFETY: as in `destroy_legacy`.
-    unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) == 1 {
-            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr());
-            delete_versioned(t.cast());
-        }
+/// Leak `tensor` with what it keeps, in an `Exported` box its deleter frees,
+/// and wrap it in a capsule of its ABI (freed by the capsule unless consumed).
+fn into_capsule<'py, T: Managed>(
+    py: Python<'py>,
+    tensor: T,
+    shape: Box<[i64]>,
+    strides: Box<[i64]>,
+    loan: Loan,
+    keep: Py<PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let b = Box::into_raw(Box::new(Exported {
+        tensor,
+        shape,
+        strides,
+        _loan: loan,
+        _keep: keep,
+    }));
+    // SAFETY: `b` was just leaked; the capsule or its consumer frees it.
+    unsafe { (*b).tensor.set_manager_ctx(b.cast()) };
+    // SAFETY: `b` is a leaked `Exported` whose first field is the managed
+    // tensor; the name is static; the destructor frees it unless consumed.
+    let capsule =
+        unsafe { pyo3::ffi::PyCapsule_New(b.cast(), T::NAME.as_ptr(), Some(destroy::<T>)) };
+    if capsule.is_null() {
+        // SAFETY: the capsule was not made, so nobody else frees the box.
+        unsafe { delete::<T>(b.cast()) };
+        return Err(PyErr::fetch(py));
     }
+    // SAFETY: a new reference, checked non-null.
+    Ok(unsafe { Bound::from_owned_ptr(py, capsule) })
 }
 
 /// An array to export, element 0 at a MemoryPointer's address; the
@@ -502,56 +558,23 @@ pub(crate) fn export<'py>(
         byte_offset: 0,
     };
     let keep = exporter.clone().unbind();
-    let (ptr, name, destructor): (*mut c_void, &CStr, pyo3::ffi::PyCapsule_Destructor) =
-        if versioned {
-            let b = Box::into_raw(Box::new(Exported {
-                tensor: DLManagedTensorVersioned {
-                    version: VERSION,
-                    manager_ctx: std::ptr::null_mut(),
-                    deleter: Some(delete_versioned),
-                    flags: if spec.readonly { FLAG_READ_ONLY } else { 0 },
-                    dl_tensor: tensor,
-                },
-                shape,
-                strides,
-                _loan: loan,
-                _keep: keep,
-            }));
-            // SAFETY: `b` was just leaked; the capsule or its consumer frees it.
-            unsafe { (*b).tensor.manager_ctx = b.cast() };
-            (b.cast(), VERSIONED, destroy_versioned)
-        } else {
-            let b = Box::into_raw(Box::new(Exported {
-                tensor: DLManagedTensor {
-                    dl_tensor: tensor,
-                    manager_ctx: std::ptr::null_mut(),
-                    deleter: Some(delete_legacy),
-                },
-                shape,
-                strides,
-                _loan: loan,
-                _keep: keep,
-            }));
-            // SAFETY: as above.
-            unsafe { (*b).tensor.manager_ctx = b.cast() };
-            (b.cast(), LEGACY, destroy_legacy)
+    if versioned {
+        let tensor = DLManagedTensorVersioned {
+            version: VERSION,
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete::<DLManagedTensorVersioned>),
+            flags: if spec.readonly { FLAG_READ_ONLY } else { 0 },
+            dl_tensor: tensor,
         };
-    // SAFETY: `ptr` is a leaked `Exported` whose first field is the managed
-    // tensor; `name` is static; the destructor frees it unless consumed.
-    let capsule = unsafe { pyo3::ffi::PyCapsule_New(ptr, name.as_ptr(), Some(destructor)) };
-    if capsule.is_null() {
-        // SAFETY: the capsule was not made, so nobody else frees the box.
-        unsafe {
-            if versioned {
-                delete_versioned(ptr.cast());
-            } else {
-                delete_legacy(ptr.cast());
-            }
-        }
-        return Err(PyErr::fetch(py));
+        into_capsule(py, tensor, shape, strides, loan, keep)
+    } else {
+        let tensor = DLManagedTensor {
+            dl_tensor: tensor,
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete::<DLManagedTensor>),
+        };
+        into_capsule(py, tensor, shape, strides, loan, keep)
     }
-    // SAFETY: a new reference, checked non-null.
-    Ok(unsafe { Bound::from_owned_ptr(py, capsule) })
 }
 
 /// ``(device_type, device_id)`` for ``__dlpack_device__`` of memory in

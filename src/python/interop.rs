@@ -79,10 +79,22 @@ pub(crate) struct ImportedArray {
     /// The stream the exporter named (the interface's v3), or None.
     #[pyo3(get)]
     stream: Option<usize>,
+    /// The element type's name, where DLPack gave it (its bfloat16 and
+    /// float8 types share void typestrs); CAI imports derive it on demand.
+    dlpack_dtype: Option<&'static str>,
+}
+
+#[pymethods]
+impl ImportedArray {
     /// The element type's name (``"float32"``, ``"bfloat16"``), or None
     /// for a typestr that names none (``"|V16"``).
-    #[pyo3(get)]
-    dtype: Option<&'static str>,
+    #[getter]
+    fn dtype(&self, py: Python<'_>) -> PyResult<Option<&'static str>> {
+        match self.dlpack_dtype {
+            Some(name) => Ok(Some(name)),
+            None => Ok(dtype_name_of_typestr(self.typestr.bind(py).to_str()?)),
+        }
+    }
 }
 
 /// The pointer over a layout, as an [`ImportedArray`]. The exporter's own
@@ -93,7 +105,7 @@ fn finish<'py>(
     layout: Layout,
     shape: &Bound<'py, PyAny>,
     typestr: Bound<'py, PyString>,
-    dtype: Option<&'static str>,
+    dlpack_dtype: Option<&'static str>,
     readonly: bool,
     owner: Option<Py<PyAny>>,
     stream: Option<usize>,
@@ -112,7 +124,7 @@ fn finish<'py>(
         readonly,
         offset: (-layout.lo) as usize,
         stream,
-        dtype,
+        dlpack_dtype,
     })
 }
 
@@ -194,10 +206,7 @@ pub(crate) fn _import_cai<'py>(
             py.detach(|| unsafe { ctx.stream_synchronize(stream) })?;
         }
     }
-    let dtype = dtype_name_of_typestr(typestr.to_str()?);
-    finish(
-        view, layout, &shape, typestr, dtype, readonly, owner, stream,
-    )
+    finish(view, layout, &shape, typestr, None, readonly, owner, stream)
 }
 
 /// Import a DLPack ``"dltensor"`` or ``"dltensor_versioned"`` capsule as an
@@ -269,4 +278,18 @@ pub(crate) fn _dlpack_export<'py>(
         copy,
     };
     dlpack::export(&pointer.get().view, pointer.as_any(), spec, request)
+}
+
+/// ``(strides, lo, span)`` of an array of ``shape`` with byte ``strides``
+/// (None: C order) and elements of ``itemsize`` bytes, as the importers
+/// compute them: the strides, the lowest byte offset from element 0 (at
+/// most 0), and the bytes from there to the end of the highest element.
+#[pyfunction]
+pub(crate) fn _layout(
+    shape: Vec<usize>,
+    strides: Option<Vec<i64>>,
+    itemsize: usize,
+) -> PyResult<(Vec<i64>, i64, usize)> {
+    let l = Layout::new(shape, strides, itemsize)?;
+    Ok((l.strides, l.lo, l.span))
 }

@@ -354,6 +354,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;
     m.add_function(wrap_pyfunction!(interop::_dlpack_export, m)?)?;
+    m.add_function(wrap_pyfunction!(interop::_layout, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_dtype_info, m)?)?;
     m.add_function(wrap_pyfunction!(reset_context, m)?)?;
     m.add_function(wrap_pyfunction!(interop::_import_cai, m)?)?;

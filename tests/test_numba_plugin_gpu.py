@@ -61,9 +61,15 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
     # blocking stream s2. If a reused block were handed out before the
     # kernel finished, the kernel would read the new value (B would be 3)
     # or overwrite the new owner's bytes (some block would hold 7).
+    #
+    # An event recorded after the kernel says whether it still ran once the
+    # new blocks were handed out. Reuse after the kernel ended is correct
+    # (the fence saw it end), so the check is "no reuse while it runs", and
+    # the kernel spins long enough (about a second) that it does run then:
+    # a 100 ms spin once lost that race to a slow gc.collect() on the H200.
     out = run_plugin(
         """
-        import gc, numpy as np, gpuptr
+        import gc, time, numpy as np, gpuptr
         from numba import cuda
         @cuda.jit
         def spin_then_touch(a, b, naps):
@@ -77,25 +83,33 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
         s1, s2 = cuda.stream(), cuda.stream()
         a = cuda.to_device(np.ones(n, dtype=np.int32))
         b = cuda.device_array(n, dtype=np.int32)
+        spin_then_touch[1, 1, s1](b, b, 0); s1.synchronize()      # compile first
+        b.copy_to_device(np.zeros(n, dtype=np.int32))
         # More frees than one fence batch (32 blocks or 64 MiB): the pool
         # seals them for its fence at once.
         filler = [cuda.device_array(n, dtype=np.int32) for _ in range(63)]
         a_addr = a.gpu_data.device_pointer_value
-        spin_then_touch[n // 256, 256, s1](a, b, 100_000)       # >= 100 ms
+        t0 = time.perf_counter()
+        spin_then_touch[n // 256, 256, s1](a, b, 1_000_000)     # about 1 s
+        ended = cuda.event(); ended.record(s1)
         del a, filler                                           # freed while in use
         gc.collect()                            # numba may hold launch args in a cycle
         new = [cuda.device_array(n, dtype=np.int32) for _ in range(64)]
+        running = not ended.query()
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
         reused = [x for x in new if x.gpu_data.device_pointer_value == a_addr]
         for x in new:
             x.gpu_data.memset(2, stream=s2)                       # the new owners write
         cuda.synchronize()
         ok_b = (b.copy_to_host() == 2).all()
         ok_new = all((x.copy_to_host().view(np.uint8) == 2).all() for x in new)
-        print(len(reused), ok_b, ok_new, gpuptr.flush_pool(0))
+        print(len(reused), running, ok_b, ok_new, gpuptr.flush_pool(0), round(elapsed_ms))
         """
     )
-    reused, ok_b, ok_new, fenced = out.split()
-    # The kernel still uses A's block on s1: it is not handed out until the
+    reused, running, ok_b, ok_new, fenced, elapsed_ms = out.split()
+    # Meaningful only if the kernel still ran when the blocks were handed out.
+    assert running == "True", f"the kernel ended within {elapsed_ms} ms; the check proved nothing"
+    # The kernel still used A's block on s1: it is not handed out until the
     # fence (cuCtxSynchronize on the pool's thread) has seen the kernel end.
     assert reused == "0", "A's block was handed out while a kernel still used it"
     assert (ok_b, ok_new, fenced) == ("True", "True", "True")

@@ -123,3 +123,34 @@ def test_threads_converting_at_once_get_right_arrays(mem):
     for t in threads:
         t.join()
     assert not errors and cache.hits + cache.misses == 8 * 500
+
+
+def test_a_launch_asks_each_librarys_stream_once_and_waits_once_per_stream(mem, monkeypatch):
+    # The CUDA Array Interface's stream rule at launch: the exporter's
+    # current stream is waited for (as numba does), once per library and
+    # device however many arguments come from it, not once per argument.
+    asked, waited = [], []
+    monkeypatch.setattr(gpuptr.numba._CUPY, "stream", lambda device: asked.append(device) or 0x7000)
+
+    class Ctx:
+        def stream_synchronize(self, s):
+            waited.append(s)
+
+    monkeypatch.setattr(gpuptr.numba._core, "context", lambda device: Ctx())
+
+    class Kernel:
+        def __getitem__(self, config):
+            return lambda *args: args
+
+    arrays = [CupyLike(mem, (n + 1,)) for n in range(8)]
+    cache = ArgCache()
+    launch = Launcher(Kernel(), cache=cache)[1, 32]
+    launch(*arrays)  # converting: numba's own sync=True conversion path
+    asked.clear(), waited.clear()
+    got = launch(*arrays)  # every argument a cache hit
+    assert [a.shape for a in got] == [a.shape for a in arrays]
+    assert (asked, waited) == ([0], [0x7000])
+    asked.clear(), waited.clear()
+    Launcher(Kernel(), sync=False, cache=cache)[1, 32](*arrays)  # hits again
+    assert (asked, waited) == ([], []), "sync=False: no wait"
+    assert cache.misses == 8 and cache.hits == 16

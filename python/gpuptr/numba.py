@@ -80,6 +80,7 @@ def as_cuda_array(obj: Any, sync: bool = True) -> DeviceNDArray:
 
 # --- foreign arrays at kernel launch ------------------------------------------
 
+import sys  # noqa: E402
 import threading  # noqa: E402
 import weakref  # noqa: E402
 
@@ -91,39 +92,75 @@ class _Converted:
         self.ref, self.fingerprint, self.array, self.device = ref, fingerprint, array, device
 
 
-def _fingerprint(obj: Any) -> Optional[Tuple[Any, ...]]:
-    """What a conversion of ``obj`` depends on, read without its (slow)
-    ``__cuda_array_interface__``: the data pointer, shape, strides and
-    element type, for torch tensors and CuPy arrays; None for others (they
-    are converted afresh at each launch)."""
-    try:
-        data_ptr = getattr(obj, "data_ptr", None)
-        if data_ptr is not None and callable(data_ptr):  # torch.Tensor
-            return ("torch", data_ptr(), tuple(obj.shape), tuple(obj.stride()), str(obj.dtype), obj.device.index)
-        data: Any = getattr(obj, "data", None)
-        ptr = getattr(data, "ptr", None)
-        if isinstance(ptr, int):  # cupy.ndarray
-            return ("cupy", ptr, tuple(obj.shape), tuple(obj.strides), obj.dtype.str, data.device_id)
-    except Exception:
+# How the cache reads an exporter without its (slow) interface: per type,
+# a fingerprint of what a conversion depends on (data pointer, shape,
+# strides, element type, device) and the stream its interface would name
+# now. Learnt from the first object of each type.
+
+
+def _torch_fingerprint(obj: Any) -> Tuple[Any, ...]:
+    return (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.get_device())
+
+
+def _cupy_fingerprint(obj: Any) -> Tuple[Any, ...]:
+    data = obj.data
+    return (data.ptr, obj.shape, obj.strides, obj.dtype, data.device_id)
+
+
+def _torch_stream(device: int) -> Optional[int]:
+    """torch's current stream on ``device`` (its interface's ``stream``)."""
+    # A tensor exists, so torch is imported: no import machinery per launch.
+    torch = sys.modules.get("torch")
+    if torch is None:
         return None
-    return None
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    s = int(raw(device)) if raw is not None else int(torch.cuda.current_stream(device).cuda_stream)
+    return s or 1  # the legacy default stream is 1 in the interface
 
 
-def _exporter_stream(obj: Any) -> Optional[int]:
-    """The stream ``obj``'s ``__cuda_array_interface__`` would name now (its
-    library's current stream, the legacy default as 1), for torch and CuPy."""
-    try:
-        if callable(getattr(obj, "data_ptr", None)):
-            import torch
-
-            s = int(torch.cuda.current_stream(obj.device).cuda_stream)
-        else:
-            import cupy
-
-            s = int(cupy.cuda.get_current_stream().ptr)
-    except Exception:
+def _cupy_stream(device: int) -> Optional[int]:
+    """CuPy's current stream (its interface's ``stream``)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
         return None
+    get = getattr(cupy.cuda.stream, "get_current_stream_ptr", None)
+    s = int(get()) if get is not None else int(cupy.cuda.get_current_stream().ptr)
     return s or 1
+
+
+class _Kind:
+    __slots__ = ("fingerprint", "stream")
+
+    def __init__(self, fingerprint: Any, stream: Any) -> None:
+        self.fingerprint, self.stream = fingerprint, stream
+
+
+_TORCH = _Kind(_torch_fingerprint, _torch_stream)
+_CUPY = _Kind(_cupy_fingerprint, _cupy_stream)
+_OTHER = _Kind(None, None)  # a CAI exporter the cache cannot fingerprint
+_KINDS: Dict[type, Optional[_Kind]] = {DeviceNDArray: None}  # None: passed through
+
+
+def _kind(obj: Any) -> Optional[_Kind]:
+    """How ``obj`` is converted at launch: None to pass it through (numba
+    arrays, scalars, host arrays), else its kind (learnt once per type)."""
+    t = type(obj)
+    try:
+        return _KINDS[t]
+    except KeyError:
+        pass
+    kind: Optional[_Kind]
+    # A class attribute test: reading the interface itself is slow.
+    if not hasattr(t, "__cuda_array_interface__") or hasattr(t, "__cuda_ndarray__"):
+        kind = None
+    elif callable(getattr(obj, "data_ptr", None)):  # torch.Tensor
+        kind = _TORCH
+    elif isinstance(getattr(getattr(obj, "data", None), "ptr", None), int):  # cupy.ndarray
+        kind = _CUPY
+    else:
+        kind = _OTHER
+    _KINDS[t] = kind
+    return kind
 
 
 class ArgCache:
@@ -162,26 +199,24 @@ class ArgCache:
             if e is not None and e.ref is ref:
                 del self._entries[key]
 
-    def convert(self, obj: Any, sync: bool = True, streams: Optional[set] = None) -> DeviceNDArray:  # type: ignore[type-arg]
+    def convert(self, obj: Any, sync: bool = True, streams: Optional[Dict[Any, Any]] = None) -> DeviceNDArray:
         """The numba array for ``obj`` (which must export the CUDA Array
-        Interface). Streams to wait for are added to ``streams`` when given
-        (the launcher waits once per stream), else waited for here."""
-        fp = _fingerprint(obj)
-        key = id(obj)
+        Interface). The streams to wait for are gathered in ``streams`` when
+        given (the launcher waits once per stream), else waited for here."""
+        kind = _kind(obj) or _OTHER
+        fp = None
+        if kind.fingerprint is not None:
+            try:
+                fp = kind.fingerprint(obj)
+            except Exception:  # not what its type's first object was
+                fp = None
         if fp is not None:
-            with self._lock:
-                e = self._entries.get(key)
-                hit = e is not None and e.ref() is obj and e.fingerprint == fp
-            if hit:
-                assert e is not None
+            # A dict read is atomic: the read side takes no lock.
+            e = self._entries.get(id(obj))
+            if e is not None and e.ref() is obj and e.fingerprint == fp:
                 self.hits += 1
                 if sync and config.CUDA_ARRAY_INTERFACE_SYNC:
-                    s = _exporter_stream(obj)
-                    if s is not None:
-                        if streams is None:
-                            _core.context(e.device).stream_synchronize(s)
-                        else:
-                            streams.add((e.device, s))
+                    self._wait_for(kind, e.device, streams)
                 return e.array
         self.misses += 1
         desc = obj.__cuda_array_interface__
@@ -189,6 +224,8 @@ class ArgCache:
             return from_cuda_array_interface_numba(desc, owner=obj, sync=sync)
         # Not owning: the cache must not keep `obj` alive.
         arr = from_cuda_array_interface_numba(desc, owner=None, sync=sync)
+        key = id(obj)
+
         def gone(r: Any, key: int = key) -> None:
             self._forget(key, r)
 
@@ -201,6 +238,24 @@ class ArgCache:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = _Converted(ref, fp, arr, arr.gpu_data.context.device.id)
         return arr
+
+    @staticmethod
+    def _wait_for(kind: _Kind, device: int, streams: Optional[Dict[Any, Any]]) -> None:
+        """Wait for the stream ``kind``'s interface would name now on
+        ``device``, or note it in ``streams`` (one lookup per library and
+        device per launch)."""
+        key = (kind, device)
+        if streams is not None and key in streams:
+            return
+        try:
+            s = kind.stream(device)
+        except Exception:
+            s = None
+        if streams is None:
+            if s is not None:
+                _core.context(device).stream_synchronize(s)
+        else:
+            streams[key] = s
 
     def clear(self) -> None:
         """Forget every conversion."""
@@ -225,17 +280,12 @@ class Launcher:
 
     def convert_args(self, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
         """The arguments as the kernel takes them (after the stream waits)."""
-        streams: set = set()  # type: ignore[type-arg]
-        out = []
-        for a in args:
-            t = type(a)
-            # A class attribute test: reading the interface itself is slow.
-            if t is DeviceNDArray or not hasattr(t, "__cuda_array_interface__") or hasattr(t, "__cuda_ndarray__"):
-                out.append(a)
-            else:
-                out.append(self.cache.convert(a, self.sync, streams))
-        for device, s in streams:
-            _core.context(device).stream_synchronize(s)
+        streams: Dict[Any, Any] = {}
+        convert = self.cache.convert
+        out = [a if _kind(a) is None else convert(a, self.sync, streams) for a in args]
+        for (_, device), s in streams.items():
+            if s is not None:
+                _core.context(device).stream_synchronize(s)
         return tuple(out)
 
     def __getitem__(self, config: Any) -> Callable[..., Any]:

@@ -56,6 +56,14 @@ def test_bench_quick_writes_json_with_positive_ratios(tmp_path):
         assert r["baseline"] in out.stdout
 
 
+def test_bench_only_runs_the_rows_it_names():
+    out = _run("bench", "--quick", "--only", "TRACKING", "--json", "-")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["row"] for r in rows] == ["gpuptr.alloc+free 1 MiB, tracking on"], rows
+    assert out.stderr.count("measuring:") == 1
+
+
 def test_bench_plot_draws_a_png(tmp_path):
     import pytest
 
@@ -117,7 +125,7 @@ def test_bench_exits_non_zero_when_it_measured_nothing(monkeypatch, capsys):
 
     skipped = {"row": "r", "baseline": "b", "gpuptr_ns": None, "baseline_ns": None, "ratio": None,
                "skipped": "needs the GPU", "extra": {}}
-    monkeypatch.setattr(bench, "run", lambda quick=False, out=None: {"meta": {}, "rows": [skipped]})
+    monkeypatch.setattr(bench, "run", lambda quick=False, out=None, only=None: {"meta": {}, "rows": [skipped]})
     assert bench.main(["--quick"]) == 1
     assert "no row could be measured" in capsys.readouterr().err
 

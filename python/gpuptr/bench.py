@@ -63,15 +63,22 @@ class Result:
 
 
 class Bench:
-    def __init__(self, quick: bool, out: TextIO = sys.stderr) -> None:
+    def __init__(self, quick: bool, out: TextIO = sys.stderr, only: Optional[str] = None) -> None:
         self.n = 2000 if quick else 20000
         self.repeat = 3 if quick else 7
         self.results: list[Result] = []
         self.out = out
+        self.only = only.lower() if only else None
+
+    def wants(self, *labels: str) -> bool:
+        """Whether a row with these labels runs (``--only`` matches one)."""
+        return self.only is None or any(self.only in label.lower() for label in labels)
 
     def row(self, name: str, baseline: str, setup: Callable[[], Pair], scale: float = 1.0) -> None:
         """``setup()`` returns ``(ours, theirs)`` callables, or raises
         ImportError/RuntimeError to skip the row."""
+        if not self.wants(name, baseline):
+            return
         print(f"  measuring: {name} vs {baseline} ...", file=self.out, flush=True)
         try:
             ours, theirs = setup()
@@ -250,12 +257,13 @@ def busy_devarray(manager: Optional[str], pairs: int = 300, keep_gc: bool = Fals
     return row
 
 
-def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
-    """Run every row; returns ``{"meta": ..., "rows": [...]}``."""
+def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = None) -> Dict[str, Any]:
+    """Run every row (or those whose name or baseline contains ``only``,
+    ignoring case); returns ``{"meta": ..., "rows": [...]}``."""
     import gpuptr
     from gpuptr import _testing
 
-    b = Bench(quick, out)
+    b = Bench(quick, out, only)
     info = gpuptr.driver_info()
     on_gpu = info["driver"] == "cuda"
     print(f"gpuptr bench on {info['driver']} ({'quick' if quick else 'full'})", file=out, flush=True)
@@ -367,6 +375,8 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
     # and with DEBUG logging on (records to a NullHandler), each against the
     # same pair with it off, measured one after the other.
     def observed(name: str, switch: Callable[[bool], None]) -> None:
+        if not b.wants(name):
+            return
         print(f"  measuring: {name} ...", file=out, flush=True)
         n = max(10, b.n // 4)
         try:
@@ -465,6 +475,8 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
         ("numba default manager", None),
         ("pure-Python cuda.bindings EMM", "pyemm"),
     ):
+        if not b.wants("numba device_array(1 MiB) alloc+free", name):
+            continue
         print(f"  measuring: numba device_array(1 MiB) under gpuptr vs {name} ...", file=out, flush=True)
         try:
             if not on_gpu:
@@ -489,6 +501,8 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
             ("gpuptr-ordered", "own", f"{lib}'s own pool"),
         ):
             row = f"{what}, gpuptr{' stream_ordered' if mine == 'gpuptr-ordered' else ''}"
+            if not b.wants(row, label):
+                continue
             print(f"  measuring: {row} vs {label} ...", file=out, flush=True)
             try:
                 if not on_gpu:
@@ -510,6 +524,8 @@ def run(quick: bool = False, out: TextIO = sys.stderr) -> Dict[str, Any]:
     ours_busy = None
     for name, manager in (("numba default manager", None), ("RMM pool (rmm.allocators.numba)", "rmm.allocators.numba")):
         row = f"busy GPU: {pairs} device_array(1 MiB) pairs, total"
+        if not b.wants(row, name):
+            continue
         print(f"  measuring: {row} under gpuptr vs {name} ...", file=out, flush=True)
         try:
             if not on_gpu:
@@ -628,8 +644,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--json", metavar="FILE", help="also write the JSON report to FILE ('-': stdout, instead of the table)")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
+    ap.add_argument("--only", metavar="TEXT", help="only the rows whose name or baseline contains TEXT (any case)")
     args = ap.parse_args(argv)
-    report = run(quick=args.quick)
+    report = run(quick=args.quick, only=args.only)
     if args.json == "-":
         print(json.dumps(report, indent=2))
     else:

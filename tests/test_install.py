@@ -189,12 +189,31 @@ class FakeCupy(types.ModuleType):
             def __init__(self, mem, offset):
                 self.mem, self.ptr = mem, mem.ptr + offset
 
+        class PythonFunctionAllocatorMemory:
+            # As CuPy's: malloc only for a positive size, free when dropped.
+            def __init__(self, size, malloc_func, free_func, device_id):
+                self._free_func, self.device_id, self.size = free_func, device_id, size
+                self.ptr = malloc_func(size, device_id) if size > 0 else 0
+
+            def __del__(self):
+                if self.ptr:
+                    self._free_func(self.ptr, self.device_id)
+
+        class PythonFunctionAllocator:
+            def __init__(self, malloc_func, free_func):
+                self._malloc_func, self._free_func = malloc_func, free_func
+
+            def malloc(self, size):
+                mem = PythonFunctionAllocatorMemory(size, self._malloc_func, self._free_func, device)
+                return MemoryPointer(mem, 0)
+
         self.cuda = types.SimpleNamespace(
             runtime=rt,
             stream=st,
             UnownedMemory=UnownedMemory,
             MemoryPointer=MemoryPointer,
             PinnedMemoryPointer=PinnedMemoryPointer,
+            PythonFunctionAllocator=PythonFunctionAllocator,
             set_allocator=lambda f: setattr(self, "allocator", f),
             set_pinned_memory_allocator=lambda f: setattr(self, "pinned_allocator", f),
             get_current_stream=lambda: types.SimpleNamespace(ptr=stream),
@@ -207,7 +226,7 @@ def fake_cupy(monkeypatch):
 
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for name in ("_installed", "_stream_ordered", "_get_device", "_current_stream_ptr", "_MemoryPointer", "_UnownedMemory"):
+    for name in ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr"):
         monkeypatch.setattr(gc_mod, name, getattr(gc_mod, name))
     return fake
 
@@ -216,20 +235,44 @@ def test_cupy_allocator_hands_out_pool_memory_owned_by_gpuptr(fake_cupy):
     import gpuptr.cupy
 
     gpuptr.cupy.install()
-    assert gpuptr.cupy.installed() and fake_cupy.allocator is gpuptr.cupy.malloc
+    assert gpuptr.cupy.installed()
+    live0, failures0 = _core._hooks_state()
     before = client("cupy")["live_bytes"]
     mp = fake_cupy.allocator(1 << 20)
-    mem = mp.mem._owner
-    assert isinstance(mem, gpuptr.MemoryPointer)
-    assert (mp.ptr, mp.mem.size, mp.mem.device_id) == (mem.device_pointer_value, 1 << 20, 0)
-    assert mem.stream is None, "fenced by default: safe on every stream"
+    assert (mp.mem.size, mp.mem.device_id) == (1 << 20, 0)
+    assert gpuptr.context_of(mp.ptr) is gpuptr.context(0), "pool memory, registered"
+    view = gpuptr.wrap(mp.ptr, 1 << 20)
+    view.memset(9)
+    assert view.copy_to_host()[-2:] == b"\x09\x09"
+    del view
     assert client("cupy")["live_bytes"] == before + (1 << 20)
-    del mp, mem
-    assert client("cupy")["live_bytes"] == before
+    assert _core._hooks_state() == (live0 + 1, failures0)
+    del mp
+    assert client("cupy")["live_bytes"] == before and _core._hooks_state() == (live0, failures0)
     pinned = fake_cupy.pinned_allocator(4096)
     assert pinned.ptr == pinned.mem.mem.host_pointer and pinned.mem.size == 4096
     zero = fake_cupy.allocator(0)
     assert zero.ptr == 0 and zero.mem.device_id == 0
+    # gpuptr.cupy.malloc is the same allocator, for code that calls it itself.
+    assert gpuptr.cupy.malloc(4096).mem.size == 4096
+
+
+@pytest.mark.sim
+def test_cupy_frees_wait_for_every_stream_by_default(fake_cupy):
+    # Fenced by default: memory CuPy freed while a (side-stream) kernel may
+    # still write it is not handed out again until the fence.
+    import gpuptr.cupy
+
+    gpuptr.cupy.install(pinned=False)
+    mp = fake_cupy.allocator(1 << 20)
+    p = mp.ptr
+    _testing.sim_queue_write(0x7000, p, b"\xab" * 64)
+    del mp
+    again = fake_cupy.allocator(1 << 20)
+    assert again.ptr != p, "not reused while a stream may still write it"
+    del again
+    _testing.sim_complete()
+    gpuptr.flush_pool()
 
 
 def test_cupy_stream_ordered_allocates_on_cupys_current_stream(fake_cupy):
@@ -238,7 +281,28 @@ def test_cupy_stream_ordered_allocates_on_cupys_current_stream(fake_cupy):
     gpuptr.cupy.install(stream_ordered=True, pinned=False)
     assert fake_cupy.pinned_allocator is None
     mp = fake_cupy.allocator(4096)
-    assert mp.mem._owner.stream == 0x4242
+    p = mp.ptr
+    del mp
+    again = fake_cupy.allocator(4096)
+    assert again.ptr == p, "freed on CuPy's stream: reused at once there"
+
+
+def test_cupy_hooks_refuse_bad_input_with_typed_errors(fake_cupy):
+    live0, failures0 = _core._hooks_state()
+    with pytest.raises(gpuptr.OutOfMemoryError):
+        _core._cupy_malloc(1 << 62, 0)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        _core._cupy_malloc(1024, 99)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        _core._cupy_malloc(-1, 0)
+    m = gpuptr.alloc(4096)
+    _core._cupy_free(m.device_pointer_value, 0)  # not the hooks': untouched
+    _core._cupy_free("junk", 0)
+    assert not m.freed
+    p = _core._cupy_malloc(4096, 0)
+    _core._cupy_free(p, 0)
+    _core._cupy_free(p, 0)  # a second free is ignored, never a double free
+    assert _core._hooks_state() == (live0, failures0 + 3)
 
 
 # ----------------------------------------------------------------- torch

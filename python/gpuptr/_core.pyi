@@ -56,6 +56,8 @@ __all__ = [
     "_flush_log",
     "_hooks_configure",
     "_hooks_state",
+    "_cupy_malloc",
+    "_cupy_free",
     "_dtype_info",
     "DLPackOwner",
     "_import_cai",
@@ -526,6 +528,19 @@ def _flush_log() -> None:
 def _hooks_configure(stream_ordered: bool) -> None:
     """Set how the C entry points free memory: ordered on the allocating
     stream (``True``), or through the pool's fence (``False``, the default).
+    """
+def _cupy_malloc(nbytes: int, device: int, stream: _Stream = None) -> int:
+    """CuPy's allocation hook, for ``cupy.cuda.PythonFunctionAllocator``:
+    ``nbytes`` on ``device`` from the pool, as an address (0 for zero
+    bytes), counted under ``"cupy"``. With ``stream``, allocated and freed on
+    that stream; without, freed through the fence. Errors are gpuptr's typed
+    exceptions (``OutOfMemoryError`` and so on), which CuPy passes on.
+    """
+def _cupy_free(address: int, device: int) -> None:
+    """CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``
+    (``device`` is CuPy's and unused: the address names the allocation).
+    Anything else is ignored (and counted as a failure), never freed; it
+    never raises (CuPy calls it from a destructor).
     """
 def _hooks_state() -> tuple[int, int]:
     """``(live allocations, failures)`` of the C entry points: allocations

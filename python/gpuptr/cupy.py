@@ -24,16 +24,33 @@ __all__ = ["install", "installed", "malloc", "malloc_pinned"]
 
 _stream_ordered = False
 _installed = False
+_allocator: Any = None  # a cupy.cuda.PythonFunctionAllocator over gpuptr's hooks
+
+
+def _malloc_on_current_stream(nbytes: int, device: int) -> int:
+    return _core._cupy_malloc(nbytes, device, _current_stream_ptr())
+
+
+def _make_allocator(cupy: Any, stream_ordered: bool) -> Any:
+    # CuPy's own Cython allocator class builds the memory objects and calls
+    # gpuptr's hooks (compiled functions) directly: no Python frame, and no
+    # UnownedMemory or MemoryPointer built in Python, per allocation.
+    cls = getattr(cupy.cuda, "PythonFunctionAllocator", None) or cupy.cuda.memory.PythonFunctionAllocator
+    malloc_func = _malloc_on_current_stream if stream_ordered else _core._cupy_malloc
+    return cls(malloc_func, _core._cupy_free)
 
 
 def malloc(nbytes: int) -> Any:
     """A ``cupy.cuda.MemoryPointer`` of ``nbytes`` from gpuptr's pool on CuPy's
-    current device (and, with ``stream_ordered``, its current stream). The
-    gpuptr memory is the owner: it goes back to the pool when CuPy drops it."""
-    device = _get_device()
-    stream = _current_stream_ptr() if _stream_ordered else None
-    mem = _core._alloc_for("cupy", nbytes, device, stream)
-    return _MemoryPointer(_UnownedMemory(mem.device_pointer_value or 0, nbytes, mem, device), 0)
+    current device (and, with ``stream_ordered``, its current stream). It goes
+    back to the pool when CuPy drops it."""
+    global _allocator
+    if _allocator is None:
+        import cupy
+
+        _bind(cupy)
+        _allocator = _make_allocator(cupy, _stream_ordered)
+    return _allocator.malloc(nbytes)
 
 
 class _Pinned:
@@ -53,6 +70,8 @@ def malloc_pinned(nbytes: int) -> Any:
     host memory from gpuptr, freed when CuPy drops it."""
     import cupy
 
+    if _get_device is None:
+        _bind(cupy)
     mem = _core.alloc_host(nbytes, portable=True, device=_get_device())
     return cupy.cuda.PinnedMemoryPointer(_Pinned(mem, nbytes), 0)
 
@@ -66,28 +85,35 @@ def install(*, stream_ordered: bool = False, pinned: bool = True) -> None:
     """Make gpuptr CuPy's device allocator (and, with ``pinned``, its pinned
     host allocator). Arrays CuPy allocated before keep their memory.
     ``ImportError`` without CuPy."""
-    global _installed, _stream_ordered, _get_device, _current_stream_ptr, _MemoryPointer, _UnownedMemory
+    global _installed, _stream_ordered, _allocator
     import cupy
 
+    _bind(cupy)
+    try:
+        allocator = _make_allocator(cupy, bool(stream_ordered))
+    except AttributeError as e:  # pragma: no cover - a CuPy without it
+        raise InstallError(f"this CuPy ({cupy.__version__}) lacks {e.name}") from e
+    _stream_ordered = bool(stream_ordered)
+    _allocator = allocator
+    cupy.cuda.set_allocator(allocator.malloc)
+    if pinned:
+        cupy.cuda.set_pinned_memory_allocator(malloc_pinned)
+    _installed = True
+
+
+def _bind(cupy: Any) -> None:
+    """Look up the CuPy functions gpuptr calls (once, not per call)."""
+    global _get_device, _current_stream_ptr
     try:
         _get_device = cupy.cuda.runtime.getDevice
         stream_mod = cupy.cuda.stream
         _current_stream_ptr = getattr(stream_mod, "get_current_stream_ptr", None) or (
             lambda: cupy.cuda.get_current_stream().ptr
         )
-        _MemoryPointer = cupy.cuda.MemoryPointer
-        _UnownedMemory = cupy.cuda.UnownedMemory
     except AttributeError as e:  # pragma: no cover - a CuPy without these
         raise InstallError(f"this CuPy ({cupy.__version__}) lacks {e.name}") from e
-    _stream_ordered = bool(stream_ordered)
-    cupy.cuda.set_allocator(malloc)
-    if pinned:
-        cupy.cuda.set_pinned_memory_allocator(malloc_pinned)
-    _installed = True
 
 
 # Bound by install() to CuPy's own functions (looked up once, not per call).
 _get_device: Any = None
 _current_stream_ptr: Any = None
-_MemoryPointer: Any = None
-_UnownedMemory: Any = None

@@ -94,30 +94,49 @@ static STREAM_ORDERED: AtomicBool = AtomicBool::new(false);
 static FAILURES: AtomicU64 = AtomicU64::new(0);
 
 fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> *mut c_void {
-    let fail = || {
-        FAILURES.fetch_add(1, Ordering::Relaxed);
-        std::ptr::null_mut()
-    };
     let (Ok(size), Ok(device)) = (usize::try_from(size), usize::try_from(device)) else {
-        return fail();
-    };
-    if size == 0 {
+        FAILURES.fetch_add(1, Ordering::Relaxed);
         return std::ptr::null_mut();
-    }
-    let Ok(rt) = Runtime::global() else {
-        return fail();
     };
     let stream = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    let mem = match rt.context(device).and_then(|ctx| {
-        holds(rt).hold(device, &ctx);
-        ctx.alloc_at(size, stream, client, caller_site)
-    }) {
-        Ok(mem) => mem,
-        Err(_) => return fail(),
-    };
+    match allocate(client, size, device, stream) {
+        Ok(address) => address as usize as *mut c_void,
+        Err(_) => {
+            FAILURES.fetch_add(1, Ordering::Relaxed);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
+/// kept in the live map until [`take`] hands them back; 0 for zero bytes.
+fn allocate(
+    client: Client,
+    size: usize,
+    device: usize,
+    stream: Option<RawStream>,
+) -> crate::Result<u64> {
+    if size == 0 {
+        return Ok(0);
+    }
+    let rt = Runtime::global()?;
+    let ctx = rt.context(device)?;
+    holds(rt).hold(device, &ctx);
+    let mem = ctx.alloc_at(size, stream, client, caller_site)?;
     let address = mem.address();
     live().shard(address).insert(address, mem);
-    address as usize as *mut c_void
+    Ok(address)
+}
+
+/// The allocation handed out at `address`, out of the live map (dropping it
+/// releases it); None, counted as a failure, for an address the entry points
+/// did not hand out or that was freed already.
+fn take(address: u64) -> Option<Arc<DevicePointer>> {
+    let mem = live().shard(address).remove(&address);
+    if mem.is_none() {
+        FAILURES.fetch_add(1, Ordering::Relaxed);
+    }
+    mem
 }
 
 /// The Python stack of the thread allocating, if it holds the GIL now (a
@@ -141,10 +160,8 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     if ptr.is_null() {
         return;
     }
-    let address = ptr as usize as u64;
-    let Some(mem) = live().shard(address).remove(&address) else {
-        // Not ours (or freed twice): never touched.
-        FAILURES.fetch_add(1, Ordering::Relaxed);
+    // Not ours (or freed twice): never touched.
+    let Some(mem) = take(ptr as usize as u64) else {
         return;
     };
     if STREAM_ORDERED.load(Ordering::Relaxed) {
@@ -185,6 +202,44 @@ pub unsafe extern "C" fn gpuptr_torch_free(
     stream: *mut c_void,
 ) {
     let _ = std::panic::catch_unwind(|| free(ptr, stream as RawStream));
+}
+
+/// CuPy's allocation hook, for ``cupy.cuda.PythonFunctionAllocator``:
+/// ``nbytes`` on ``device`` from the pool, as an address (0 for zero
+/// bytes), counted under ``"cupy"``. With ``stream``, allocated and freed on
+/// that stream; without, freed through the fence. Errors are gpuptr's typed
+/// exceptions (``OutOfMemoryError`` and so on), which CuPy passes on.
+#[pyfunction]
+#[pyo3(signature = (nbytes, device, stream=None))]
+pub(crate) fn _cupy_malloc(
+    py: Python<'_>,
+    nbytes: &Bound<'_, PyAny>,
+    device: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<u64> {
+    let _log = super::logging::Deliver(py);
+    let size = super::args::size_arg(super::args::int_arg(nbytes, "nbytes")?)?;
+    let device = super::args::device_arg(super::args::int_arg(device, "device")?)?;
+    let stream = super::args::stream_arg(stream)?;
+    Ok(allocate(Client::Cupy, size, device, stream)?)
+}
+
+/// CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``
+/// (``device`` is CuPy's and unused: the address names the allocation).
+/// Anything else is ignored (and counted as a failure), never freed; it
+/// never raises (CuPy calls it from a destructor).
+#[pyfunction]
+#[pyo3(signature = (address, device))]
+pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bound<'_, PyAny>) {
+    let _ = device;
+    let _log = super::logging::Deliver(py);
+    match address.extract::<u64>() {
+        Ok(0) => {}
+        Ok(a) => drop(take(a)),
+        Err(_) => {
+            FAILURES.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Set how the C entry points free memory: ordered on the allocating

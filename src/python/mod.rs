@@ -338,6 +338,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(track::tracking, m)?)?;
     m.add_function(wrap_pyfunction!(track::outstanding, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_hooks_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_cupy_malloc, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_cupy_free, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_hooks_state, m)?)?;
     m.add_function(wrap_pyfunction!(wrap, m)?)?;
     m.add_function(wrap_pyfunction!(context_of, m)?)?;

@@ -66,7 +66,8 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
     # new blocks were handed out. Reuse after the kernel ended is correct
     # (the fence saw it end), so the check is "no reuse while it runs", and
     # the kernel spins long enough (about a second) that it does run then:
-    # a 100 ms spin once lost that race to a slow gc.collect() on the H200.
+    # a 100 ms spin, with a gc.collect() inside it, could not tell a correct
+    # reuse from a wrong one (it saw A's block reused once on the H200).
     out = run_plugin(
         """
         import gc, time, numpy as np, gpuptr

@@ -128,7 +128,7 @@ pub struct DeviceStats {
 /// and its counters. Reset and teardown are its methods.
 pub(crate) struct DeviceState {
     device: usize,
-    slot: Mutex<Weak<Context>>,
+    slot: Mutex<Slot>,
     pool: Option<Pool>,
     counters: DeviceCounters,
     /// Registry entries of the pool's blocks, by address.
@@ -142,6 +142,14 @@ pub(crate) struct DeviceState {
     raw: AtomicUsize,
 }
 
+/// A device's live context, and the runtime's own hold on it, if taken
+/// ([`Runtime::held_context`]): while held, `live` always upgrades to it.
+#[derive(Default)]
+struct Slot {
+    live: Weak<Context>,
+    held: Option<Arc<Context>>,
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -150,7 +158,7 @@ impl DeviceState {
     fn new(device: usize, driver: &Arc<dyn Driver>, pool: Option<PoolConfig>) -> Self {
         DeviceState {
             device,
-            slot: Mutex::new(Weak::new()),
+            slot: Mutex::new(Slot::default()),
             pool: pool.map(|c| Pool::new(c, driver.clone())),
             counters: DeviceCounters::default(),
             block_regs: Mutex::new(HashMap::new()),
@@ -168,16 +176,24 @@ impl DeviceState {
     }
 
     fn existing(&self) -> Option<Arc<Context>> {
-        lock(&self.slot).upgrade()
+        lock(&self.slot).live.upgrade()
     }
 
-    fn context(&self, rt: &Arc<Runtime>) -> Result<Arc<Context>> {
+    /// The live context, retained if none is; with `hold`, also kept alive
+    /// by the runtime until a reset.
+    fn context(&self, rt: &Arc<Runtime>, hold: bool) -> Result<Arc<Context>> {
         let mut slot = lock(&self.slot);
-        if let Some(ctx) = slot.upgrade() {
+        if let Some(ctx) = slot.live.upgrade() {
+            if hold && slot.held.is_none() {
+                slot.held = Some(ctx.clone());
+            }
             return Ok(ctx);
         }
         let ctx = Arc::new(Context::retain(rt.clone(), self.device)?);
-        *slot = Arc::downgrade(&ctx);
+        slot.live = Arc::downgrade(&ctx);
+        if hold {
+            slot.held = Some(ctx.clone());
+        }
         self.raw.store(ctx.raw(), Ordering::Release);
         log::debug!(
             target: "gpuptr::context",
@@ -369,8 +385,10 @@ impl DeviceState {
             self.unregister(ctx.runtime().registry(), held);
         }
         // After the reset the old CUcontext is dead. Holders of the old
-        // Context (stale pointers) release their retain when they go.
-        *lock(&self.slot) = Weak::new();
+        // Context (stale pointers) release their retain when they go; the
+        // runtime's own hold goes now, outside the lock.
+        let old = std::mem::take(&mut *lock(&self.slot));
+        drop(old);
         self.counters.forget_live();
         log::info!(
             target: "gpuptr::context",
@@ -682,7 +700,19 @@ impl Runtime {
     pub fn context(self: &Arc<Self>, device: usize) -> Result<Arc<Context>> {
         crate::fork::check()?;
         self.check_device(device)?;
-        self.devices[device].context(self)
+        self.devices[device].context(self, false)
+    }
+
+    /// [`Runtime::context`], and the runtime keeps the context alive from
+    /// now until a reset of the device (or the end of the process), so that
+    /// its pool outlives the caller's allocations: for callers that hold no
+    /// context between them, such as allocator hooks and reservations. A
+    /// context otherwise ends, and its pool with it, when its last holder
+    /// goes.
+    pub fn held_context(self: &Arc<Self>, device: usize) -> Result<Arc<Context>> {
+        crate::fork::check()?;
+        self.check_device(device)?;
+        self.devices[device].context(self, true)
     }
 
     /// The device of the calling thread's current context, or 0 when none

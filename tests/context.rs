@@ -37,6 +37,26 @@ fn test_pointer_keeps_context_alive() {
 }
 
 #[test]
+fn test_a_held_context_outlives_its_holders_until_a_reset() {
+    let (drv, rt) = sim(2);
+    let held = rt.held_context(0).unwrap();
+    let ptr = Arc::as_ptr(&held);
+    drop(held);
+    assert_eq!(drv.retain_count(0), 1, "the runtime keeps it");
+    let again = rt.context(0).unwrap();
+    assert_eq!(Arc::as_ptr(&again), ptr, "the same context, and its pool");
+    assert_eq!(Arc::as_ptr(&rt.held_context(0).unwrap()), ptr, "held once");
+    drop(again);
+    assert_eq!(drv.retain_count(1), 0, "only the device asked for");
+    rt.reset(0).unwrap();
+    assert_eq!(drv.retain_count(0), 0, "a reset lets it go");
+    let fresh = rt.context(0).unwrap();
+    assert_eq!(drv.retain_count(0), 1, "retained afresh");
+    drop(fresh);
+    assert_eq!(drv.retain_count(0), 0, "context() alone holds nothing");
+}
+
+#[test]
 fn test_failed_retain_is_a_cuda_error_and_retry_works() {
     let (drv, rt) = sim(1);
     drv.fail_nth(CallKind::ContextRetain, 1, codes::CUDA_ERROR_UNKNOWN);

@@ -18,12 +18,12 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::prelude::*;
 
-use crate::{Client, Context, DevicePointer, RawStream, Runtime, Site};
+use crate::{Client, DevicePointer, RawStream, Runtime, Site};
 
 const SHARDS: usize = 64;
 
@@ -41,52 +41,6 @@ impl Live {
         // Blocks are at least 512-byte aligned: mix the bits above that.
         let i = ((address >> 9) ^ (address >> 17)) as usize % SHARDS;
         self.0[i].lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// The entry points' own hold on each device's context, as the Python
-/// objects hold it for `gpuptr.alloc`: without it, freeing the last tensor
-/// would end the context and its pool, and every allocation would go to the
-/// driver (about 100 µs on the H200 instead of well under one).
-struct Holds(Vec<Hold>);
-
-/// One device's hold: the context held, and its address for a lock-free test.
-struct Hold {
-    seen: AtomicPtr<Context>,
-    slot: Mutex<Option<Arc<Context>>>,
-}
-
-fn holds(rt: &Runtime) -> &'static Holds {
-    static HOLDS: OnceLock<Holds> = OnceLock::new();
-    HOLDS.get_or_init(|| {
-        Holds(
-            (0..rt.device_count())
-                .map(|_| Hold {
-                    seen: AtomicPtr::new(std::ptr::null_mut()),
-                    slot: Mutex::new(None),
-                })
-                .collect(),
-        )
-    })
-}
-
-impl Holds {
-    /// Hold `ctx` for `device`, replacing a context that has ended (a
-    /// reset). One atomic load when it is already held: the slot keeps the
-    /// held context alive, so an equal address is the same context.
-    fn hold(&self, device: usize, ctx: &Arc<Context>) {
-        let Some(Hold { seen, slot }) = self.0.get(device) else {
-            return;
-        };
-        if std::ptr::eq(seen.load(Ordering::Acquire), Arc::as_ptr(ctx)) {
-            return;
-        }
-        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-        let old = slot.replace(ctx.clone());
-        seen.store(Arc::as_ptr(ctx).cast_mut(), Ordering::Release);
-        drop(slot);
-        // An ended context goes outside the lock (its release calls the driver).
-        drop(old);
     }
 }
 
@@ -119,9 +73,10 @@ fn allocate(
     if size == 0 {
         return Ok(0);
     }
-    let rt = Runtime::global()?;
-    let ctx = rt.context(device)?;
-    holds(rt).hold(device, &ctx);
+    // Held by the runtime: the hooks keep no context between calls, and
+    // without the hold freeing the last tensor would end the context and its
+    // pool (every allocation a cuMemAlloc: 100 µs on the H200).
+    let ctx = Runtime::global()?.held_context(device)?;
     let mem = ctx.alloc_at(size, stream, client, caller_site)?;
     let address = mem.address();
     live().shard(address).insert(address, mem);

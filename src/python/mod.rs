@@ -251,11 +251,9 @@ fn reserve(
     if size == 0 {
         return Err(Error::InvalidArgument("block_size must be positive".into()).into());
     }
-    let ctx = device_context(device)?;
-    // gpuptr's own hold on the context (as `alloc` takes): the reservation
-    // lives with the context, which would otherwise end with this call and
-    // give the blocks back.
-    py_context(py, &ctx)?;
+    // Held by the runtime: the reservation lives with the context, which
+    // would otherwise end with this call and give the blocks back.
+    let ctx = runtime()?.held_context(device_context(device)?.device())?;
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }
 

@@ -199,11 +199,17 @@ class ArgCache:
             if e is not None and e.ref is ref:
                 del self._entries[key]
 
-    def convert(self, obj: Any, sync: bool = True, streams: Optional[Dict[Any, Any]] = None) -> DeviceNDArray:
+    def convert(self, obj: Any, sync: bool = True) -> DeviceNDArray:
         """The numba array for ``obj`` (which must export the CUDA Array
-        Interface). The streams to wait for are gathered in ``streams`` when
-        given (the launcher waits once per stream), else waited for here."""
-        kind = _kind(obj) or _OTHER
+        Interface), after waiting for the exporter's stream when ``sync``."""
+        streams: Dict[Any, Any] = {}
+        arr = self._convert(obj, _kind(obj) or _OTHER, sync, streams)
+        _synchronize(streams)
+        return arr
+
+    def _convert(self, obj: Any, kind: _Kind, sync: bool, streams: Dict[Any, Any]) -> DeviceNDArray:
+        """``convert`` for an ``obj`` of ``kind``, noting the streams to wait
+        for in ``streams`` (a launch waits once per stream)."""
         fp = None
         if kind.fingerprint is not None:
             try:
@@ -216,7 +222,12 @@ class ArgCache:
             if e is not None and e.ref() is obj and e.fingerprint == fp:
                 self.hits += 1
                 if sync and config.CUDA_ARRAY_INTERFACE_SYNC:
-                    self._wait_for(kind, e.device, streams)
+                    wait = (kind, e.device)
+                    if wait not in streams:  # one lookup per library and device
+                        try:
+                            streams[wait] = kind.stream(e.device)
+                        except Exception:
+                            streams[wait] = None
                 return e.array
         self.misses += 1
         desc = obj.__cuda_array_interface__
@@ -239,24 +250,6 @@ class ArgCache:
             self._entries[key] = _Converted(ref, fp, arr, arr.gpu_data.context.device.id)
         return arr
 
-    @staticmethod
-    def _wait_for(kind: _Kind, device: int, streams: Optional[Dict[Any, Any]]) -> None:
-        """Wait for the stream ``kind``'s interface would name now on
-        ``device``, or note it in ``streams`` (one lookup per library and
-        device per launch)."""
-        key = (kind, device)
-        if streams is not None and key in streams:
-            return
-        try:
-            s = kind.stream(device)
-        except Exception:
-            s = None
-        if streams is None:
-            if s is not None:
-                _core.context(device).stream_synchronize(s)
-        else:
-            streams[key] = s
-
     def clear(self) -> None:
         """Forget every conversion."""
         with self._lock:
@@ -264,6 +257,13 @@ class ArgCache:
 
 
 _ARG_CACHE = ArgCache()
+
+
+def _synchronize(streams: Dict[Any, Any]) -> None:
+    """Wait for the streams an :meth:`ArgCache._convert` noted (unless idle)."""
+    for (_, device), s in streams.items():
+        if s is not None:
+            _core.context(device).stream_synchronize(s)
 
 
 class Launcher:
@@ -281,11 +281,11 @@ class Launcher:
     def convert_args(self, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
         """The arguments as the kernel takes them (after the stream waits)."""
         streams: Dict[Any, Any] = {}
-        convert = self.cache.convert
-        out = [a if _kind(a) is None else convert(a, self.sync, streams) for a in args]
-        for (_, device), s in streams.items():
-            if s is not None:
-                _core.context(device).stream_synchronize(s)
+        convert, sync, out = self.cache._convert, self.sync, []
+        for a in args:
+            kind = _kind(a)
+            out.append(a if kind is None else convert(a, kind, sync, streams))
+        _synchronize(streams)
         return tuple(out)
 
     def __getitem__(self, config: Any) -> Callable[..., Any]:

@@ -82,31 +82,25 @@ trait Managed: Sized + 'static {
     fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)>;
 }
 
-impl Managed for DLManagedTensor {
-    const NAME: &'static CStr = c"dltensor";
-    fn manager_ctx(&self) -> *mut c_void {
-        self.manager_ctx
-    }
-    fn set_manager_ctx(&mut self, ctx: *mut c_void) {
-        self.manager_ctx = ctx;
-    }
-    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
-        self.deleter
-    }
+/// The two ABIs' structs name their fields alike: one impl, twice.
+macro_rules! managed {
+    ($t:ty, $name:expr) => {
+        impl Managed for $t {
+            const NAME: &'static CStr = $name;
+            fn manager_ctx(&self) -> *mut c_void {
+                self.manager_ctx
+            }
+            fn set_manager_ctx(&mut self, ctx: *mut c_void) {
+                self.manager_ctx = ctx;
+            }
+            fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
+                self.deleter
+            }
+        }
+    };
 }
-
-impl Managed for DLManagedTensorVersioned {
-    const NAME: &'static CStr = c"dltensor_versioned";
-    fn manager_ctx(&self) -> *mut c_void {
-        self.manager_ctx
-    }
-    fn set_manager_ctx(&mut self, ctx: *mut c_void) {
-        self.manager_ctx = ctx;
-    }
-    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
-        self.deleter
-    }
-}
+managed!(DLManagedTensor, c"dltensor");
+managed!(DLManagedTensorVersioned, c"dltensor_versioned");
 
 /// Call the producer's deleter of `t`, if it has one.
 ///

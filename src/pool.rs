@@ -759,7 +759,8 @@ struct Held {
     carved: FastMap<DevicePtr, DevicePtr>,
     /// Bytes of `allocations`.
     bytes: usize,
-    /// Bytes of driver allocations under way (counted against the limit).
+    /// Bytes of driver allocations and frees under way: the driver may hold
+    /// them beyond `bytes`, so the limit counts them.
     pending: usize,
 }
 
@@ -1256,7 +1257,12 @@ impl Pool {
                     .allocations
                     .get(&base)
                     .is_some_and(|a| a.blocks == blocks.len());
-                whole.then(|| held.forget(base))
+                whole.then(|| {
+                    let a = held.forget(base);
+                    // Still the driver's until the free returns.
+                    held.pending += a.bytes();
+                    a
+                })
             };
             let Some(a) = taken else {
                 keep.extend(blocks);
@@ -1267,10 +1273,14 @@ impl Pool {
             before_free(&a);
             // SAFETY: an allocation this pool made in `context` whose blocks
             // are all cached (none handed out), so no one uses it after this.
-            match unsafe { self.driver.mem_free(context, base) } {
+            let r = unsafe { self.driver.mem_free(context, base) };
+            let mut held = lock(&self.held);
+            held.pending -= a.bytes();
+            match r {
                 Ok(()) => freed.push(a),
                 Err(e) => {
-                    lock(&self.held).record(a);
+                    held.record(a);
+                    drop(held);
                     failed_free(&a);
                     keep.extend(blocks);
                     if first_err.is_ok() {

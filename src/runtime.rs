@@ -183,24 +183,24 @@ impl DeviceState {
     /// by the runtime until a reset.
     fn context(&self, rt: &Arc<Runtime>, hold: bool) -> Result<Arc<Context>> {
         let mut slot = lock(&self.slot);
-        if let Some(ctx) = slot.live.upgrade() {
-            if hold && slot.held.is_none() {
-                slot.held = Some(ctx.clone());
+        let ctx = match slot.live.upgrade() {
+            Some(ctx) => ctx,
+            None => {
+                let ctx = Arc::new(Context::retain(rt.clone(), self.device)?);
+                slot.live = Arc::downgrade(&ctx);
+                self.raw.store(ctx.raw(), Ordering::Release);
+                log::debug!(
+                    target: "gpuptr::context",
+                    "device {}: retained the primary context {:#x}",
+                    self.device,
+                    ctx.raw()
+                );
+                ctx
             }
-            return Ok(ctx);
-        }
-        let ctx = Arc::new(Context::retain(rt.clone(), self.device)?);
-        slot.live = Arc::downgrade(&ctx);
-        if hold {
+        };
+        if hold && slot.held.is_none() {
             slot.held = Some(ctx.clone());
         }
-        self.raw.store(ctx.raw(), Ordering::Release);
-        log::debug!(
-            target: "gpuptr::context",
-            "device {}: retained the primary context {:#x}",
-            self.device,
-            ctx.raw()
-        );
         Ok(ctx)
     }
 

@@ -48,14 +48,23 @@ fn alloc(
     device: Option<&Bound<'_, PyAny>>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
+    alloc_as(py, crate::Client::Direct, nbytes, device, stream)
+}
+
+/// ``alloc`` counted under `client`.
+fn alloc_as(
+    py: Python<'_>,
+    client: crate::Client,
+    nbytes: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyMemoryPointer> {
     let _log = logging::Deliver(py);
     let size = size_arg(int_arg(nbytes, "nbytes")?)?;
     let ctx = device_context(device)?;
     let stream = args::stream_arg(stream)?;
     let pyctx = py_context(py, &ctx)?;
-    let mem = ctx.alloc_at(size, stream, crate::Client::Direct, || {
-        track::python_site(py)
-    })?;
+    let mem = ctx.alloc_at(size, stream, client, || track::python_site(py))?;
     Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }
 
@@ -71,15 +80,9 @@ fn _alloc_for(
     device: Option<&Bound<'_, PyAny>>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
-    let _log = logging::Deliver(py);
     let client = crate::Client::from_name(client)
         .ok_or_else(|| Error::InvalidArgument(format!("unknown client {client:?}")))?;
-    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
-    let ctx = device_context(device)?;
-    let stream = args::stream_arg(stream)?;
-    let pyctx = py_context(py, &ctx)?;
-    let mem = ctx.alloc_at(size, stream, client, || track::python_site(py))?;
-    Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
+    alloc_as(py, client, nbytes, device, stream)
 }
 
 /// Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a

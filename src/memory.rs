@@ -709,6 +709,7 @@ impl DevicePointer {
                     class,
                     shard: u32::from(self.pool_shard),
                     new_allocation: None,
+                    ahead: false,
                 };
                 let stream = self.stream();
                 self.context.state().pool_release(

@@ -70,6 +70,14 @@ pub struct PoolConfig {
     /// the next), so frees gather into fewer fences and the helper takes
     /// little CPU from the threads that allocate. Zero: back to back.
     pub fence_pace: Duration,
+    /// Growth ahead of demand: while frees wait for a fence, each shard
+    /// keeps up to this many bytes (at most 64 blocks) of every class it
+    /// churns ready, grown on a helper thread, so that an allocation on a
+    /// busy GPU finds a block instead of waiting for the driver. Classes
+    /// larger than this are not grown ahead. Zero: off.
+    pub ahead_bytes: usize,
+    /// The most ready bytes the pool holds before it stops growing ahead.
+    pub ahead_total: usize,
 }
 
 impl Default for PoolConfig {
@@ -81,6 +89,8 @@ impl Default for PoolConfig {
             fence_bytes: 64 << 20,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
             fence_pace: Duration::from_micros(20),
+            ahead_bytes: 64 << 20,
+            ahead_total: 512 << 20,
         }
     }
 }
@@ -89,6 +99,8 @@ const MIN_CLASS: usize = 512;
 const LARGE: usize = 256 << 20;
 /// Classes up to [`LARGE`]: 512, then four per power of two.
 const SMALL_CLASSES: usize = 1 + 4 * (LARGE.trailing_zeros() - MIN_CLASS.trailing_zeros()) as usize;
+// A shard's `wanted` has a bit per small class.
+const _: () = assert!(SMALL_CLASSES <= 128);
 
 /// The size class of a request: at least 512 bytes; up to 256 MiB, four
 /// classes per power of two (waste under 25%); above, a multiple of 2 MiB.
@@ -405,6 +417,144 @@ fn short_timer_slack() {
     }
 }
 
+/// A job for the pool's growth helper (see [`Pool::post_ahead`]).
+pub(crate) type GrowJob = Box<dyn FnOnce() + Send>;
+
+/// The per-device helper that grows the pool ahead of demand
+/// ([`PoolConfig::ahead_bytes`]): it runs the jobs the pool's owner posts,
+/// one at a time, so the driver's allocation (90-270 µs on a busy H200) is
+/// never made by the thread that allocates.
+struct Grower {
+    shared: Arc<GrowShared>,
+}
+
+struct GrowShared {
+    state: Mutex<GrowState>,
+    work: Condvar,
+    /// Wakes threads waiting for the helper to run out of jobs.
+    idle: Condvar,
+}
+
+#[derive(Default)]
+struct GrowState {
+    jobs: VecDeque<GrowJob>,
+    /// A job is running now.
+    running: bool,
+    spawned: bool,
+    shutdown: bool,
+    /// The helper waits on `work` (a post must wake it).
+    sleeping: bool,
+}
+
+impl Grower {
+    fn new() -> Self {
+        Grower {
+            shared: Arc::new(GrowShared {
+                state: Mutex::new(GrowState::default()),
+                work: Condvar::new(),
+                idle: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Wait until the helper has run every job posted so far (at most
+    /// `limit`: a job is one driver allocation, so this never hangs);
+    /// whether it had.
+    fn quiesce(&self, limit: Duration) -> bool {
+        let sh = &self.shared;
+        let deadline = Instant::now() + limit;
+        let mut st = lock(&sh.state);
+        while (st.running || !st.jobs.is_empty()) && !st.shutdown && !crate::fork::forked() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            st = sh
+                .idle
+                .wait_timeout(st, left)
+                .map_or_else(|p| p.into_inner().0, |r| r.0);
+        }
+        true
+    }
+
+    fn post(&self, job: GrowJob) {
+        let sh = &self.shared;
+        let mut st = lock(&sh.state);
+        if st.shutdown {
+            return;
+        }
+        if !st.spawned {
+            let shared = sh.clone();
+            let spawned = std::thread::Builder::new()
+                .name("gpuptr-grow".into())
+                .spawn(move || grow_loop(&shared));
+            if spawned.is_err() {
+                // No thread: grow on this one (as a miss would).
+                drop(st);
+                job();
+                return;
+            }
+            st.spawned = true;
+        }
+        st.jobs.push_back(job);
+        let wake = st.sleeping;
+        drop(st);
+        if wake {
+            sh.work.notify_one();
+        }
+    }
+
+    /// Stop the helper after the job it runs (if any); queued jobs are
+    /// dropped undone. Nobody waits for it.
+    fn shutdown(&self) {
+        let jobs = {
+            let mut st = lock(&self.shared.state);
+            st.shutdown = true;
+            std::mem::take(&mut st.jobs)
+        };
+        self.shared.work.notify_all();
+        self.shared.idle.notify_all();
+        drop(jobs);
+    }
+}
+
+impl Drop for Grower {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn grow_loop(sh: &GrowShared) {
+    short_timer_slack();
+    let mut st = lock(&sh.state);
+    loop {
+        // Sleep until a post wakes it: posts are rare (one per growth), and
+        // a polling helper would take CPU from the threads that allocate.
+        while st.jobs.is_empty() && !st.shutdown {
+            st.sleeping = true;
+            st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
+            st.sleeping = false;
+        }
+        if st.shutdown || crate::fork::forked() {
+            return;
+        }
+        let job = st.jobs.pop_front().expect("checked");
+        st.running = true;
+        drop(st);
+        // A job never panics by design; if one did, the helper lives on
+        // (no unwinding out of a thread others post to).
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        st = lock(&sh.state);
+        st.running = false;
+        if st.jobs.is_empty() {
+            sh.idle.notify_all();
+        }
+    }
+}
+
+/// A miss waits at most this long for the helper's growth of its class.
+const AHEAD_WAIT: Duration = Duration::from_millis(5);
+
 /// A batch of freed blocks waiting for fence `seq`.
 struct Sealed {
     seq: u64,
@@ -446,6 +596,9 @@ struct Shard {
     large_live: FastMap<usize, ClassCount>,
     /// Live bytes and count, and allocations, per client.
     clients: [ClientStats; 4],
+    /// Classes (by index, bit per class) this shard asked the helper to
+    /// grow ahead, not yet served.
+    wanted: u128,
 }
 
 /// Blocks of one class handed out from one shard: now, and at most.
@@ -477,6 +630,7 @@ impl Default for Shard {
             class_live: vec![ClassCount::default(); SMALL_CLASSES],
             large_live: FastMap::default(),
             clients: Default::default(),
+            wanted: 0,
         }
     }
 }
@@ -649,6 +803,9 @@ impl Shard {
         self.stream_bytes = 0;
         self.sealed_bytes = 0;
         self.ready_bytes = 0;
+        // A request for growth ahead whose job can no longer run (its
+        // context went) would otherwise never be asked again.
+        self.wanted = 0;
     }
 }
 
@@ -727,6 +884,9 @@ pub(crate) struct Block {
     /// The driver allocation this request made, if it made one (this block
     /// is its first). Its owner registers each block's range.
     pub new_allocation: Option<Allocation>,
+    /// The pool asks its owner to grow this block's class ahead of demand
+    /// ([`Pool::post_ahead`], then [`Pool::grow_ahead`] on the helper).
+    pub ahead: bool,
 }
 
 /// A driver allocation of the pool: at `base`, `blocks` blocks of `class`
@@ -808,6 +968,15 @@ pub(crate) struct Pool {
     growth: Mutex<Growth>,
     /// The most bytes `held` may hold (`usize::MAX`: no limit).
     limit: AtomicUsize,
+    grower: Grower,
+    /// The shard and class the helper is allocating for now; a miss of
+    /// that class in that shard waits on `grown` rather than ask the driver
+    /// too (the driver makes one allocation at a time).
+    ahead: Mutex<Option<(usize, usize)>>,
+    grown: Condvar,
+    /// Per class index: the ready blocks a shard keeps while it churns that
+    /// class (0: not grown ahead).
+    ahead_blocks: Box<[u32]>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -838,6 +1007,19 @@ impl Pool {
             held: Mutex::new(Held::default()),
             growth: Mutex::new(Growth::default()),
             limit: AtomicUsize::new(usize::MAX),
+            grower: Grower::new(),
+            ahead: Mutex::new(None),
+            grown: Condvar::new(),
+            ahead_blocks: (0..SMALL_CLASSES)
+                .map(|i| {
+                    let class = class_of_index(i);
+                    if config.ahead_bytes < class {
+                        0
+                    } else {
+                        (config.ahead_bytes / class).min(CARVE_MAX) as u32
+                    }
+                })
+                .collect(),
         }
     }
 
@@ -973,18 +1155,20 @@ impl Pool {
     ) -> Result<Block> {
         let class = size_class(size);
         let own = self.own_shard();
-        let block = |address, new_allocation| Block {
+        let block = |address, new_allocation, ahead| Block {
             address,
             class,
             shard: own as u32,
             new_allocation,
+            ahead,
         };
         {
             // The fast path: one lock, the thread's own shard, no driver call.
             let mut sh = self.shard(own);
             if let Some(p) = sh.take(class, stream, self.fencer.done()) {
                 Self::handed_out(&mut sh, size, class, true, client);
-                return Ok(block(p, None));
+                let ahead = self.ahead_wanted(&mut sh, context, class);
+                return Ok(block(p, None, ahead));
             }
             // A miss: start a fence for what this shard holds back, so that
             // it is ready for a later request. Nothing waits for it now.
@@ -993,14 +1177,22 @@ impl Pool {
         }
         if let Some(p) = self.steal(context, own, class, stream) {
             Self::handed_out(&mut self.shard(own), size, class, true, client);
-            return Ok(block(p, None));
+            return Ok(block(p, None, false));
+        }
+        if self.wait_ahead(own, class) {
+            // The helper grew this class meanwhile.
+            let mut sh = self.shard(own);
+            if let Some(p) = sh.take(class, stream, self.fencer.done()) {
+                Self::handed_out(&mut sh, size, class, true, client);
+                return Ok(block(p, None, false));
+            }
         }
         let new = match self.alloc_new(context, class) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {
                     Self::handed_out(&mut self.shard(own), size, class, true, client);
-                    return Ok(block(p, None));
+                    return Ok(block(p, None, false));
                 }
                 // Returning the cache to the driver and retrying is the
                 // owner's step (`trim`): it keeps the registry entries.
@@ -1014,7 +1206,147 @@ impl Pool {
             sh.put_ready(p, class);
         }
         Self::handed_out(&mut sh, size, class, false, client);
-        Ok(block(new.base, Some(new)))
+        let ahead = self.ahead_wanted(&mut sh, context, class);
+        Ok(block(new.base, Some(new), ahead))
+    }
+
+    /// After a hand-out from the calling thread's shard (locked as `sh`):
+    /// whether to ask for growth of `class` ahead of demand. It is asked
+    /// when the shard's ready blocks of that class ran below the target
+    /// while frees wait for a fence, once until served. A fence for those
+    /// frees starts now if none is under way, so on an idle GPU they come
+    /// back soon. A handful of loads and compares otherwise.
+    #[inline]
+    fn ahead_wanted(&self, sh: &mut Shard, context: RawContext, class: usize) -> bool {
+        let Some(i) = class_index(class) else {
+            return false;
+        };
+        if sh.ready[i].len() >= self.ahead_blocks[i] as usize
+            || sh.wanted & (1 << i) != 0
+            || sh.pending_bytes + sh.sealed_bytes == 0
+        {
+            return false;
+        }
+        if !self.fencer.outstanding() {
+            sh.seal(&self.fencer, context, false);
+        }
+        sh.wanted |= 1 << i;
+        true
+    }
+
+    /// Run `job` on the pool's growth helper: the owner's
+    /// [`Pool::grow_ahead`] and [`Pool::stock`] for a block whose
+    /// [`Block::ahead`] was set.
+    pub(crate) fn post_ahead(&self, job: GrowJob) {
+        self.grower.post(job);
+    }
+
+    /// On the helper: one driver allocation that brings shard `shard`'s
+    /// ready blocks of `class` to the target, recorded as held. The owner
+    /// registers its blocks, then hands it to [`Pool::stock`]. `None` (and
+    /// the request is over) when a fence made enough blocks ready
+    /// meanwhile, past [`PoolConfig::ahead_total`], or when the driver
+    /// refuses (out of memory, the pool limit): misses go to the driver
+    /// themselves then, as without growth ahead.
+    pub(crate) fn grow_ahead(
+        &self,
+        context: RawContext,
+        shard: usize,
+        class: usize,
+    ) -> Option<Allocation> {
+        let shard = shard & (self.shards.len() - 1);
+        let want = class_index(class).map_or(0, |i| self.ahead_blocks[i] as usize);
+        let short = {
+            let mut sh = self.shard(shard);
+            sh.promote(self.fencer.done());
+            let have = class_index(class).map_or(0, |i| sh.ready[i].len());
+            // Frees still wait for a fence (a trim since emptied the shard:
+            // nothing to grow for).
+            have < want && sh.pending_bytes + sh.sealed_bytes != 0
+        };
+        let ready: usize = (0..self.shards.len())
+            .map(|i| self.shard(i).ready_bytes)
+            .sum();
+        if !short || ready + want * class > self.config.ahead_total {
+            self.ahead_over(shard, class);
+            return None;
+        }
+        *lock(&self.ahead) = Some((shard, class));
+        match self.allocate(context, class, want) {
+            Ok(a) => Some(a),
+            Err(_) => {
+                self.ahead_over(shard, class);
+                None
+            }
+        }
+    }
+
+    /// Put the blocks of `a` (from [`Pool::grow_ahead`]) in shard `shard`,
+    /// ready for anyone (fresh memory), if `still_valid` says, under the
+    /// shard lock, that its context was not reset meanwhile; else forget
+    /// the record (the memory went with the context) and return `false`.
+    pub(crate) fn stock(
+        &self,
+        shard: usize,
+        a: Allocation,
+        still_valid: impl FnOnce() -> bool,
+    ) -> bool {
+        let shard = shard & (self.shards.len() - 1);
+        let ok = {
+            let mut sh = self.shard(shard);
+            let ok = still_valid();
+            if ok {
+                for p in a.block_addresses() {
+                    sh.put_ready(p, a.class);
+                }
+            }
+            ok
+        };
+        if !ok {
+            let mut held = lock(&self.held);
+            if held.allocations.get(&a.base) == Some(&a) {
+                held.forget(a.base);
+            }
+        }
+        self.ahead_over(shard, a.class);
+        ok
+    }
+
+    /// A request for growth of `class` ahead in `shard` is over: it may be
+    /// asked again, and a miss waiting for it goes on.
+    pub(crate) fn ahead_over(&self, shard: usize, class: usize) {
+        let shard = shard & (self.shards.len() - 1);
+        if let Some(i) = class_index(class) {
+            self.shard(shard).wanted &= !(1 << i);
+        }
+        let mut a = lock(&self.ahead);
+        if *a == Some((shard, class)) {
+            *a = None;
+        }
+        drop(a);
+        self.grown.notify_all();
+    }
+
+    /// A miss of `class` in shard `own` while the helper allocates that
+    /// class for it: wait for the helper (at most [`AHEAD_WAIT`]) rather
+    /// than make a second driver allocation behind it. Whether it waited.
+    fn wait_ahead(&self, own: usize, class: usize) -> bool {
+        let mut a = lock(&self.ahead);
+        if *a != Some((own, class)) || crate::fork::forked() {
+            return false;
+        }
+        let deadline = Instant::now() + AHEAD_WAIT;
+        while *a == Some((own, class)) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            a = self
+                .grown
+                .wait_timeout(a, left)
+                .map_or_else(|p| p.into_inner().0, |r| r.0);
+        }
+        true
     }
 
     /// Seal every shard (stream-held blocks too) and wait for the fence that
@@ -1124,8 +1456,17 @@ impl Pool {
             }
             held.pending += bytes;
         }
+        let started =
+            log::log_enabled!(target: "gpuptr::pool", log::Level::Debug).then(Instant::now);
         // SAFETY: the pool's owner passes its live, retained context.
         let r = unsafe { self.driver.mem_alloc(context, bytes) };
+        if let Some(t) = started {
+            log::debug!(
+                target: "gpuptr::pool",
+                "cuMemAlloc of {bytes} bytes took {} us",
+                t.elapsed().as_micros()
+            );
+        }
         let mut held = lock(&self.held);
         held.pending -= bytes;
         let a = Allocation {
@@ -1346,10 +1687,13 @@ impl Pool {
         self.limit.load(Ordering::Relaxed)
     }
 
-    /// Wait for the fence that covers every block freed so far, and make
-    /// those blocks ready (tests and `synchronize` callers). `false` if the
-    /// fence failed.
+    /// Let growth ahead under way finish, then wait for the fence that
+    /// covers every block freed so far, and make those blocks ready (tests
+    /// and `synchronize` callers). `false` if the fence failed.
     pub(crate) fn flush(&self, context: RawContext) -> bool {
+        // Growth ahead under way finishes first, so that what the pool
+        // holds then stays put (statistics, trims).
+        self.grower.quiesce(Duration::from_secs(1));
         self.seal_all_and_wait(context)
     }
 }
@@ -1418,6 +1762,48 @@ mod tests {
             }
         });
         assert_eq!(pool.stats().live_count, 0);
+        assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
+        assert_eq!(sim.live_bytes(), 0);
+    }
+
+    /// A miss of the class the helper is allocating waits for that
+    /// allocation (the driver would serialise a second one behind it) and
+    /// takes one of its blocks; a helper that never delivers holds a miss
+    /// up for [`AHEAD_WAIT`] at most.
+    #[test]
+    fn a_miss_waits_for_the_helpers_growth_of_its_class_then_takes_from_it() {
+        let sim = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
+        let ctx = sim.primary_context_retain(0).unwrap();
+        let config = PoolConfig {
+            shards: 1,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::new(config, sim.clone());
+        let class = size_class(1 << 16);
+        *lock(&pool.ahead) = Some((0, class));
+        let calls = || sim.calls(crate::driver::CallKind::MemAlloc);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(2));
+                let a = pool.allocate(ctx, class, 4).unwrap();
+                assert!(pool.stock(0, a, || true));
+            });
+            let t = Instant::now();
+            let b = pool.alloc(ctx, 1 << 16, None, 0, Client::Direct).unwrap();
+            assert!(t.elapsed() >= Duration::from_millis(1), "it waited");
+            assert!(b.new_allocation.is_none(), "no driver call of its own");
+            assert_eq!(calls(), 1, "the helper's allocation only");
+            pool.release(ctx, b, 1 << 16, None, Client::Direct, || true);
+        });
+        assert_eq!(*lock(&pool.ahead), None, "the request is over");
+        // Nobody delivers: the miss goes to the driver after the bound.
+        *lock(&pool.ahead) = Some((0, size_class(1 << 18)));
+        let t = Instant::now();
+        let c = pool.alloc(ctx, 1 << 18, None, 0, Client::Direct).unwrap();
+        assert!(t.elapsed() >= AHEAD_WAIT && c.new_allocation.is_some());
+        pool.release(ctx, c, 1 << 18, None, Client::Direct, || true);
+        sim.complete(None);
+        assert!(pool.flush(ctx));
         assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
         assert_eq!(sim.live_bytes(), 0);
     }

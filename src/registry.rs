@@ -45,10 +45,21 @@ impl Registry {
     /// Record `[start, start+size)` as memory of `context`. The same range
     /// registered again (two wraps of one foreign buffer) shares one entry.
     pub fn insert(&self, start: DevicePtr, size: usize, context: &Arc<Context>) -> Registration {
+        self.insert_weak(start, size, &Arc::downgrade(context))
+    }
+
+    /// [`Registry::insert`] for a context held weakly (the pool's growth
+    /// helper, which must not keep a context alive past its last user).
+    pub fn insert_weak(
+        &self,
+        start: DevicePtr,
+        size: usize,
+        context: &Weak<Context>,
+    ) -> Registration {
         let end = start + size as u64;
         let mut map = self.ranges.write().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = map.get_mut(&start) {
-            if e.end == end && e.context.as_ptr() == Arc::as_ptr(context) {
+            if e.end == end && Weak::ptr_eq(&e.context, context) {
                 e.refs += 1;
                 return Registration {
                     start,
@@ -63,7 +74,7 @@ impl Registry {
             start,
             Entry {
                 end,
-                context: Arc::downgrade(context),
+                context: context.clone(),
                 token,
                 refs: 1,
             },

@@ -154,6 +154,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// `GPUPTR_POOL_AHEAD`: [`PoolConfig::ahead_bytes`] (bytes; 0 turns growth
+/// ahead of demand off); the default when unset.
+fn ahead_from_env() -> Result<usize> {
+    match std::env::var("GPUPTR_POOL_AHEAD") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
+            Error::InvalidArgument(format!("GPUPTR_POOL_AHEAD={v:?} is not a number of bytes"))
+        }),
+        _ => Ok(PoolConfig::default().ahead_bytes),
+    }
+}
+
 impl DeviceState {
     fn new(device: usize, driver: &Arc<dyn Driver>, pool: Option<PoolConfig>) -> Self {
         DeviceState {
@@ -245,6 +256,9 @@ impl DeviceState {
             );
         }
         let block = attempt?;
+        if block.ahead {
+            self.post_ahead(pool, ctx, block.shard as usize, block.class);
+        }
         if let Some(new) = block.new_allocation {
             self.register(ctx, &new);
             log::debug!(
@@ -258,6 +272,70 @@ impl DeviceState {
             );
         }
         Ok(block)
+    }
+
+    /// Ask the pool's helper to grow `class` ahead of demand in `shard`
+    /// (see [`PoolConfig::ahead_bytes`]). The job holds the context only
+    /// weakly: it never keeps a context alive, so dropping the last user
+    /// handle still gives the pool back at once, on the caller's thread.
+    fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, shard: usize, class: usize) {
+        let (weak, raw) = (Arc::downgrade(ctx), ctx.raw());
+        let rt = Arc::downgrade(ctx.runtime());
+        let device = self.device;
+        pool.post_ahead(Box::new(move || {
+            if let Some(rt) = rt.upgrade() {
+                rt.device_state(device)
+                    .grow_ahead(&rt, &weak, raw, shard, class);
+            }
+        }));
+    }
+
+    /// On the pool's helper: grow `class` ahead in `shard`, register the
+    /// new blocks, and stock them, while `weak` is still this device's live
+    /// context. All under the recovery lock, which a reset and the last
+    /// drop's teardown take before they give memory or the context back
+    /// (each first clears `raw`): so the context stays retained through the
+    /// driver call, and a reset or teardown waits for at most this one
+    /// allocation and then frees its blocks with the rest.
+    fn grow_ahead(
+        &self,
+        rt: &Arc<Runtime>,
+        weak: &Weak<Context>,
+        raw: RawContext,
+        shard: usize,
+        class: usize,
+    ) {
+        let Some(pool) = &self.pool else {
+            return;
+        };
+        let _recovering = lock(&self.recovery);
+        let live = weak.strong_count() > 0
+            && self.raw.load(Ordering::Acquire) == raw
+            && Weak::ptr_eq(&lock(&self.slot).live, weak);
+        if !live || crate::fork::forked() {
+            pool.ahead_over(shard, class);
+            return;
+        }
+        let Some(a) = pool.grow_ahead(raw, shard, class) else {
+            return;
+        };
+        {
+            let registry = rt.registry();
+            let mut regs = lock(&self.block_regs);
+            for p in a.block_addresses() {
+                regs.insert(p, registry.insert_weak(p, a.class, weak));
+            }
+        }
+        // Under the recovery lock nothing can have reset the context since.
+        pool.stock(shard, a, || true);
+        log::debug!(
+            target: "gpuptr::pool",
+            "device {}: grew ahead by {} bytes ({} block(s) of {} bytes)",
+            self.device,
+            a.bytes(),
+            a.blocks,
+            a.class
+        );
     }
 
     /// Fill the pool with about `bytes` of ready blocks of `size`'s class;
@@ -328,6 +406,11 @@ impl DeviceState {
     /// Return the pool's cache to the driver; the bytes freed.
     pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
         let _recovering = lock(&self.recovery);
+        self.trim_logged(ctx)
+    }
+
+    /// [`DeviceState::trim`], with the recovery lock held.
+    fn trim_logged(&self, ctx: &Context) -> Result<usize> {
         let r = self.trim_locked(ctx);
         match &r {
             Ok(freed) => log::debug!(
@@ -376,7 +459,11 @@ impl DeviceState {
             return Ok(());
         };
         self.forget_raw(ctx.raw());
-        let trimmed = self.trim(&ctx);
+        // One recovery hold for the trim, the invalidation and the forget:
+        // the pool's helper grows only under it, so it neither stocks
+        // blocks of the old context nor records them after the forget.
+        let recovering = lock(&self.recovery);
+        let trimmed = self.trim_logged(&ctx);
         // Invalidate first: the pool then refuses blocks of this context,
         // and forgets the ones it has under the same locks.
         ctx.invalidate();
@@ -384,6 +471,7 @@ impl DeviceState {
             let held = pool.forget();
             self.unregister(ctx.runtime().registry(), held);
         }
+        drop(recovering);
         // After the reset the old CUcontext is dead. Holders of the old
         // Context (stale pointers) release their retain when they go; the
         // runtime's own hold goes now, outside the lock.
@@ -622,7 +710,10 @@ impl Runtime {
             .get_or_init(|| {
                 let pool = match std::env::var("GPUPTR_POOL").as_deref() {
                     Ok("0") | Ok("off") => None,
-                    _ => Some(PoolConfig::default()),
+                    _ => Some(PoolConfig {
+                        ahead_bytes: ahead_from_env()?,
+                        ..PoolConfig::default()
+                    }),
                 };
                 let rt = Runtime::with_pool(driver::open(DriverChoice::from_env()?)?, pool)?;
                 if matches!(std::env::var("GPUPTR_TRACK").as_deref(), Ok("1") | Ok("on")) {

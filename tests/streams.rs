@@ -395,3 +395,131 @@ fn test_a_trim_that_cannot_free_a_block_keeps_it_waiting_for_its_fence() {
         .iter()
         .all(|p| p.view_all().to_vec().unwrap().iter().all(|b| *b == 0)));
 }
+
+/// A busy device (a kernel holds every freed block back) churned at about
+/// a Python loop's pace, 1 MiB at a time: the pool's helper keeps each
+/// churned class stocked ahead of demand, so after the first growth the
+/// allocating thread finds a block every time instead of calling the
+/// driver (`pool_misses` counts its own driver calls). Without growth ahead
+/// the same loop misses at every carve.
+#[test]
+fn test_a_busy_device_is_grown_ahead_on_the_helper_so_allocations_hit() {
+    fn busy_churn(config: PoolConfig) -> (u64, usize) {
+        let drv = Arc::new(SimDriver::new(SimConfig::new(1, 2 << 30)));
+        let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.alloc(1 << 20).unwrap();
+        let a_addr = a.address();
+        drv.queue_write(NON_BLOCKING, a_addr, &[7; 64]).unwrap();
+        drop(a);
+        for _ in 0..20 {
+            drop(ctx.alloc(1 << 20).unwrap());
+        }
+        let misses = rt.stats()[0].pool_misses;
+        for _ in 0..300 {
+            let p = ctx.alloc(1 << 20).unwrap();
+            assert_ne!(p.address(), a_addr, "A's block while the kernel writes it");
+            drop(p);
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        let misses = rt.stats()[0].pool_misses - misses;
+        assert!(rt.stats()[0].pending_bytes >= 300 << 20, "all held back");
+        drv.complete(None);
+        assert_eq!(drv.lost_writes(), 0);
+        assert!(rt.flush_pool(0).unwrap());
+        let s = rt.stats()[0];
+        assert_eq!((s.pending_bytes, s.live_bytes), (0, 0));
+        assert_eq!(
+            s.cached_bytes,
+            drv.live_bytes(),
+            "every block accounted for"
+        );
+        let held = drv.live_bytes();
+        rt.trim().unwrap();
+        assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
+        (misses, held)
+    }
+    let (ahead, held) = busy_churn(PoolConfig::default());
+    let (without, held_without) = busy_churn(PoolConfig {
+        ahead_bytes: 0,
+        ..PoolConfig::default()
+    });
+    assert!(
+        without >= 5,
+        "{without} misses without growth ahead (one per carve)"
+    );
+    assert!(ahead <= 1, "{ahead} misses with growth ahead");
+    // Growth ahead costs at most its target (64 blocks) more memory.
+    assert!(
+        held <= held_without + (64 << 20) + (64 << 20),
+        "{held} vs {held_without}"
+    );
+}
+
+/// Growth ahead happens only while frees of a class wait for a fence, and
+/// by one target (64 blocks) at a time: a device that only allocates grows
+/// nothing ahead, and a paced churn on an idle device (fences come back
+/// between allocations, as in a Python loop) adds about one target.
+#[test]
+fn test_growth_ahead_needs_frees_held_back_and_adds_one_target_at_a_time() {
+    let (drv, rt) = sim_pooled(1, 1 << 30);
+    let ctx = rt.context(0).unwrap();
+    let held: Vec<_> = (0..10).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(rt.flush_pool(0).unwrap());
+    assert_eq!(drv.live_bytes(), 10 << 20, "nothing freed: nothing ahead");
+    drop(held);
+    assert!(rt.flush_pool(0).unwrap());
+    for _ in 0..200 {
+        drop(ctx.alloc(1 << 20).unwrap());
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    assert!(rt.flush_pool(0).unwrap());
+    let s = rt.stats()[0];
+    assert_eq!(s.cached_bytes, drv.live_bytes());
+    assert!(
+        drv.live_bytes() <= (10 + 2 * 64) << 20,
+        "{} bytes held",
+        drv.live_bytes()
+    );
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+}
+
+/// Resets racing the helper's growth: no block of a reset context is ever
+/// stocked or handed out, no registration is left behind, nothing leaks.
+#[test]
+fn test_resets_racing_growth_ahead_leave_no_stale_block_or_registration() {
+    let (drv, rt) = sim_pooled(1, 2 << 30);
+    for round in 0..20 {
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.alloc(1 << 20).unwrap();
+        drv.queue_write(NON_BLOCKING, a.address(), &[1; 8]).unwrap();
+        drop(a);
+        for _ in 0..(round * 7 % 90) {
+            drop(ctx.alloc(1 << 20).unwrap());
+        }
+        // The kernel ends (a reset's trim waits for the device, as
+        // cuMemFree does); growth ahead may still be queued or under way.
+        drv.complete(None);
+        rt.reset(0).unwrap();
+        drop(ctx);
+        let fresh = rt.context(0).unwrap();
+        let p = fresh.alloc(1 << 20).unwrap();
+        assert!(Arc::ptr_eq(
+            &rt.context_of(p.address() + 3).unwrap(),
+            &fresh
+        ));
+        p.view_all().memset(5, None).unwrap();
+        assert!(p.view_all().to_vec().unwrap().iter().all(|b| *b == 5));
+        drop(p);
+        assert!(rt.flush_pool(0).unwrap());
+        rt.trim().unwrap();
+        assert_eq!(
+            (drv.live_bytes(), rt.registered_ranges()),
+            (0, 0),
+            "round {round}"
+        );
+    }
+    assert_eq!(drv.lost_writes(), 0);
+}

@@ -184,3 +184,49 @@ def test_reserve_fills_the_pool_ahead_of_demand_and_trim_gives_it_back(no_leaks)
 def test_reserve_rejects_bad_arguments_with_typed_errors(kwargs, error):
     with pytest.raises(error):
         gpuptr.reserve(**kwargs)
+
+
+_BUSY_CHURN = """
+import time, gpuptr
+from gpuptr import _testing
+a = gpuptr.alloc(1 << 20)
+_testing.sim_queue_write(0x7000, a.device_pointer_value, b"\\x01" * 8)  # a kernel holds frees back
+a.free()
+for _ in range(20):
+    gpuptr.alloc(1 << 20).free()
+before = gpuptr.stats()[0]["pool_misses"]
+for _ in range(300):
+    gpuptr.alloc(1 << 20).free()
+    time.sleep(50e-6)
+print(gpuptr.stats()[0]["pool_misses"] - before)
+_testing.sim_complete()
+"""
+
+
+@pytest.mark.parametrize("ahead", [None, "0"])
+def test_a_busy_churn_is_grown_ahead_unless_gpuptr_pool_ahead_is_0(ahead):
+    """At a Python loop's pace on a busy device, the pool's helper keeps
+    1 MiB blocks in stock, so the loop's own driver calls (misses) stop after
+    the first; ``GPUPTR_POOL_AHEAD=0`` turns that off (a miss per carve)."""
+    # Room for 300 MiB held back (out of memory would wait for the kernel,
+    # which the simulator ends only at the script's end).
+    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_MEMORY=str(2 << 30))
+    env.pop("GPUPTR_POOL_AHEAD", None)
+    if ahead is not None:
+        env["GPUPTR_POOL_AHEAD"] = ahead
+    out = subprocess.run([sys.executable, "-c", _BUSY_CHURN], env=env, capture_output=True, text=True, check=True)
+    misses = int(out.stdout.split()[-1])
+    if ahead is None:
+        assert misses <= 1, misses
+    else:
+        assert misses >= 5, misses
+
+
+def test_a_bad_gpuptr_pool_ahead_is_a_typed_error_naming_it():
+    code = (
+        "import gpuptr\ntry:\n    gpuptr.alloc(8)\n"
+        "except gpuptr.InvalidArgumentError as e:\n    print('InvalidArgumentError', e)\n"
+    )
+    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_POOL_AHEAD="lots")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("InvalidArgumentError") and "GPUPTR_POOL_AHEAD" in out.stdout

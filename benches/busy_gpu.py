@@ -35,6 +35,7 @@ def main() -> int:
     for name, r in rows.items():
         print(f"{name:8s} {r['median_ns'] / 1e3:10.1f} {r['p99_ns'] / 1e3:8.1f} {r['worst_ns'] / 1e3:12.1f}"
               f" {r['total_ns'] / 1e6:10.2f}  {r['busy']}  slowest pairs {r['slowest_pairs']} ({r['slowest_us']} µs)")
+        print(f"{'':8s} first pairs, µs: {r.get('first_us')}")
     g = rows.get("gpuptr")
     print("worst after the first pair (slow under every manager):",
           ", ".join(f"{n} {r['worst_after_first_ns'] / 1e3:.1f} µs" for n, r in rows.items()))

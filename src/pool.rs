@@ -552,6 +552,11 @@ fn grow_loop(sh: &GrowShared) {
     }
 }
 
+/// Hand-outs a shard lets pass before it asks for growth ahead again,
+/// after the helper found a fence had made the stock up (see
+/// `Shard::ahead_cooldown`).
+const AHEAD_COOLDOWN: u32 = 1024;
+
 /// A miss waits at most this long for the helper's growth of its class.
 const AHEAD_WAIT: Duration = Duration::from_millis(5);
 
@@ -599,6 +604,10 @@ struct Shard {
     /// Classes (by index, bit per class) this shard asked the helper to
     /// grow ahead, not yet served.
     wanted: u128,
+    /// Hand-outs that would ask for growth ahead but wait, after the helper
+    /// found nothing to grow (a fence had made the stock up again): a tight
+    /// loop on an idle GPU would otherwise wake it at every dip.
+    ahead_cooldown: u32,
 }
 
 /// Blocks of one class handed out from one shard: now, and at most.
@@ -631,6 +640,7 @@ impl Default for Shard {
             large_live: FastMap::default(),
             clients: Default::default(),
             wanted: 0,
+            ahead_cooldown: 0,
         }
     }
 }
@@ -1167,7 +1177,7 @@ impl Pool {
             let mut sh = self.shard(own);
             if let Some(p) = sh.take(class, stream, self.fencer.done()) {
                 Self::handed_out(&mut sh, size, class, true, client);
-                let ahead = self.ahead_wanted(&mut sh, context, class);
+                let ahead = self.ahead_wanted(&mut sh, class);
                 return Ok(block(p, None, ahead));
             }
             // A miss: start a fence for what this shard holds back, so that
@@ -1206,18 +1216,18 @@ impl Pool {
             sh.put_ready(p, class);
         }
         Self::handed_out(&mut sh, size, class, false, client);
-        let ahead = self.ahead_wanted(&mut sh, context, class);
+        let ahead = self.ahead_wanted(&mut sh, class);
         Ok(block(new.base, Some(new), ahead))
     }
 
     /// After a hand-out from the calling thread's shard (locked as `sh`):
     /// whether to ask for growth of `class` ahead of demand. It is asked
     /// when the shard's ready blocks of that class ran below the target
-    /// while frees wait for a fence, once until served. A fence for those
-    /// frees starts now if none is under way, so on an idle GPU they come
-    /// back soon. A handful of loads and compares otherwise.
+    /// while frees wait for a fence, once until served. A handful of loads
+    /// and compares; no shared atomic (four threads paid 50 ns a pair when
+    /// this also started fences early).
     #[inline]
-    fn ahead_wanted(&self, sh: &mut Shard, context: RawContext, class: usize) -> bool {
+    fn ahead_wanted(&self, sh: &mut Shard, class: usize) -> bool {
         let Some(i) = class_index(class) else {
             return false;
         };
@@ -1227,8 +1237,9 @@ impl Pool {
         {
             return false;
         }
-        if !self.fencer.outstanding() {
-            sh.seal(&self.fencer, context, false);
+        if sh.ahead_cooldown > 0 {
+            sh.ahead_cooldown -= 1;
+            return false;
         }
         sh.wanted |= 1 << i;
         true
@@ -1256,18 +1267,23 @@ impl Pool {
     ) -> Option<Allocation> {
         let shard = shard & (self.shards.len() - 1);
         let want = class_index(class).map_or(0, |i| self.ahead_blocks[i] as usize);
-        let short = {
+        let (short, held_back) = {
             let mut sh = self.shard(shard);
             sh.promote(self.fencer.done());
             let have = class_index(class).map_or(0, |i| sh.ready[i].len());
-            // Frees still wait for a fence (a trim since emptied the shard:
-            // nothing to grow for).
-            have < want && sh.pending_bytes + sh.sealed_bytes != 0
+            (have < want, sh.pending_bytes + sh.sealed_bytes != 0)
         };
         let ready: usize = (0..self.shards.len())
             .map(|i| self.shard(i).ready_bytes)
             .sum();
-        if !short || ready + want * class > self.config.ahead_total {
+        // Not when frees no longer wait for a fence (a trim emptied the
+        // shard since), or a fence made the stock up meanwhile (an idle
+        // GPU): then the shard asks again only after AHEAD_COOLDOWN more
+        // hand-outs that would.
+        if !short || !held_back || ready + want * class > self.config.ahead_total {
+            if !short {
+                self.shard(shard).ahead_cooldown = AHEAD_COOLDOWN;
+            }
             self.ahead_over(shard, class);
             return None;
         }

@@ -202,16 +202,9 @@ def main() -> int:
 
 
 
-FIRST = r"""
-# What is slow in the first pair after a launch (every manager's pair 0 is):
-# each operation timed alone right after the launch, in the order given.
-import json, sys, time, gc
-import numpy as np
-from numba import cuda
-import cupy as cp
-order = sys.argv[1].split(",")
-delay = float(sys.argv[2])
-
+# The child scripts' shared start: the spin kernel, a non-blocking CuPy
+# stream, and 20 idle device_array pairs (as the bench's busy rows).
+_SETUP = r"""
 @cuda.jit
 def spin(a, ms):
     for _ in range(ms):
@@ -223,7 +216,20 @@ s = cuda.external_stream(cs.ptr)
 flag = cuda.device_array(1, np.int32)
 for _ in range(20):
     cuda.device_array(1 << 20, np.uint8)
-import gpuptr
+"""
+
+
+FIRST = r"""
+# What is slow in the first pair after a launch (every manager's pair 0 is):
+# each operation timed alone right after the launch, in the order given.
+import json, sys, time, gc
+import numpy as np
+from numba import cuda
+import cupy as cp
+order = sys.argv[1].split(",")
+delay = float(sys.argv[2])
+
+""" + _SETUP + r"""import gpuptr
 from cuda.bindings import driver as cu
 gpuptr.reserve(64 << 20, 1 << 20)
 cuda.synchronize()
@@ -269,18 +275,7 @@ class H(logging.Handler):
         recs.append((r.created, r.threadName, r.getMessage()))
 lg = logging.getLogger("gpuptr"); lg.addHandler(H()); lg.setLevel(logging.DEBUG); lg.propagate = False
 
-@cuda.jit
-def spin(a, ms):
-    for _ in range(ms):
-        cuda.nanosleep(1000000)
-    a[0] = 1
-
-cs = cp.cuda.Stream(non_blocking=True)
-s = cuda.external_stream(cs.ptr)
-flag = cuda.device_array(1, np.int32)
-for _ in range(20):
-    cuda.device_array(1 << 20, np.uint8)
-cuda.synchronize()
+""" + _SETUP + r"""cuda.synchronize()
 spin[1, 1, s](flag, 1500)
 gc.collect(); gc.disable()
 recs.clear()

@@ -273,15 +273,19 @@ fn test_growth_under_one_long_fence_doubles_up_to_64_mib_per_driver_call() {
     drop(ctx.alloc(1 << 20).unwrap()); // a fence is outstanding from here
     let calls = drv.calls(CallKind::MemAlloc);
     let blocks: Vec<_> = (0..300).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
-    // 8 + 16 + 32 + 64 + 64 + 64 + 64 MiB: seven calls, not 38 of 8 MiB.
+    // 8 + 16 + 32 + 64 + 64 + 64 + 64 MiB: seven calls, not 38 of 8 MiB
+    // (the helper's growth ahead, 64 MiB a call, may take some of them).
     let grew = drv.calls(CallKind::MemAlloc) - calls;
-    assert!(grew <= 8, "{grew} driver calls for 300 blocks");
-    assert!(
-        drv.live_bytes() <= (300 + 2 + 64) << 20,
-        "at most one carve ahead of demand"
-    );
+    let live = drv.live_bytes();
+    // Let the queued work end first: a failed assertion must not leave the
+    // teardown's cuMemFree waiting for it.
     drop(blocks);
     drv.complete(None);
+    assert!(grew <= 10, "{grew} driver calls for 300 blocks");
+    assert!(
+        live <= (300 + 2 + 64 + 64) << 20,
+        "{live}: at most one carve and one growth ahead of demand"
+    );
 }
 
 #[test]
@@ -295,13 +299,19 @@ fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
     drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
         .unwrap();
     drop(first);
-    let calls = drv.calls(CallKind::MemAlloc);
+    let misses = rt.stats()[0].pool_misses;
+    let mut resolved = true;
     for _ in 0..90 {
         let p = ctx.alloc(1 << 20).unwrap();
-        assert!(Arc::ptr_eq(&rt.context_of(p.address() + 5).unwrap(), &ctx));
+        resolved &= Arc::ptr_eq(&rt.context_of(p.address() + 5).unwrap(), &ctx);
     }
-    assert_eq!(drv.calls(CallKind::MemAlloc), calls, "no driver call");
+    // End the queued work before asserting (a failed assertion must not
+    // leave the teardown's cuMemFree waiting for it).
     drv.complete(None);
+    assert!(resolved);
+    // The allocating thread made no driver call (the pool's helper may
+    // have grown ahead meanwhile: frees are held back).
+    assert_eq!(rt.stats()[0].pool_misses, misses, "no driver call");
     // A device too small for the whole reservation keeps what it got.
     let (_, small) = sim_pooled(1, 10 << 20);
     let got = small

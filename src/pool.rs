@@ -77,6 +77,8 @@ pub struct PoolConfig {
     /// larger than this are not grown ahead. Zero: off.
     pub ahead_bytes: usize,
     /// The most ready bytes the pool holds before it stops growing ahead.
+    /// Growth ahead also stops while it would leave less than a quarter of
+    /// the device's memory free.
     pub ahead_total: usize,
 }
 
@@ -462,19 +464,13 @@ impl Grower {
     /// whether it had.
     fn quiesce(&self, limit: Duration) -> bool {
         let sh = &self.shared;
-        let deadline = Instant::now() + limit;
-        let mut st = lock(&sh.state);
-        while (st.running || !st.jobs.is_empty()) && !st.shutdown && !crate::fork::forked() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            st = sh
-                .idle
-                .wait_timeout(st, left)
-                .map_or_else(|p| p.into_inner().0, |r| r.0);
-        }
-        true
+        let (_st, waited) = sh
+            .idle
+            .wait_timeout_while(lock(&sh.state), limit, |st| {
+                (st.running || !st.jobs.is_empty()) && !st.shutdown && !crate::fork::forked()
+            })
+            .unwrap_or_else(|p| p.into_inner());
+        !waited.timed_out()
     }
 
     fn post(&self, job: GrowJob) {
@@ -556,6 +552,10 @@ fn grow_loop(sh: &GrowShared) {
 /// after the helper found a fence had made the stock up (see
 /// `Shard::ahead_cooldown`).
 const AHEAD_COOLDOWN: u32 = 1024;
+
+/// Growth ahead leaves at least this fraction (1/n) of the device's memory
+/// free.
+const AHEAD_HEADROOM: usize = 4;
 
 /// A miss waits at most this long for the helper's growth of its class.
 const AHEAD_WAIT: Duration = Duration::from_millis(5);
@@ -1049,8 +1049,12 @@ impl Pool {
 
     pub(crate) fn stats(&self) -> PoolStats {
         let mut s = PoolStats::default();
+        let done = self.fencer.done();
         for i in 0..self.shards.len() {
-            let sh = self.shard(i);
+            let mut sh = self.shard(i);
+            // Batches whose fence is done no longer wait: a shard whose
+            // thread stopped allocating would report them pending forever.
+            sh.promote(done);
             s.live_bytes += sh.live_bytes;
             s.live_count += sh.live_count();
             s.peak_bytes += sh.peak_bytes;
@@ -1164,6 +1168,7 @@ impl Pool {
         client: Client,
     ) -> Result<Block> {
         let class = size_class(size);
+        let index = class_index(class);
         let own = self.own_shard();
         let block = |address, new_allocation, ahead| Block {
             address,
@@ -1177,7 +1182,7 @@ impl Pool {
             let mut sh = self.shard(own);
             if let Some(p) = sh.take(class, stream, self.fencer.done()) {
                 Self::handed_out(&mut sh, size, class, true, client);
-                let ahead = self.ahead_wanted(&mut sh, class);
+                let ahead = self.ahead_wanted(&mut sh, index);
                 return Ok(block(p, None, ahead));
             }
             // A miss: start a fence for what this shard holds back, so that
@@ -1216,19 +1221,19 @@ impl Pool {
             sh.put_ready(p, class);
         }
         Self::handed_out(&mut sh, size, class, false, client);
-        let ahead = self.ahead_wanted(&mut sh, class);
+        let ahead = self.ahead_wanted(&mut sh, index);
         Ok(block(new.base, Some(new), ahead))
     }
 
     /// After a hand-out from the calling thread's shard (locked as `sh`):
-    /// whether to ask for growth of `class` ahead of demand. It is asked
+    /// whether to ask for growth of the class at `index` (`class_index`) ahead of demand. It is asked
     /// when the shard's ready blocks of that class ran below the target
     /// while frees wait for a fence, once until served. A handful of loads
     /// and compares; no shared atomic (four threads paid 50 ns a pair when
     /// this also started fences early).
     #[inline]
-    fn ahead_wanted(&self, sh: &mut Shard, class: usize) -> bool {
-        let Some(i) = class_index(class) else {
+    fn ahead_wanted(&self, sh: &mut Shard, index: Option<usize>) -> bool {
+        let Some(i) = index else {
             return false;
         };
         if sh.ready[i].len() >= self.ahead_blocks[i] as usize
@@ -1256,9 +1261,12 @@ impl Pool {
     /// ready blocks of `class` to the target, recorded as held. The owner
     /// registers its blocks, then hands it to [`Pool::stock`]. `None` (and
     /// the request is over) when a fence made enough blocks ready
-    /// meanwhile, past [`PoolConfig::ahead_total`], or when the driver
-    /// refuses (out of memory, the pool limit): misses go to the driver
-    /// themselves then, as without growth ahead.
+    /// meanwhile, when the pool's ready bytes would pass
+    /// [`PoolConfig::ahead_total`], when the device would be left with less
+    /// than a quarter of its memory free, or when the driver refuses (the
+    /// pool limit): misses go to the driver themselves then, as without
+    /// growth ahead, and the shard asks again only after
+    /// [`AHEAD_COOLDOWN`] more hand-outs that would.
     pub(crate) fn grow_ahead(
         &self,
         context: RawContext,
@@ -1266,66 +1274,67 @@ impl Pool {
         class: usize,
     ) -> Option<Allocation> {
         let shard = shard & (self.shards.len() - 1);
-        let want = class_index(class).map_or(0, |i| self.ahead_blocks[i] as usize);
-        let (short, held_back) = {
+        let grown = self.ahead_allocation(context, shard, class);
+        if grown.is_none() {
+            // Without a pause, a shard that stays short (past the budget, an
+            // idle GPU's lagging fence) would ask at every hand-out, and each
+            // ask costs the helper a look at every shard.
+            self.shard(shard).ahead_cooldown = AHEAD_COOLDOWN;
+            self.ahead_over(shard, class);
+        }
+        grown
+    }
+
+    /// [`Pool::grow_ahead`]'s checks and allocation.
+    fn ahead_allocation(
+        &self,
+        context: RawContext,
+        shard: usize,
+        class: usize,
+    ) -> Option<Allocation> {
+        let i = class_index(class)?;
+        let want = self.ahead_blocks[i] as usize;
+        let bytes = want * class;
+        {
             let mut sh = self.shard(shard);
             sh.promote(self.fencer.done());
-            let have = class_index(class).map_or(0, |i| sh.ready[i].len());
-            (have < want, sh.pending_bytes + sh.sealed_bytes != 0)
-        };
+            // Not when a fence made the stock up meanwhile (an idle GPU), or
+            // frees no longer wait for one (a trim emptied the shard since).
+            if sh.ready[i].len() >= want || sh.pending_bytes + sh.sealed_bytes == 0 {
+                return None;
+            }
+        }
         let ready: usize = (0..self.shards.len())
             .map(|i| self.shard(i).ready_bytes)
             .sum();
-        // Not when frees no longer wait for a fence (a trim emptied the
-        // shard since), or a fence made the stock up meanwhile (an idle
-        // GPU): then the shard asks again only after AHEAD_COOLDOWN more
-        // hand-outs that would.
-        if !short || !held_back || ready + want * class > self.config.ahead_total {
-            if !short {
-                self.shard(shard).ahead_cooldown = AHEAD_COOLDOWN;
-            }
-            self.ahead_over(shard, class);
+        if ready + bytes > self.config.ahead_total {
+            return None;
+        }
+        // Leave room: growth ahead must never be why another allocation runs
+        // out of memory (which would then wait for the busy GPU's fence).
+        // SAFETY: the owner passes its live context, kept retained across
+        // this call (see `DeviceState::grow_ahead`).
+        let (free, total) = unsafe { self.driver.mem_get_info(context) }.ok()?;
+        if free < bytes.saturating_add(total / AHEAD_HEADROOM) {
             return None;
         }
         *lock(&self.ahead) = Some((shard, class));
-        match self.allocate(context, class, want) {
-            Ok(a) => Some(a),
-            Err(_) => {
-                self.ahead_over(shard, class);
-                None
-            }
-        }
+        self.allocate(context, class, want).ok()
     }
 
     /// Put the blocks of `a` (from [`Pool::grow_ahead`]) in shard `shard`,
-    /// ready for anyone (fresh memory), if `still_valid` says, under the
-    /// shard lock, that its context was not reset meanwhile; else forget
-    /// the record (the memory went with the context) and return `false`.
-    pub(crate) fn stock(
-        &self,
-        shard: usize,
-        a: Allocation,
-        still_valid: impl FnOnce() -> bool,
-    ) -> bool {
+    /// ready for anyone (fresh memory), and end the request. The owner
+    /// calls it under the lock that a reset of its context takes, so the
+    /// context cannot have gone since the allocation.
+    pub(crate) fn stock(&self, shard: usize, a: Allocation) {
         let shard = shard & (self.shards.len() - 1);
-        let ok = {
+        {
             let mut sh = self.shard(shard);
-            let ok = still_valid();
-            if ok {
-                for p in a.block_addresses() {
-                    sh.put_ready(p, a.class);
-                }
-            }
-            ok
-        };
-        if !ok {
-            let mut held = lock(&self.held);
-            if held.allocations.get(&a.base) == Some(&a) {
-                held.forget(a.base);
+            for p in a.block_addresses() {
+                sh.put_ready(p, a.class);
             }
         }
         self.ahead_over(shard, a.class);
-        ok
     }
 
     /// A request for growth of `class` ahead in `shard` is over: it may be
@@ -1347,21 +1356,15 @@ impl Pool {
     /// class for it: wait for the helper (at most [`AHEAD_WAIT`]) rather
     /// than make a second driver allocation behind it. Whether it waited.
     fn wait_ahead(&self, own: usize, class: usize) -> bool {
-        let mut a = lock(&self.ahead);
+        let a = lock(&self.ahead);
         if *a != Some((own, class)) || crate::fork::forked() {
             return false;
         }
-        let deadline = Instant::now() + AHEAD_WAIT;
-        while *a == Some((own, class)) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            a = self
-                .grown
-                .wait_timeout(a, left)
-                .map_or_else(|p| p.into_inner().0, |r| r.0);
-        }
+        drop(
+            self.grown
+                .wait_timeout_while(a, AHEAD_WAIT, |a| *a == Some((own, class)))
+                .unwrap_or_else(|p| p.into_inner()),
+        );
         true
     }
 
@@ -1805,7 +1808,7 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(1));
-                assert!(pool.stock(0, a, || true));
+                pool.stock(0, a);
             });
             let b = pool.alloc(ctx, 1 << 16, None, 0, Client::Direct).unwrap();
             assert!(b.new_allocation.is_none(), "no driver call of its own");

@@ -327,7 +327,7 @@ impl DeviceState {
             }
         }
         // Under the recovery lock nothing can have reset the context since.
-        pool.stock(shard, a, || true);
+        pool.stock(shard, a);
         log::debug!(
             target: "gpuptr::pool",
             "device {}: grew ahead by {} bytes ({} block(s) of {} bytes)",

@@ -23,10 +23,6 @@ if os.environ.get("GPUPTR_DRIVER", "").strip().lower() == "sim":
     os.environ.setdefault("GPUPTR_SIM_DEVICES", "2")
     # Small devices, so capacity OOM is cheap to reach.
     os.environ.setdefault("GPUPTR_SIM_MEMORY", str(256 << 20))
-    # Growth ahead (up to 64 MiB a class) can fill this small simulated
-    # device, and out of memory then waits for queued work the tests never
-    # complete; test_sim.py tests growth ahead with room of its own.
-    os.environ.setdefault("GPUPTR_POOL_AHEAD", "0")
 
 import gpuptr  # noqa: E402
 

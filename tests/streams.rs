@@ -537,3 +537,89 @@ fn test_resets_racing_growth_ahead_leave_no_stale_block_or_registration() {
     }
     assert_eq!(drv.lost_writes(), 0);
 }
+
+/// Growth ahead leaves a quarter of a busy device free: it is never why
+/// another allocation runs out of memory, which would then wait for the
+/// kernel (the Python suite's 256 MiB device hung so, when the helper had
+/// grown every churned class ahead).
+#[test]
+fn test_growth_ahead_leaves_a_quarter_of_a_busy_device_free() {
+    let total = 2usize << 30;
+    let drv = Arc::new(SimDriver::new(SimConfig::new(1, total)));
+    // 64 blocks of each class churned below: 256-512 MiB a class, with no
+    // budget of ready bytes to stop it first.
+    let config = PoolConfig {
+        ahead_bytes: 512 << 20,
+        ahead_total: 64 << 30,
+        ..PoolConfig::default()
+    };
+    let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
+    let ctx = rt.context(0).unwrap();
+    let a = ctx.alloc(1 << 20).unwrap();
+    drv.queue_write(NON_BLOCKING, a.address(), &[7; 64])
+        .unwrap();
+    drop(a);
+    for mib in [4, 5, 6, 7, 8] {
+        drop(ctx.alloc(mib << 20).unwrap());
+    }
+    // Let the helper run out of jobs: the device's use stays put 100 ms.
+    let (mut last, mut since) = (drv.live_bytes(), Instant::now());
+    let start = Instant::now();
+    while since.elapsed() < Duration::from_millis(100) && start.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+        if drv.live_bytes() != last {
+            (last, since) = (drv.live_bytes(), Instant::now());
+        }
+    }
+    let used = drv.live_bytes();
+    assert!(used > 256 << 20, "{used} bytes: nothing was grown ahead");
+    // An allocation of most of the last quarter finds room at once (on a
+    // thread of its own, so a failure ends the kernel instead of hanging).
+    let big = std::thread::spawn({
+        let ctx = ctx.clone();
+        move || ctx.alloc(total / 4 - (64 << 20)).map(|p| p.address())
+    });
+    let start = Instant::now();
+    while !big.is_finished() && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let waited = !big.is_finished();
+    drv.complete(None);
+    let got = big.join().unwrap();
+    assert!(
+        used <= total - total / 4,
+        "growth ahead left {} MiB of {} free",
+        (total - used) >> 20,
+        total >> 20
+    );
+    assert!(
+        !waited && got.is_ok(),
+        "the big allocation waited for the kernel: {got:?}"
+    );
+    assert_eq!(drv.lost_writes(), 0);
+}
+
+/// `pending_bytes` counts only what still waits for a fence: batches whose
+/// fence is done are ready, even in a shard whose thread stopped
+/// allocating (its blocks were reported pending forever before).
+#[test]
+fn test_stats_stop_counting_a_batch_as_pending_once_its_fence_is_done() {
+    let (_drv, rt) = sim_pooled(1, 256 << 20);
+    let ctx = rt.context(0).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let held: Vec<_> = (0..40).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+            drop(held); // 32 sealed for a fence, 8 pending
+        });
+    });
+    assert_eq!(rt.stats()[0].live_bytes, 0);
+    let start = Instant::now();
+    let mut pending = rt.stats()[0].pending_bytes;
+    while pending > 8 << 20 && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+        pending = rt.stats()[0].pending_bytes;
+    }
+    assert_eq!(pending, 8 << 20, "only the unsealed 8 blocks wait");
+    assert_eq!(rt.stats()[0].cached_bytes, 40 << 20);
+}

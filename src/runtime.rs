@@ -154,17 +154,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `GPUPTR_POOL_AHEAD`: [`PoolConfig::ahead_bytes`] (bytes; 0 turns growth
-/// ahead of demand off); the default when unset.
-fn ahead_from_env() -> Result<usize> {
-    match std::env::var("GPUPTR_POOL_AHEAD") {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
-            Error::InvalidArgument(format!("GPUPTR_POOL_AHEAD={v:?} is not a number of bytes"))
-        }),
-        _ => Ok(PoolConfig::default().ahead_bytes),
-    }
-}
-
 impl DeviceState {
     fn new(device: usize, driver: &Arc<dyn Driver>, pool: Option<PoolConfig>) -> Self {
         DeviceState {
@@ -319,13 +308,7 @@ impl DeviceState {
         let Some(a) = pool.grow_ahead(raw, shard, class) else {
             return;
         };
-        {
-            let registry = rt.registry();
-            let mut regs = lock(&self.block_regs);
-            for p in a.block_addresses() {
-                regs.insert(p, registry.insert_weak(p, a.class, weak));
-            }
-        }
+        self.register_weak(rt.registry(), weak, &a);
         // Under the recovery lock nothing can have reset the context since.
         pool.stock(shard, a);
         log::debug!(
@@ -387,10 +370,15 @@ impl DeviceState {
     /// wrap inside one is bound-checked against that block, not its
     /// neighbours in the allocation.
     fn register(&self, ctx: &Arc<Context>, a: &Allocation) {
-        let registry = ctx.runtime().registry();
+        self.register_weak(ctx.runtime().registry(), &Arc::downgrade(ctx), a);
+    }
+
+    /// [`DeviceState::register`] for a context held weakly (the pool's
+    /// growth helper).
+    fn register_weak(&self, registry: &Registry, ctx: &Weak<Context>, a: &Allocation) {
         let mut regs = lock(&self.block_regs);
         for p in a.block_addresses() {
-            regs.insert(p, registry.insert(p, a.class, ctx));
+            regs.insert(p, registry.insert_weak(p, a.class, ctx));
         }
     }
 
@@ -711,7 +699,11 @@ impl Runtime {
                 let pool = match std::env::var("GPUPTR_POOL").as_deref() {
                     Ok("0") | Ok("off") => None,
                     _ => Some(PoolConfig {
-                        ahead_bytes: ahead_from_env()?,
+                        // Bytes; 0 turns growth ahead of demand off.
+                        ahead_bytes: crate::error::env_usize(
+                            "GPUPTR_POOL_AHEAD",
+                            PoolConfig::default().ahead_bytes,
+                        )?,
                         ..PoolConfig::default()
                     }),
                 };

@@ -75,14 +75,7 @@ impl SimConfig {
     /// Read `GPUPTR_SIM_DEVICES` (default 1) and `GPUPTR_SIM_MEMORY` (bytes,
     /// default 1 GiB).
     pub fn from_env() -> Result<Self> {
-        fn read(name: &str, default: usize) -> Result<usize> {
-            match std::env::var(name) {
-                Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
-                    Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
-                }),
-                _ => Ok(default),
-            }
-        }
+        use crate::error::env_usize as read;
         let d = SimConfig::default();
         let devices = read("GPUPTR_SIM_DEVICES", d.devices)?;
         if devices > MAX_DEVICES {

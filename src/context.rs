@@ -1,31 +1,31 @@
 //! [`Context`]: a device's primary CUDA context, retained while any holder
 //! (a pointer, a view, a Python object) keeps it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::device::DeviceState;
 use crate::driver::{Driver, RawContext, RawStream};
 use crate::error::Result;
-use crate::memory::{Client, DevicePointer};
-use crate::track::Site;
-
-use crate::runtime::Runtime;
 
 /// A retained primary context. Shared through `Arc`: creating the first one
 /// for a device calls `cuDevicePrimaryCtxRetain`, and dropping the last one
-/// calls `cuDevicePrimaryCtxRelease`. [`Runtime::context`] hands out one live
-/// `Context` per device.
-// Aligned so that the fields every pointer reads (runtime, device, raw,
-// generation) do not share a cache line with the `Arc` counts that every
-// pointer writes: threads allocating at once then only contend on the count.
+/// calls `cuDevicePrimaryCtxRelease`. [`Runtime::context`](crate::Runtime::context)
+/// hands out one live `Context` per device.
+///
+/// A context is a leaf handle: its device's state (the pool, the epoch,
+/// the counters) is owned by that device, which the context holds, so the
+/// device outlives every context and pointer of it.
+// Aligned so that the fields every pointer reads (state, device, raw) do
+// not share a cache line with the `Arc` counts that every pointer writes:
+// threads allocating at once then only contend on the count.
 #[repr(align(128))]
 pub struct Context {
-    runtime: Arc<Runtime>,
+    state: Arc<DeviceState>,
     device: usize,
     raw: RawContext,
-    /// Bumped when the context is reset behind gpuptr's back; allocations
-    /// from an older generation are never freed.
-    generation: AtomicU64,
+    /// The device's reset epoch when this context was retained: it owns the
+    /// device's pool while the epoch is still that.
+    born: u64,
 }
 
 impl std::fmt::Debug for Context {
@@ -38,15 +38,17 @@ impl std::fmt::Debug for Context {
 }
 
 impl Context {
-    /// Retain `device`'s primary context. Use [`Runtime::context`], which
-    /// shares one `Context` per device.
-    pub(crate) fn retain(runtime: Arc<Runtime>, device: usize) -> Result<Self> {
-        let raw = runtime.driver().primary_context_retain(device)?;
+    /// Retain the primary context of `state`'s device. Use
+    /// [`Runtime::context`](crate::Runtime::context), which shares one
+    /// `Context` per device.
+    pub(crate) fn retain(state: Arc<DeviceState>) -> Result<Self> {
+        let device = state.ordinal();
+        let raw = state.driver().primary_context_retain(device)?;
         Ok(Context {
-            runtime,
+            born: state.epoch(),
+            state,
             device,
             raw,
-            generation: AtomicU64::new(0),
         })
     }
 
@@ -62,43 +64,30 @@ impl Context {
         self.raw
     }
 
-    /// The runtime this context belongs to.
-    #[inline]
-    pub fn runtime(&self) -> &Arc<Runtime> {
-        &self.runtime
-    }
-
     #[inline]
     pub(crate) fn driver(&self) -> &dyn Driver {
-        self.runtime.driver().as_ref()
+        self.state.driver()
     }
 
-    /// The current generation (see [`Context::invalidate`]).
+    /// The current generation: the device's reset epoch (see
+    /// [`Context::invalidate`]).
     #[inline]
     pub fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
+        self.state.epoch()
     }
 
-    /// Mark every allocation made so far as stale, after the context was
-    /// reset outside gpuptr (numba's `cuda.close()`): their memory is gone,
-    /// and freeing them later must not touch whatever reuses their addresses.
+    /// Mark every allocation made so far on this device as stale, after the
+    /// context was reset outside gpuptr (numba's `cuda.close()`): their
+    /// memory is gone, and freeing them later must not touch whatever
+    /// reuses their addresses.
     pub fn invalidate(&self) {
-        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.state.invalidate();
     }
 
     /// The state gpuptr keeps for this context's device.
     #[inline]
-    pub(crate) fn state(&self) -> &crate::runtime::DeviceState {
-        self.runtime.device_state(self.device)
-    }
-
-    /// Allocate `size` bytes of device memory in this context, for use in
-    /// any stream (freed blocks are reused only after all work queued before
-    /// their free has finished).
-    #[track_caller]
-    pub fn alloc(self: &Arc<Self>, size: usize) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        self.alloc_at(size, None, Client::Direct, || Site::Rust(at))
+    pub(crate) fn state(&self) -> &Arc<DeviceState> {
+        &self.state
     }
 
     /// Fill this device's pool ahead of demand with about `bytes` of ready
@@ -110,70 +99,6 @@ impl Context {
     pub fn reserve(self: &Arc<Self>, size: usize, bytes: usize) -> Result<usize> {
         crate::fork::check()?;
         self.state().reserve(self, size, bytes)
-    }
-
-    /// Allocate `size` bytes for use on `stream` (stream-ordered, as
-    /// `cudaMallocAsync`): a block freed on `stream` is reused at once, and
-    /// dropping the pointer frees it on `stream`. Use
-    /// [`DevicePointer::record_stream`] for other streams it is used on.
-    #[track_caller]
-    pub fn alloc_on(
-        self: &Arc<Self>,
-        size: usize,
-        stream: RawStream,
-    ) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        self.alloc_at(size, Some(stream), Client::Direct, || Site::Rust(at))
-    }
-
-    /// Allocate `size` bytes for `client` (per-client statistics), for an
-    /// owner on `stream` (as [`Context::alloc_on`]) or on any stream (as
-    /// [`Context::alloc`]).
-    #[track_caller]
-    pub fn alloc_for(
-        self: &Arc<Self>,
-        size: usize,
-        stream: Option<RawStream>,
-        client: Client,
-    ) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        self.alloc_at(size, stream, client, || Site::Rust(at))
-    }
-
-    /// As [`Context::alloc_for`], made at `site` for the leak report (a
-    /// binding passes its own language's call site; `site` is called only
-    /// while tracking is on).
-    #[inline]
-    pub fn alloc_at(
-        self: &Arc<Self>,
-        size: usize,
-        stream: Option<RawStream>,
-        client: Client,
-        site: impl FnOnce() -> Site,
-    ) -> Result<Arc<DevicePointer>> {
-        let p = DevicePointer::alloc(self, size, stream, client)?;
-        p.note_site(site);
-        Ok(p)
-    }
-
-    /// Allocate `size` bytes of managed (unified) memory in this context.
-    #[track_caller]
-    pub fn alloc_managed(
-        self: &Arc<Self>,
-        size: usize,
-        attach_global: bool,
-    ) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        DevicePointer::alloc_managed_at(self, size, attach_global, || Site::Rust(at))
-    }
-
-    /// Allocate `size` bytes of pinned host memory in this context.
-    pub fn alloc_host(
-        self: &Arc<Self>,
-        size: usize,
-        flags: crate::HostFlags,
-    ) -> Result<Arc<crate::HostMemory>> {
-        crate::HostMemory::alloc(self, size, flags)
     }
 
     /// Wait for all work in this context (`cuCtxSynchronize`).
@@ -238,10 +163,10 @@ impl Drop for Context {
         if crate::fork::forked() {
             return;
         }
-        self.state().teardown(self);
+        self.state.teardown(self, self.born);
         // SAFETY: balances the retain in `Context::retain`; this is the last
         // holder, so nothing uses the context through it afterwards.
-        let r = unsafe { self.runtime.driver().primary_context_release(self.device) };
+        let r = unsafe { self.driver().primary_context_release(self.device) };
         match r {
             Ok(()) => log::debug!(
                 target: "gpuptr::context",

@@ -129,14 +129,14 @@ impl Error {
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// A non-negative integer setting from the environment variable `name`
-/// (`default` when unset or blank); a bad value is an
-/// [`Error::InvalidArgument`] that names it.
-pub(crate) fn env_usize(name: &str, default: usize) -> Result<usize> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
-            Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
-        }),
-        _ => Ok(default),
+/// `Ok` if `device` is one of the `count` devices present, else the
+/// [`Error::InvalidArgument`] that says so (the one message for every
+/// device check: the drivers' and the runtime's).
+pub(crate) fn check_device(device: usize, count: usize) -> Result<()> {
+    if device >= count {
+        return Err(Error::InvalidArgument(format!(
+            "device {device} does not exist ({count} device(s) present)"
+        )));
     }
+    Ok(())
 }

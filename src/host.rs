@@ -10,7 +10,7 @@ use crate::driver::{
     HOST_ALLOC_WRITECOMBINED,
 };
 use crate::error::{Error, Result};
-use crate::memory::{check_live, release_keepalive, DevicePointer, KeepAlive, Lifetime, View};
+use crate::lifetime::{check_live, release_keepalive, KeepAlive, Lifetime};
 
 /// How the host memory came to be pinned.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -231,6 +231,11 @@ impl HostMemory {
         &self.context
     }
 
+    /// Whether it is mapped into the device address space.
+    pub(crate) fn is_mapped(&self) -> bool {
+        self.mapped
+    }
+
     /// The device address of mapped memory.
     pub fn device_address(&self) -> Option<DevicePtr> {
         self.device_address
@@ -267,22 +272,6 @@ impl HostMemory {
     /// End an export counted by [`HostMemory::begin_export`].
     pub fn end_export(&self) {
         self.life.end(Lifetime::EXPORT, || self.release());
-    }
-
-    /// A device view of mapped memory; it keeps this host memory alive, and
-    /// its operations hold it. Empty memory gives a null view.
-    pub fn device_view(self: &Arc<Self>) -> Result<View> {
-        let ctx = self.context.clone();
-        if self.size == 0 && self.mapped {
-            // SAFETY: an empty range at address 0 reaches no memory.
-            return Ok(
-                unsafe { ctx.runtime().clone().wrap_unchecked(0, 0, ctx, None) }?.view_all(),
-            );
-        }
-        let d = self.device_address.ok_or_else(|| {
-            Error::InvalidPointer("host memory is not mapped into the device".into())
-        })?;
-        Ok(DevicePointer::over_host(ctx, d, self.clone()).view_all())
     }
 
     /// Release now (free or unregister). `Ok(false)` if already released.
@@ -357,41 +346,9 @@ impl Drop for HostMemory {
     }
 }
 
-impl DevicePointer {
-    /// Allocate `size` bytes of managed (unified) memory in `context`,
-    /// attached globally or to the host.
-    #[track_caller]
-    pub fn alloc_managed(
-        context: &Arc<Context>,
-        size: usize,
-        attach_global: bool,
-    ) -> Result<Arc<Self>> {
-        let at = std::panic::Location::caller();
-        DevicePointer::alloc_managed_at(context, size, attach_global, || crate::Site::Rust(at))
-    }
-
-    /// As [`DevicePointer::alloc_managed`], made at `site` for the leak
-    /// report.
-    pub fn alloc_managed_at(
-        context: &Arc<Context>,
-        size: usize,
-        attach_global: bool,
-        site: impl FnOnce() -> crate::Site,
-    ) -> Result<Arc<Self>> {
-        let flags = if attach_global {
-            crate::driver::MEM_ATTACH_GLOBAL
-        } else {
-            crate::driver::MEM_ATTACH_HOST
-        };
-        let p = DevicePointer::alloc_with(
-            context,
-            size,
-            // SAFETY: `ctx.raw()` is retained by the Context.
-            |ctx| unsafe { ctx.driver().mem_alloc_managed(ctx.raw(), size, flags) },
-            true,
-            crate::memory::Client::Direct,
-        )?;
-        p.note_site(site);
-        Ok(p)
+impl Context {
+    /// Allocate `size` bytes of pinned host memory in this context.
+    pub fn alloc_host(self: &Arc<Self>, size: usize, flags: HostFlags) -> Result<Arc<HostMemory>> {
+        HostMemory::alloc(self, size, flags)
     }
 }

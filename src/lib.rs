@@ -27,19 +27,32 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+// The floor: errors, settings, locks, fork detection, and the driver.
+mod config;
 pub mod driver;
 mod error;
 mod fork;
+mod sync;
 
-mod context;
-mod host;
-mod ipc;
+// The vocabulary shared by every room above.
 mod layout;
-mod memory;
+mod lifetime;
+mod stats;
+
+// The services a device holds, and the pool.
 mod pool;
 mod registry;
-mod runtime;
 mod track;
+
+// One owner per device, its context, and the memory made in it.
+mod context;
+mod device;
+mod host;
+mod ipc;
+mod memory;
+
+// The top: the façade Rust users and the binding call.
+mod runtime;
 
 #[cfg(feature = "python")]
 mod python;
@@ -54,9 +67,11 @@ pub use fork::forked;
 pub use host::{HostFlags, HostKind, HostMemory};
 pub use ipc::IpcHandle;
 pub use layout::{typestr_itemsize, Layout};
-pub use memory::{ordering_stream, Client, DevicePointer, KeepAlive, Loan, Origin, View};
-pub use pool::{size_class, ClassStats, PoolConfig};
-pub use runtime::{ClientStats, DeviceStats, Runtime};
+pub use lifetime::KeepAlive;
+pub use memory::{ordering_stream, DevicePointer, Loan, Origin, View};
+pub use pool::{size_class, PoolConfig};
+pub use runtime::Runtime;
+pub use stats::{ClassStats, Client, ClientStats, DeviceStats};
 pub use track::{Outstanding, Site};
 
 /// `CUresult` codes gpuptr refers to by name.

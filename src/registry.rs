@@ -1,21 +1,25 @@
 //! The pointer→context registry: address ranges gpuptr knows, each with the
-//! context its memory lives in, so resolving the context of an address is a
-//! map lookup instead of a driver query.
+//! owner its memory lives in (for gpuptr, its [`Context`](crate::Context)),
+//! so resolving the context of an address is a map lookup instead of a
+//! driver query.
 //!
 //! It holds every live allocation gpuptr made and the allocation ranges of
 //! live wrapped foreign pointers. An entry lives exactly as long as the
 //! memory it describes is kept alive by gpuptr, so it never goes stale.
+//!
+//! The registry is generic over the owner type and holds it weakly: it knows
+//! nothing of what uses it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 
-use crate::context::Context;
 use crate::driver::DevicePtr;
+use crate::sync::{read, write};
 
-struct Entry {
+struct Entry<T> {
     end: DevicePtr,
-    context: Weak<Context>,
+    owner: Weak<T>,
     token: u64,
     refs: usize,
 }
@@ -29,37 +33,40 @@ pub(crate) struct Registration {
     token: u64,
 }
 
-/// Known address ranges and their contexts.
-#[derive(Default)]
-pub(crate) struct Registry {
-    ranges: RwLock<BTreeMap<DevicePtr, Entry>>,
+/// Known address ranges and their owners.
+pub(crate) struct Registry<T> {
+    ranges: RwLock<BTreeMap<DevicePtr, Entry<T>>>,
     next_token: AtomicU64,
 }
 
-impl Registry {
+impl<T> Default for Registry<T> {
+    fn default() -> Self {
+        Registry {
+            ranges: RwLock::new(BTreeMap::new()),
+            next_token: AtomicU64::new(0),
+        }
+    }
+}
+
+impl<T> Registry<T> {
     /// An empty registry.
     pub fn new() -> Self {
         Registry::default()
     }
 
-    /// Record `[start, start+size)` as memory of `context`. The same range
+    /// Record `[start, start+size)` as memory of `owner`. The same range
     /// registered again (two wraps of one foreign buffer) shares one entry.
-    pub fn insert(&self, start: DevicePtr, size: usize, context: &Arc<Context>) -> Registration {
-        self.insert_weak(start, size, &Arc::downgrade(context))
+    pub fn insert(&self, start: DevicePtr, size: usize, owner: &Arc<T>) -> Registration {
+        self.insert_weak(start, size, &Arc::downgrade(owner))
     }
 
-    /// [`Registry::insert`] for a context held weakly (the pool's growth
+    /// [`Registry::insert`] for an owner held weakly (the pool's growth
     /// helper, which must not keep a context alive past its last user).
-    pub fn insert_weak(
-        &self,
-        start: DevicePtr,
-        size: usize,
-        context: &Weak<Context>,
-    ) -> Registration {
+    pub fn insert_weak(&self, start: DevicePtr, size: usize, owner: &Weak<T>) -> Registration {
         let end = start + size as u64;
-        let mut map = self.ranges.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = write(&self.ranges);
         if let Some(e) = map.get_mut(&start) {
-            if e.end == end && Weak::ptr_eq(&e.context, context) {
+            if e.end == end && Weak::ptr_eq(&e.owner, owner) {
                 e.refs += 1;
                 return Registration {
                     start,
@@ -74,7 +81,7 @@ impl Registry {
             start,
             Entry {
                 end,
-                context: context.clone(),
+                owner: owner.clone(),
                 token,
                 refs: 1,
             },
@@ -84,7 +91,7 @@ impl Registry {
 
     /// Drop one reference to a registration.
     pub fn remove(&self, reg: Registration) {
-        let mut map = self.ranges.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = write(&self.ranges);
         if let Some(e) = map.get_mut(&reg.start) {
             if e.token == reg.token {
                 e.refs -= 1;
@@ -95,20 +102,40 @@ impl Registry {
         }
     }
 
-    /// The context of the known range containing `address`, if any.
-    #[inline]
-    pub fn lookup(&self, address: DevicePtr) -> Option<Arc<Context>> {
-        self.lookup_range(address).map(|(ctx, _, _)| ctx)
+    /// Drop one reference to each entry at `starts` that `owner` holds:
+    /// for memory whose registrations its holder does not keep (the pool's
+    /// blocks, unregistered before their memory goes back to the driver, so
+    /// no newer entry of the same owner can be at those addresses yet).
+    pub fn remove_owned(&self, starts: impl IntoIterator<Item = DevicePtr>, owner: &T) {
+        let mut map = write(&self.ranges);
+        for start in starts {
+            if let Some(e) = map.get_mut(&start) {
+                // By address: the owner may be dropping (its last holder's
+                // teardown), when no `Arc` or `Weak` of it can be made.
+                if std::ptr::eq(Weak::as_ptr(&e.owner), owner) {
+                    e.refs -= 1;
+                    if e.refs == 0 {
+                        map.remove(&start);
+                    }
+                }
+            }
+        }
     }
 
-    /// The context and the range `[start, end)` of the known range containing
+    /// The owner of the known range containing `address`, if any.
+    #[inline]
+    pub fn lookup(&self, address: DevicePtr) -> Option<Arc<T>> {
+        self.lookup_range(address).map(|(owner, _, _)| owner)
+    }
+
+    /// The owner and the range `[start, end)` of the known range containing
     /// `address`, if any.
     #[inline]
-    pub fn lookup_range(&self, address: DevicePtr) -> Option<(Arc<Context>, DevicePtr, DevicePtr)> {
-        let map = self.ranges.read().unwrap_or_else(|p| p.into_inner());
+    pub fn lookup_range(&self, address: DevicePtr) -> Option<(Arc<T>, DevicePtr, DevicePtr)> {
+        let map = read(&self.ranges);
         let (start, e) = map.range(..=address).next_back()?;
         if address < e.end {
-            Some((e.context.upgrade()?, *start, e.end))
+            Some((e.owner.upgrade()?, *start, e.end))
         } else {
             None
         }
@@ -116,6 +143,6 @@ impl Registry {
 
     /// Number of registered ranges.
     pub fn len(&self) -> usize {
-        self.ranges.read().unwrap_or_else(|p| p.into_inner()).len()
+        read(&self.ranges).len()
     }
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::driver::DevicePtr;
-use crate::memory::Client;
+use crate::stats::Client;
 
 /// Where an allocation was made.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,7 +82,7 @@ impl Tracker {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<DevicePtr, Entry>> {
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.live)
     }
 
     /// Note a live allocation (made while tracking was on).

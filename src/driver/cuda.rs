@@ -119,12 +119,7 @@ impl CudaDriver {
     }
 
     fn device(&self, ordinal: usize) -> Result<sys::CUdevice> {
-        if ordinal >= self.device_count {
-            return Err(Error::InvalidArgument(format!(
-                "device {ordinal} does not exist ({} device(s) present)",
-                self.device_count
-            )));
-        }
+        crate::error::check_device(ordinal, self.device_count)?;
         guard("cuDeviceGet", || result::device::get(ordinal as c_int))
     }
 

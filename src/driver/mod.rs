@@ -431,7 +431,7 @@ impl DriverChoice {
 
     /// Read `GPUPTR_DRIVER` from the environment.
     pub fn from_env() -> Result<Self> {
-        DriverChoice::parse(&std::env::var("GPUPTR_DRIVER").unwrap_or_default())
+        DriverChoice::parse(&crate::config::text(crate::config::DRIVER))
     }
 }
 

@@ -75,9 +75,9 @@ impl SimConfig {
     /// Read `GPUPTR_SIM_DEVICES` (default 1) and `GPUPTR_SIM_MEMORY` (bytes,
     /// default 1 GiB).
     pub fn from_env() -> Result<Self> {
-        use crate::error::env_usize as read;
+        use crate::config::{usize_or as read, SIM_DEVICES, SIM_MEMORY};
         let d = SimConfig::default();
-        let devices = read("GPUPTR_SIM_DEVICES", d.devices)?;
+        let devices = read(SIM_DEVICES, d.devices)?;
         if devices > MAX_DEVICES {
             return Err(Error::InvalidArgument(format!(
                 "GPUPTR_SIM_DEVICES={devices} is more than the simulator's {MAX_DEVICES}"
@@ -85,7 +85,7 @@ impl SimConfig {
         }
         Ok(SimConfig {
             devices,
-            memory_per_device: read("GPUPTR_SIM_MEMORY", d.memory_per_device)?,
+            memory_per_device: read(SIM_MEMORY, d.memory_per_device)?,
             version: d.version,
         })
     }
@@ -367,17 +367,11 @@ impl SimDriver {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means a test thread panicked; the state is intact.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     fn check_device(&self, device: usize) -> Result<()> {
-        if device >= self.config.devices {
-            return Err(Error::InvalidArgument(format!(
-                "device {device} does not exist ({} device(s) present)",
-                self.config.devices
-            )));
-        }
-        Ok(())
+        crate::error::check_device(device, self.config.devices)
     }
 
     fn context_of(device: usize) -> RawContext {
@@ -441,7 +435,7 @@ impl SimDriver {
     ) -> MutexGuard<'a, State> {
         let seq = st.next_op;
         while st.busy(device, stream, seq) {
-            st = self.completed.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = crate::sync::wait(&self.completed, st);
         }
         st
     }

@@ -24,19 +24,21 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
-use crate::driver::{DevicePtr, IpcMemHandle};
+use crate::driver::IpcMemHandle;
 use crate::error::{Error, Result};
 use crate::memory::{DevicePointer, Origin, View};
 use crate::runtime::Runtime;
+use crate::sync::lock;
+use liveness::{check_alive, process_token};
+
+pub(crate) mod liveness;
 
 const MAGIC: &[u8; 8] = b"gpuptrI2";
 const LEN: usize = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 64;
 /// No liveness slot.
 const NO_SLOT: u32 = u32::MAX;
-/// Slots in a liveness file (8 bytes each; the file is sparse).
-const SLOTS: u32 = 1 << 16;
 
 /// A picklable handle to device memory for another process.
 #[derive(Clone, PartialEq, Eq)]
@@ -68,17 +70,6 @@ impl std::fmt::Debug for IpcHandle {
             .field("pid", &self.pid)
             .finish_non_exhaustive()
     }
-}
-
-/// This process's token: random, made once.
-pub(crate) fn process_token() -> u64 {
-    static TOKEN: OnceLock<u64> = OnceLock::new();
-    *TOKEN.get_or_init(|| {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        h.finish() | 1
-    })
 }
 
 impl IpcHandle {
@@ -132,140 +123,6 @@ pub(crate) struct Ipc {
     exports: Mutex<HashMap<u64, (Weak<DevicePointer>, usize)>>,
     /// Driver handle -> the mapping made by opening it.
     opened: Mutex<HashMap<IpcMemHandle, Weak<DevicePointer>>>,
-    /// This process's liveness file, made at the first export.
-    liveness: OnceLock<Option<Liveness>>,
-}
-
-/// The exporter's liveness file: slot `i` holds the export number of a live
-/// export, or 0.
-struct Liveness {
-    file: std::fs::File,
-    slots: Mutex<Slots>,
-}
-
-#[derive(Default)]
-struct Slots {
-    next: u32,
-    free: Vec<u32>,
-    /// The slots of each exported allocation, by address.
-    by_address: HashMap<DevicePtr, Vec<u32>>,
-}
-
-fn liveness_path(pid: u32, process: u64) -> std::path::PathBuf {
-    std::path::PathBuf::from(format!("/dev/shm/gpuptr-ipc-{pid}-{process:016x}"))
-}
-
-/// The path to unlink at exit, and the process that made it (a forked child
-/// inherits the exit handler, and must not remove its parent's file).
-static LIVENESS_FILE: OnceLock<(u32, std::ffi::CString)> = OnceLock::new();
-
-extern "C" fn remove_liveness_file() {
-    if let Some((pid, path)) = LIVENESS_FILE.get() {
-        if *pid == std::process::id() {
-            // SAFETY: a NUL-terminated path that lives for the process.
-            unsafe { libc::unlink(path.as_ptr()) };
-        }
-    }
-}
-
-impl Liveness {
-    fn create() -> Option<Liveness> {
-        let path = liveness_path(std::process::id(), process_token());
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .ok()?;
-        file.set_len(u64::from(SLOTS) * 8).ok()?;
-        let c = std::ffi::CString::new(path.into_os_string().into_encoded_bytes()).ok()?;
-        if LIVENESS_FILE.set((std::process::id(), c)).is_ok() {
-            // SAFETY: registers a plain `extern "C" fn()` that only unlinks.
-            unsafe { libc::atexit(remove_liveness_file) };
-        }
-        Some(Liveness {
-            file,
-            slots: Mutex::default(),
-        })
-    }
-
-    fn write(&self, slot: u32, value: u64) -> bool {
-        use std::os::unix::fs::FileExt;
-        self.file
-            .write_at(&value.to_le_bytes(), u64::from(slot) * 8)
-            .is_ok()
-    }
-
-    /// A slot holding `export` for the allocation at `address`, if any left.
-    fn take(&self, address: DevicePtr, export: u64) -> Option<u32> {
-        let mut s = lock(&self.slots);
-        let slot = match s.free.pop() {
-            Some(slot) => slot,
-            None if s.next < SLOTS => {
-                s.next += 1;
-                s.next - 1
-            }
-            None => return None,
-        };
-        if !self.write(slot, export) {
-            s.free.push(slot);
-            return None;
-        }
-        s.by_address.entry(address).or_default().push(slot);
-        Some(slot)
-    }
-
-    fn clear(&self, address: DevicePtr) {
-        let mut s = lock(&self.slots);
-        for slot in s.by_address.remove(&address).unwrap_or_default() {
-            self.write(slot, 0);
-            s.free.push(slot);
-        }
-    }
-}
-
-/// Whether the exporter of `handle` still has it live: its slot holds its
-/// export number. `Err` for a handle whose exporter says it is freed, or
-/// whose exporter is gone.
-fn check_alive(handle: &IpcHandle) -> Result<()> {
-    use std::os::unix::fs::FileExt;
-    if handle.slot == NO_SLOT {
-        return Ok(());
-    }
-    let path = liveness_path(handle.pid, handle.process);
-    let file = std::fs::File::open(&path).map_err(|_| {
-        Error::InvalidPointer(format!(
-            "the process that exported this memory (pid {}) has exited",
-            handle.pid
-        ))
-    })?;
-    let mut word = [0u8; 8];
-    file.read_exact_at(&mut word, u64::from(handle.slot) * 8)
-        .map_err(|e| Error::InvalidPointer(format!("unreadable IPC liveness file: {e}")))?;
-    if u64::from_le_bytes(word) != handle.export {
-        return Err(Error::InvalidPointer(format!(
-            "the memory this IPC handle names was freed by the process that exported it (pid {})",
-            handle.pid
-        )));
-    }
-    Ok(())
-}
-
-impl Ipc {
-    fn liveness(&self) -> Option<&Liveness> {
-        self.liveness.get_or_init(Liveness::create).as_ref()
-    }
-
-    /// The allocation at `address` was released: clear its slots.
-    pub(crate) fn forget_exports(&self, address: DevicePtr) {
-        if let Some(Some(l)) = self.liveness.get() {
-            l.clear(address);
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Runtime {
@@ -306,14 +163,12 @@ impl Runtime {
             exports.insert(export, (Arc::downgrade(parent), view.offset()));
         }
         parent.mark_exported();
-        let slot = ipc
-            .liveness()
-            .and_then(|l| l.take(parent.address(), export))
-            .unwrap_or(NO_SLOT);
+        let live = &self.services().exports;
+        let slot = live.take(parent.address(), export).unwrap_or(NO_SLOT);
         if parent.is_freed() {
             // Freed while this export was made: its release may have run
             // before the slot was taken.
-            ipc.forget_exports(parent.address());
+            live.forget(parent.address());
             return Err(Error::InvalidPointer("the memory was freed".into()));
         }
         Ok(IpcHandle {
@@ -335,13 +190,7 @@ impl Runtime {
     /// handle whose allocation is gone.
     pub fn ipc_open(self: &Arc<Self>, handle: &IpcHandle) -> Result<View> {
         crate::fork::check()?;
-        if handle.device >= self.device_count() {
-            return Err(Error::InvalidArgument(format!(
-                "the handle is for device {}; this process sees {} device(s)",
-                handle.device,
-                self.device_count()
-            )));
-        }
+        self.check_device(handle.device)?;
         let ipc = self.ipc();
         if handle.process == process_token() {
             let found = lock(&ipc.exports).get(&handle.export).cloned();

@@ -1,0 +1,505 @@
+//! [`DeviceState`]: everything gpuptr keeps about one device, with one
+//! owner. PyTorch's `DeviceCachingAllocator` is the model: one object per
+//! device owns its context slot and hold, its reset epoch, its pool, the
+//! registry entries of the pool's blocks, its counters, and the
+//! out-of-memory ladder. Reset and teardown are its methods.
+//!
+//! It holds the [`Services`] it needs (the driver, the registry, the leak
+//! report, the IPC liveness file), never the [`Runtime`](crate::Runtime):
+//! calls go from the runtime down to the device, from the device to the
+//! pool, and from the pool to the driver.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::context::Context;
+use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
+use crate::error::{Error, Result};
+use crate::ipc::liveness::Exports;
+use crate::pool::{Allocation, Block, Pool, PoolConfig};
+use crate::registry::Registry;
+use crate::stats::{ClassStats, Client, DeviceCounters, DeviceStats};
+use crate::sync::lock;
+use crate::track::Tracker;
+
+/// What every device of a runtime shares: the driver and the books kept
+/// across devices.
+pub(crate) struct Services {
+    pub(crate) driver: Arc<dyn Driver>,
+    /// The pointer→context registry.
+    pub(crate) registry: Registry<Context>,
+    /// The leak report.
+    pub(crate) tracker: Tracker,
+    /// The IPC liveness slots of this process's exports.
+    pub(crate) exports: Exports,
+}
+
+/// One device's state (see the module documentation).
+pub(crate) struct DeviceState {
+    device: usize,
+    services: Arc<Services>,
+    slot: Mutex<Slot>,
+    pool: Option<Pool>,
+    counters: DeviceCounters,
+    /// Held while the cache goes back to the driver (a trim, or an
+    /// out-of-memory retry), while growth ahead allocates and stocks, and
+    /// through a reset: so no thread's trim holds blocks in transit that
+    /// another thread's retry looks for, and nothing grows for a context
+    /// that a reset or teardown is ending.
+    recovery: Mutex<()>,
+    /// The raw handle of the live context (0: none), so the current
+    /// device is found from `cuCtxGetCurrent` alone.
+    raw: AtomicUsize,
+    /// The reset epoch: bumped when the context is reset (or invalidated);
+    /// memory made in an older epoch is gone, and is never freed.
+    epoch: AtomicU64,
+}
+
+/// A device's live context, and the runtime's own hold on it, if taken
+/// ([`DeviceState::context`] with `hold`): while held, `live` always
+/// upgrades to it.
+#[derive(Default)]
+struct Slot {
+    live: Weak<Context>,
+    held: Option<Arc<Context>>,
+}
+
+impl DeviceState {
+    pub(crate) fn new(device: usize, services: Arc<Services>, pool: Option<PoolConfig>) -> Self {
+        DeviceState {
+            device,
+            pool: pool.map(|c| Pool::new(c, services.driver.clone())),
+            services,
+            slot: Mutex::new(Slot::default()),
+            counters: DeviceCounters::default(),
+            recovery: Mutex::new(()),
+            raw: AtomicUsize::new(0),
+            epoch: AtomicU64::new(0),
+        }
+    }
+
+    /// The device ordinal.
+    #[inline]
+    pub(crate) fn ordinal(&self) -> usize {
+        self.device
+    }
+
+    #[inline]
+    pub(crate) fn services(&self) -> &Services {
+        &self.services
+    }
+
+    #[inline]
+    pub(crate) fn driver(&self) -> &dyn Driver {
+        self.services.driver.as_ref()
+    }
+
+    #[inline]
+    pub(crate) fn counters(&self) -> &DeviceCounters {
+        &self.counters
+    }
+
+    #[inline]
+    pub(crate) fn pooled(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// The current reset epoch.
+    #[inline]
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Start a new epoch: everything made so far is stale.
+    pub(crate) fn invalidate(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The raw handle of the live context (0: none).
+    #[inline]
+    pub(crate) fn live_raw(&self) -> RawContext {
+        self.raw.load(Ordering::Acquire)
+    }
+
+    /// The live context, if some holder keeps one.
+    pub(crate) fn existing(&self) -> Option<Arc<Context>> {
+        lock(&self.slot).live.upgrade()
+    }
+
+    /// The live context, retained if none is; with `hold`, also kept alive
+    /// by the device until a reset or [`DeviceState::release_hold`].
+    pub(crate) fn context(self: &Arc<Self>, hold: bool) -> Result<Arc<Context>> {
+        let mut slot = lock(&self.slot);
+        let ctx = match slot.live.upgrade() {
+            Some(ctx) => ctx,
+            None => {
+                let ctx = Arc::new(Context::retain(self.clone())?);
+                slot.live = Arc::downgrade(&ctx);
+                self.raw.store(ctx.raw(), Ordering::Release);
+                log::debug!(
+                    target: "gpuptr::context",
+                    "device {}: retained the primary context {:#x}",
+                    self.device,
+                    ctx.raw()
+                );
+                ctx
+            }
+        };
+        if hold && slot.held.is_none() {
+            slot.held = Some(ctx.clone());
+        }
+        Ok(ctx)
+    }
+
+    /// Let the device's own hold on its context go (its holders keep it).
+    pub(crate) fn release_hold(&self) {
+        let held = lock(&self.slot).held.take();
+        drop(held);
+    }
+
+    /// A pool block of `size` bytes for an owner on `stream`, up the
+    /// out-of-memory ladder as far as it takes:
+    /// 1. the cache, or the driver (the pool's fast path and growth);
+    /// 2. the driver refused: the fence, then a cached block that it made
+    ///    safe (the pool's rung, [`Pool::alloc`]);
+    /// 3. still none: the cache goes back to the driver, and the pool asks
+    ///    again, while that frees something (other threads may take what it
+    ///    frees), at least once, one thread at a time;
+    /// 4. then [`Error::OutOfMemory`].
+    ///
+    /// New driver allocations are registered, so their context resolves by
+    /// address.
+    pub(crate) fn pool_alloc(
+        &self,
+        ctx: &Arc<Context>,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+    ) -> Result<Block> {
+        let pool = self.pool.as_ref().expect("pooled device");
+        let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
+        if attempt.as_ref().is_err_and(Error::is_oom) {
+            let _recovering = lock(&self.recovery);
+            let (mut returned, mut rounds) = (0, 0);
+            for round in 0..4 {
+                let freed = self.trim_locked(ctx)?;
+                returned += freed;
+                rounds += 1;
+                if freed == 0 && round > 0 {
+                    break;
+                }
+                attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
+                if !attempt.as_ref().is_err_and(Error::is_oom) {
+                    break;
+                }
+            }
+            log::info!(
+                target: "gpuptr::pool",
+                "device {}: out of memory for {} bytes; returned {} bytes of cache to the driver in {} round(s), then {}",
+                self.device,
+                size,
+                returned,
+                rounds,
+                if attempt.is_ok() { "succeeded" } else { "failed" }
+            );
+        }
+        let block = attempt?;
+        if block.ahead {
+            self.post_ahead(pool, ctx, block.shard as usize, block.class);
+        }
+        if let Some(new) = block.new_allocation {
+            self.register(ctx, &new);
+            log::debug!(
+                target: "gpuptr::pool",
+                "device {}: the pool grew by {} bytes ({} block(s) of {} bytes) for a {}-byte allocation",
+                self.device,
+                new.bytes(),
+                new.blocks,
+                new.class,
+                size
+            );
+        }
+        Ok(block)
+    }
+
+    /// Ask the pool's helper to grow `class` ahead of demand in `shard`
+    /// (see [`PoolConfig::ahead_bytes`]). The job holds the device and the
+    /// context only weakly: it never keeps a context alive, so dropping the
+    /// last user handle still gives the pool back at once, on the caller's
+    /// thread.
+    fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, shard: usize, class: usize) {
+        let me = Arc::downgrade(ctx.state());
+        let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), self.epoch());
+        pool.post_ahead(Box::new(move || {
+            if let Some(me) = me.upgrade() {
+                me.grow_ahead(&weak, raw, epoch, shard, class);
+            }
+        }));
+    }
+
+    /// On the pool's helper: grow `class` ahead in `shard`, register the
+    /// new blocks, and stock them, while `weak` (whose handle is `raw`) is
+    /// still this device's live context in `epoch`. All under the recovery lock, which a reset and
+    /// the last drop's teardown take before they give memory or the
+    /// context back: so the context stays retained through the driver
+    /// call, and a reset or teardown waits for at most this one allocation
+    /// and then frees its blocks with the rest.
+    fn grow_ahead(
+        &self,
+        weak: &Weak<Context>,
+        raw: RawContext,
+        epoch: u64,
+        shard: usize,
+        class: usize,
+    ) {
+        let Some(pool) = &self.pool else {
+            return;
+        };
+        let _recovering = lock(&self.recovery);
+        // A live context of this epoch is the slot's (a successor needs
+        // this one gone, or a reset: a new epoch), and one whose handle is
+        // still the device's is not being reset (a reset clears the handle
+        // before it takes the recovery lock).
+        let live = weak.strong_count() > 0 && self.epoch() == epoch && self.live_raw() == raw;
+        if !live || crate::fork::forked() {
+            pool.ahead_over(shard, class);
+            return;
+        }
+        let grown = pool.grow_ahead(raw, shard, class, |a| self.register_weak(weak, a));
+        if let Some(a) = grown {
+            log::debug!(
+                target: "gpuptr::pool",
+                "device {}: grew ahead by {} bytes ({} block(s) of {} bytes)",
+                self.device,
+                a.bytes(),
+                a.blocks,
+                a.class
+            );
+        }
+    }
+
+    /// Fill the pool with about `bytes` of ready blocks of `size`'s class;
+    /// the bytes reserved (an unpooled device reserves nothing).
+    pub(crate) fn reserve(&self, ctx: &Arc<Context>, size: usize, bytes: usize) -> Result<usize> {
+        let Some(pool) = &self.pool else {
+            return Ok(0);
+        };
+        let (made, r) = pool.reserve(ctx.raw(), size, bytes);
+        for a in &made {
+            self.register(ctx, a);
+        }
+        let reserved = made.iter().map(Allocation::bytes).sum();
+        log::debug!(
+            target: "gpuptr::pool",
+            "device {}: reserved {} of {} bytes in blocks of {} bytes ({} driver allocation(s))",
+            self.device,
+            reserved,
+            bytes,
+            crate::size_class(size.max(1)),
+            made.len()
+        );
+        match r {
+            // Out of memory part way: what was reserved stays; say so only
+            // when nothing could be.
+            Err(e) if e.is_oom() && reserved > 0 => Ok(reserved),
+            r => r.map(|()| reserved),
+        }
+    }
+
+    /// Give the block at `address` (of size class `class`, from shard
+    /// `shard`, handed out for `size` bytes in `epoch`) back to the pool
+    /// (see [`Pool::release`]); a block of an older epoch is refused, its
+    /// memory gone with the reset.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pool_release(
+        &self,
+        raw: RawContext,
+        epoch: u64,
+        address: DevicePtr,
+        class: usize,
+        shard: u32,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+    ) {
+        if let Some(pool) = &self.pool {
+            let block = Block {
+                address,
+                class,
+                shard,
+                new_allocation: None,
+                ahead: false,
+            };
+            pool.release(raw, block, size, stream, client, || self.epoch() == epoch);
+        }
+    }
+
+    /// Register each block of a pool allocation with its own range, so a
+    /// wrap inside one is bound-checked against that block, not its
+    /// neighbours in the allocation. The registry is the one record of
+    /// these entries: they go by address, with the context that made them.
+    fn register(&self, ctx: &Arc<Context>, a: &Allocation) {
+        self.register_weak(&Arc::downgrade(ctx), a);
+    }
+
+    /// [`DeviceState::register`] for a context held weakly (the pool's
+    /// growth helper).
+    fn register_weak(&self, ctx: &Weak<Context>, a: &Allocation) {
+        let registry = &self.services.registry;
+        for p in a.block_addresses() {
+            registry.insert_weak(p, a.class, ctx);
+        }
+    }
+
+    /// Forget the registry entries of the blocks of `gone`, made by `ctx`.
+    fn unregister(&self, ctx: &Context, gone: impl IntoIterator<Item = Allocation>) {
+        let addresses = gone.into_iter().flat_map(Allocation::block_addresses);
+        self.services.registry.remove_owned(addresses, ctx);
+    }
+
+    /// Return the pool's cache to the driver; the bytes freed.
+    pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
+        let _recovering = lock(&self.recovery);
+        self.trim_logged(ctx)
+    }
+
+    /// [`DeviceState::trim`], with the recovery lock held.
+    fn trim_logged(&self, ctx: &Context) -> Result<usize> {
+        let r = self.trim_locked(ctx);
+        match &r {
+            Ok(freed) => log::debug!(
+                target: "gpuptr::pool",
+                "device {}: trim returned {} bytes to the driver",
+                self.device,
+                freed
+            ),
+            Err(e) => log::warn!(
+                target: "gpuptr::pool",
+                "device {}: trim: a driver free failed ({e}); that memory stays cached",
+                self.device
+            ),
+        }
+        r
+    }
+
+    fn trim_locked(&self, ctx: &Context) -> Result<usize> {
+        let Some(pool) = &self.pool else {
+            return Ok(0);
+        };
+        let (freed, r) = pool.trim(
+            ctx.raw(),
+            // Before the free: the driver may hand the addresses to another
+            // thread's allocation, registered anew, at once after it.
+            |a| self.unregister(ctx, [*a]),
+            // A failed free leaves the allocation cached: known again (unless
+            // the context is going away).
+            |a| {
+                if let Some(live) = self.existing().filter(|c| std::ptr::eq(&**c, ctx)) {
+                    self.register(&live, a);
+                }
+            },
+        );
+        let bytes = freed.iter().map(Allocation::bytes).sum();
+        r.map(|()| bytes)
+    }
+
+    /// Prepare for the context being reset (numba's `cuda.close()`): the
+    /// cache goes back to the driver, every live allocation turns stale, and
+    /// the next use retains the primary context afresh. Never waits for the
+    /// pool's fence thread.
+    pub(crate) fn reset(&self) -> Result<()> {
+        let Some(ctx) = self.existing() else {
+            return Ok(());
+        };
+        self.forget_raw(ctx.raw());
+        // One recovery hold for the trim, the new epoch and the forget: the
+        // pool's helper grows only under it, so it neither stocks blocks of
+        // the old context nor records them after the forget.
+        let recovering = lock(&self.recovery);
+        let trimmed = self.trim_logged(&ctx);
+        // A new epoch first: the pool then refuses blocks of the old one,
+        // and forgets the ones it has under the same locks.
+        self.invalidate();
+        if let Some(pool) = &self.pool {
+            let held = pool.forget();
+            self.unregister(&ctx, held);
+        }
+        drop(recovering);
+        // After the reset the old CUcontext is dead. Holders of the old
+        // Context (stale pointers) release their retain when they go; the
+        // device's own hold goes now, outside the lock.
+        let old = std::mem::take(&mut *lock(&self.slot));
+        drop(old);
+        self.counters.forget_live();
+        log::info!(
+            target: "gpuptr::context",
+            "device {}: context reset; its live allocations are stale from now on",
+            self.device
+        );
+        trimmed.map(|_| ())
+    }
+
+    /// At the last drop of a context born in epoch `born`: give the cache
+    /// back before the retain that keeps it valid goes. A context of an
+    /// older epoch (detached by a reset) no longer owns the pool.
+    pub(crate) fn teardown(&self, ctx: &Context, born: u64) {
+        // Before the release: the handle may name another context after it.
+        self.forget_raw(ctx.raw());
+        if born == self.epoch() {
+            let _ = self.trim(ctx);
+        }
+    }
+
+    fn forget_raw(&self, raw: RawContext) {
+        let _ = self
+            .raw
+            .compare_exchange(raw, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// Wait for the fence covering every block freed so far (`true` when
+    /// there is nothing to wait for); `false` if it failed.
+    pub(crate) fn flush(&self) -> bool {
+        match (&self.pool, self.existing()) {
+            (Some(pool), Some(ctx)) => pool.flush(ctx.raw()),
+            _ => true,
+        }
+    }
+
+    /// Cap the bytes the pool holds from the driver (`None`: no cap).
+    pub(crate) fn set_pool_limit(&self, bytes: Option<usize>) {
+        if let Some(pool) = &self.pool {
+            pool.set_limit(bytes.unwrap_or(usize::MAX));
+        }
+    }
+
+    /// Driver allocations the pool holds (cached or handed out).
+    pub(crate) fn pool_held_blocks(&self) -> usize {
+        self.pool.as_ref().map_or(0, Pool::held_blocks)
+    }
+
+    /// The pool by size class (empty without a pool).
+    pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
+        self.pool
+            .as_ref()
+            .map(Pool::class_stats)
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn stats(&self) -> DeviceStats {
+        let pool = self.pool.as_ref();
+        DeviceStats::combine(
+            self.device,
+            &self.counters,
+            pool.map(Pool::stats).unwrap_or_default(),
+            pool.map_or(0, Pool::held_bytes),
+            pool.map(Pool::limit).filter(|l| *l != usize::MAX),
+        )
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.counters.reset_peak();
+        if let Some(p) = &self.pool {
+            p.reset_peak();
+        }
+    }
+}

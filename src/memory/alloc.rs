@@ -1,0 +1,261 @@
+//! Allocations of gpuptr's own memory: a pool block, a driver allocation,
+//! or managed memory, all made from one [`AllocRequest`].
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::{ordering_stream, DevicePointer, Origin};
+use crate::context::Context;
+use crate::driver::{DevicePtr, RawStream, MEM_ATTACH_GLOBAL, MEM_ATTACH_HOST};
+use crate::error::Result;
+use crate::registry::Registration;
+use crate::stats::Client;
+use crate::track::Site;
+
+/// What an allocation asks for: every `alloc*` entry point builds one.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct AllocRequest {
+    /// Bytes; zero gives a null pointer and makes no driver call.
+    pub size: usize,
+    /// The owner's stream (`None`: any stream).
+    pub stream: Option<RawStream>,
+    /// Who asks (statistics).
+    pub client: Client,
+    /// Where the memory comes from.
+    pub source: Source,
+}
+
+/// Where an allocation's memory comes from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// The device's pool, or the driver when the device has none.
+    Pool,
+    /// `cuMemAlloc`, bypassing the pool.
+    Driver,
+    /// `cuMemAllocManaged`, attached globally or to the host.
+    Managed {
+        /// `CU_MEM_ATTACH_GLOBAL` rather than `CU_MEM_ATTACH_HOST`.
+        attach_global: bool,
+    },
+}
+
+impl AllocRequest {
+    /// `size` bytes from the pool for `client`, for an owner on `stream`.
+    pub(crate) fn pool(size: usize, stream: Option<RawStream>, client: Client) -> Self {
+        AllocRequest {
+            size,
+            stream,
+            client,
+            source: Source::Pool,
+        }
+    }
+}
+
+impl Context {
+    /// Allocate `size` bytes of device memory in this context, for use in
+    /// any stream (freed blocks are reused only after all work queued before
+    /// their free has finished).
+    #[track_caller]
+    pub fn alloc(self: &Arc<Self>, size: usize) -> Result<Arc<DevicePointer>> {
+        let at = std::panic::Location::caller();
+        self.alloc_at(size, None, Client::Direct, || Site::Rust(at))
+    }
+
+    /// Allocate `size` bytes for use on `stream` (stream-ordered, as
+    /// `cudaMallocAsync`): a block freed on `stream` is reused at once, and
+    /// dropping the pointer frees it on `stream`. Use
+    /// [`DevicePointer::record_stream`] for other streams it is used on.
+    #[track_caller]
+    pub fn alloc_on(
+        self: &Arc<Self>,
+        size: usize,
+        stream: RawStream,
+    ) -> Result<Arc<DevicePointer>> {
+        let at = std::panic::Location::caller();
+        self.alloc_at(size, Some(stream), Client::Direct, || Site::Rust(at))
+    }
+
+    /// Allocate `size` bytes for `client` (per-client statistics), for an
+    /// owner on `stream` (as [`Context::alloc_on`]) or on any stream (as
+    /// [`Context::alloc`]).
+    #[track_caller]
+    pub fn alloc_for(
+        self: &Arc<Self>,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+    ) -> Result<Arc<DevicePointer>> {
+        let at = std::panic::Location::caller();
+        self.alloc_at(size, stream, client, || Site::Rust(at))
+    }
+
+    /// As [`Context::alloc_for`], made at `site` for the leak report (a
+    /// binding passes its own language's call site; `site` is called only
+    /// while tracking is on).
+    #[inline]
+    pub fn alloc_at(
+        self: &Arc<Self>,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+        site: impl FnOnce() -> Site,
+    ) -> Result<Arc<DevicePointer>> {
+        DevicePointer::allocate(self, AllocRequest::pool(size, stream, client), site)
+    }
+
+    /// Allocate `size` bytes of managed (unified) memory in this context.
+    #[track_caller]
+    pub fn alloc_managed(
+        self: &Arc<Self>,
+        size: usize,
+        attach_global: bool,
+    ) -> Result<Arc<DevicePointer>> {
+        let at = std::panic::Location::caller();
+        DevicePointer::alloc_managed_at(self, size, attach_global, || Site::Rust(at))
+    }
+}
+
+impl DevicePointer {
+    /// Make the allocation `req` asks for in `context`, noted at `site` for
+    /// the leak report (`site` is called only while tracking is on).
+    #[inline]
+    pub(crate) fn allocate(
+        context: &Arc<Context>,
+        req: AllocRequest,
+        site: impl FnOnce() -> Site,
+    ) -> Result<Arc<Self>> {
+        crate::fork::check()?;
+        let state = context.state();
+        let p = match req.source {
+            Source::Pool if state.pooled() && req.size != 0 => {
+                let stream = req.stream.and_then(ordering_stream);
+                let block = state.pool_alloc(context, req.size, stream, req.client)?;
+                let p = DevicePointer::counted(
+                    context,
+                    block.address,
+                    req.size,
+                    Origin::Pool(block.class),
+                    false,
+                    None,
+                    block.shard,
+                    req.client,
+                );
+                if let Some(s) = stream {
+                    p.stream.store(s, Ordering::Relaxed);
+                }
+                p
+            }
+            Source::Pool | Source::Driver => DevicePointer::from_driver(context, req, |ctx| {
+                // SAFETY: `ctx.raw()` is retained by the Context.
+                unsafe { ctx.driver().mem_alloc(ctx.raw(), req.size) }
+            })?,
+            Source::Managed { attach_global } => {
+                let flags = if attach_global {
+                    MEM_ATTACH_GLOBAL
+                } else {
+                    MEM_ATTACH_HOST
+                };
+                DevicePointer::from_driver(context, req, |ctx| {
+                    // SAFETY: `ctx.raw()` is retained by the Context.
+                    unsafe { ctx.driver().mem_alloc_managed(ctx.raw(), req.size, flags) }
+                })?
+            }
+        };
+        p.note_site(site);
+        Ok(p)
+    }
+
+    /// Allocate `size` bytes straight from the driver (`cuMemAlloc`),
+    /// bypassing the pool.
+    #[track_caller]
+    pub fn alloc_uncached(context: &Arc<Context>, size: usize) -> Result<Arc<Self>> {
+        let at = std::panic::Location::caller();
+        let req = AllocRequest {
+            source: Source::Driver,
+            ..AllocRequest::pool(size, None, Client::Direct)
+        };
+        DevicePointer::allocate(context, req, || Site::Rust(at))
+    }
+
+    /// Allocate `size` bytes of managed (unified) memory in `context`,
+    /// attached globally or to the host.
+    #[track_caller]
+    pub fn alloc_managed(
+        context: &Arc<Context>,
+        size: usize,
+        attach_global: bool,
+    ) -> Result<Arc<Self>> {
+        let at = std::panic::Location::caller();
+        DevicePointer::alloc_managed_at(context, size, attach_global, || Site::Rust(at))
+    }
+
+    /// As [`DevicePointer::alloc_managed`], made at `site` for the leak
+    /// report.
+    pub fn alloc_managed_at(
+        context: &Arc<Context>,
+        size: usize,
+        attach_global: bool,
+        site: impl FnOnce() -> Site,
+    ) -> Result<Arc<Self>> {
+        let req = AllocRequest {
+            source: Source::Managed { attach_global },
+            ..AllocRequest::pool(size, None, Client::Direct)
+        };
+        DevicePointer::allocate(context, req, site)
+    }
+
+    /// The allocation `allocate` makes (a driver call freed by `cuMemFree`),
+    /// registered and counted.
+    fn from_driver(
+        context: &Arc<Context>,
+        req: AllocRequest,
+        allocate: impl FnOnce(&Context) -> Result<DevicePtr>,
+    ) -> Result<Arc<Self>> {
+        let (address, registration) = if req.size == 0 {
+            (0, None)
+        } else {
+            let address = allocate(context).map_err(|e| e.oom_on(context.device(), req.size))?;
+            let services = context.state().services();
+            let reg = services.registry.insert(address, req.size, context);
+            (address, Some(reg))
+        };
+        Ok(DevicePointer::counted(
+            context,
+            address,
+            req.size,
+            Origin::Driver,
+            matches!(req.source, Source::Managed { .. }),
+            registration,
+            0,
+            req.client,
+        ))
+    }
+
+    /// A pointer to new memory of gpuptr's, counted (the pool counts its
+    /// own blocks under its shard lock) and noted for the leak report.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn counted(
+        context: &Arc<Context>,
+        address: DevicePtr,
+        size: usize,
+        origin: Origin,
+        managed: bool,
+        registration: Option<Registration>,
+        pool_shard: u32,
+        client: Client,
+    ) -> Arc<Self> {
+        if !matches!(origin, Origin::Pool(_)) {
+            context.state().counters().allocated(size, client);
+        }
+        let mut p = DevicePointer::base(context.clone(), address, size, origin);
+        p.managed = managed;
+        p.registration = registration;
+        p.pool_shard = pool_shard as u16;
+        p.client = client;
+        // Noted by the leak report once the caller gives the site
+        // ([`DevicePointer::note_site`]): one load here while it is off.
+        p.tracked = address != 0 && context.state().services().tracker.enabled();
+        Arc::new(p)
+    }
+}

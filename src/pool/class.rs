@@ -1,0 +1,113 @@
+//! Size classes: at least 512 bytes; up to 256 MiB, four classes per
+//! power of two (waste under 25%); above, a multiple of 2 MiB. Small classes
+//! have a dense index, so a shard keeps them in a vector.
+
+use std::collections::HashMap;
+
+pub(super) const MIN_CLASS: usize = 512;
+pub(super) const LARGE: usize = 256 << 20;
+/// Classes up to [`LARGE`]: 512, then four per power of two.
+pub(super) const SMALL_CLASSES: usize =
+    1 + 4 * (LARGE.trailing_zeros() - MIN_CLASS.trailing_zeros()) as usize;
+// A shard's `wanted` has a bit per small class.
+const _: () = assert!(SMALL_CLASSES <= 128);
+
+/// The size class of a request: at least 512 bytes; up to 256 MiB, four
+/// classes per power of two (waste under 25%); above, a multiple of 2 MiB.
+pub fn size_class(size: usize) -> usize {
+    if size <= MIN_CLASS {
+        return MIN_CLASS;
+    }
+    if size > LARGE {
+        return size.div_ceil(2 << 20) * (2 << 20);
+    }
+    let pow = usize::BITS - 1 - (size - 1).leading_zeros(); // 2^pow < size <= 2^(pow+1)
+    let step = 1usize << (pow - 2);
+    size.div_ceil(step) * step
+}
+
+/// The slot of a class up to 256 MiB in a shard's `ready` table.
+pub(super) fn class_index(class: usize) -> Option<usize> {
+    if class > LARGE {
+        return None;
+    }
+    if class <= MIN_CLASS {
+        return Some(0);
+    }
+    // class = k * 2^(pow-2) with 2^pow < class <= 2^(pow+1), k in 5..=8.
+    let pow = (usize::BITS - 1 - (class - 1).leading_zeros()) as usize;
+    let k = class >> (pow - 2);
+    Some(1 + 4 * (pow - MIN_CLASS.trailing_zeros() as usize) + (k - 5))
+}
+
+/// Addresses are already well spread integers: hash them as they are
+/// (SipHash costs more than the rest of an allocation).
+#[derive(Default)]
+pub(super) struct IdentityHasher(u64);
+
+impl std::hash::Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        // Classes and blocks are multiples of 512: drop the always-zero bits.
+        self.0 >> 9 ^ self.0.rotate_left(29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    // One integer is taken as it is; a tuple's (a stream and a class)
+    // are mixed, so that streams of one class do not collide.
+    fn write_u64(&mut self, n: u64) {
+        self.0 = self.0.rotate_left(26) ^ n;
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}
+
+pub(super) type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>>;
+
+/// The class stored at `index` of a shard's `ready` table.
+pub(super) fn class_of_index(index: usize) -> usize {
+    if index == 0 {
+        return MIN_CLASS;
+    }
+    let pow = (index - 1) / 4 + MIN_CLASS.trailing_zeros() as usize;
+    let k = (index - 1) % 4 + 5;
+    k << (pow - 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn class_indexes_are_dense_and_round_trip() {
+        let mut seen = std::collections::HashSet::new();
+        let mut size = 1;
+        while size <= LARGE {
+            let c = size_class(size);
+            let i = class_index(c).unwrap();
+            assert!(i < SMALL_CLASSES, "{c} -> {i}");
+            assert_eq!(class_of_index(i), c);
+            seen.insert(i);
+            size += size / 9 + 1;
+        }
+        assert_eq!(seen.len(), SMALL_CLASSES, "every slot is used");
+        assert_eq!(class_index(size_class(LARGE + 1)), None);
+    }
+
+    #[test]
+    fn size_classes_round_up_with_bounded_waste() {
+        assert_eq!(size_class(1), 512);
+        assert_eq!(size_class(512), 512);
+        assert_eq!(size_class(513), 640);
+        assert_eq!(size_class(1 << 20), 1 << 20);
+        assert_eq!(size_class((1 << 20) + 1), (1 << 20) + (1 << 18));
+        assert_eq!(size_class((256 << 20) + 1), (256 << 20) + (2 << 20));
+        for s in [600usize, 1000, 4097, 123_457, 9_999_999, 300 << 20] {
+            let c = size_class(s);
+            assert!(c >= s && (c - s) * 4 <= s.max(2 << 20), "{s} -> {c}");
+        }
+    }
+}

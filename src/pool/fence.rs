@@ -1,0 +1,194 @@
+//! [`Fencer`]: the per-device helper that makes freed blocks safe to reuse.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::helper::{Helper, Shared};
+use crate::driver::{Driver, RawContext};
+use crate::sync::{lock, wait, wait_timeout};
+
+/// The per-device helper that makes freed blocks safe to reuse: it runs
+/// `cuCtxSynchronize` on its own thread for every batch sealed before the
+/// call, so no allocating thread waits for the GPU.
+///
+/// Sequence numbers order it: [`Fencer::request`] returns the number of a
+/// synchronize that starts after the call; [`Fencer::done`] is the number of
+/// the last one that finished. A batch sealed with number `n` is ready once
+/// `done() >= n`.
+pub(crate) struct Fencer {
+    helper: Helper<FenceState, FenceExt>,
+}
+
+/// What the fence thread and its users read without the lock.
+pub(crate) struct FenceExt {
+    driver: Arc<dyn Driver>,
+    pace: Duration,
+    done: AtomicU64,
+    /// The newest number handed out.
+    requested: AtomicU64,
+}
+
+#[derive(Default)]
+pub(crate) struct FenceState {
+    /// The newest number handed out.
+    requested: u64,
+    /// The number the running (or last) synchronize covers.
+    started: u64,
+    /// The newest number whose synchronize failed.
+    failed: u64,
+    context: RawContext,
+    /// Threads waiting on `done` (out of memory).
+    waiters: usize,
+}
+
+/// After its last fence the helper looks for a new request every
+/// [`FENCE_POLL`] (or every pace, if longer) for this long before it sleeps
+/// until woken: a busy allocator asks again within microseconds, and waking
+/// a sleeping thread would cost the allocating thread a system call. Polling
+/// with timed sleeps, not spinning, leaves the CPU to the allocating threads.
+const FENCE_IDLE_POLL: Duration = Duration::from_millis(2);
+const FENCE_POLL: Duration = Duration::from_micros(20);
+
+impl Fencer {
+    pub(crate) fn new(driver: Arc<dyn Driver>, pace: Duration) -> Self {
+        let ext = FenceExt {
+            driver,
+            pace,
+            done: AtomicU64::new(0),
+            requested: AtomicU64::new(0),
+        };
+        Fencer {
+            helper: Helper::new("gpuptr-fence", FenceState::default(), ext),
+        }
+    }
+
+    fn ext(&self) -> &FenceExt {
+        &self.helper.shared.ext
+    }
+
+    /// The number of the last finished fence.
+    #[inline]
+    pub(crate) fn done(&self) -> u64 {
+        self.ext().done.load(Ordering::Acquire)
+    }
+
+    /// Whether a requested fence has not finished yet: freed memory is held
+    /// back now (the GPU is busy, or the fence is on its way).
+    #[inline]
+    pub(crate) fn outstanding(&self) -> bool {
+        self.ext().requested.load(Ordering::Relaxed) > self.done()
+    }
+
+    /// Ask for a fence of `context` that starts after now; its number.
+    /// Requests made before the helper picks them up share one fence.
+    pub(crate) fn request(&self, context: RawContext) -> u64 {
+        let mut st = self.helper.lock();
+        let f = &mut st.s;
+        if f.requested == f.started || f.context != context {
+            f.requested += 1;
+        }
+        f.context = context;
+        let n = f.requested;
+        self.ext().requested.store(n, Ordering::Relaxed);
+        // No thread: the next waiter fences inline instead.
+        self.helper.start(&mut st, fence_loop);
+        self.helper.wake(st);
+        n
+    }
+
+    /// Wait until fence `n` is done. `false` if it failed or cannot happen
+    /// (no helper, shut down). Only out-of-memory paths wait.
+    pub(crate) fn wait(&self, n: u64) -> bool {
+        let sh = &self.helper.shared;
+        let mut st = lock(&sh.state);
+        loop {
+            if self.done() >= n {
+                return true;
+            }
+            if st.s.failed >= n || st.shutdown {
+                return false;
+            }
+            if !st.spawned {
+                // The helper could not start: synchronize here.
+                let (target, context) = (st.s.requested, st.s.context);
+                drop(st);
+                // SAFETY: `context` is the live context the pool's owner
+                // passed with the request.
+                let ok = unsafe { sh.ext.driver.synchronize(context) }.is_ok();
+                if ok {
+                    sh.ext.done.fetch_max(target, Ordering::AcqRel);
+                }
+                return ok && self.done() >= n;
+            }
+            st.s.waiters += 1;
+            // Cut the helper's rest short: this thread needs the fence now.
+            sh.work.notify_one();
+            st = wait(&sh.done, st);
+            st.s.waiters -= 1;
+        }
+    }
+}
+
+fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
+    let pace = sh.ext.pace;
+    let poll = pace.max(FENCE_POLL);
+    let mut st = lock(&sh.state);
+    loop {
+        // Wait for a request: poll for a while (a request then needs no
+        // wake-up), then sleep until a request wakes this thread.
+        let idle = Instant::now();
+        while st.s.requested == st.s.started && !st.shutdown {
+            if idle.elapsed() < FENCE_IDLE_POLL {
+                st = wait_timeout(&sh.work, st, poll);
+            } else {
+                st = sh.sleep(st);
+            }
+        }
+        if st.shutdown {
+            return;
+        }
+        let (target, context) = (st.s.requested, st.s.context);
+        st.s.started = target;
+        drop(st);
+        if crate::fork::forked() {
+            return;
+        }
+        let started =
+            log::log_enabled!(target: "gpuptr::fence", log::Level::Debug).then(Instant::now);
+        // SAFETY: `context` is live: the pool's owner passes its retained
+        // context with each request, and a reset or teardown (which ends
+        // it) shuts this helper down or drains every batch first; a call
+        // on a context gone since fails with an error, never touches memory.
+        let r = unsafe { sh.ext.driver.synchronize(context) };
+        st = lock(&sh.state);
+        match &r {
+            Ok(()) => {
+                sh.ext.done.fetch_max(target, Ordering::AcqRel);
+            }
+            // The batches stay sealed (never handed out unfenced); a later
+            // request retries and covers them.
+            Err(_) => st.s.failed = st.s.failed.max(target),
+        }
+        // The logger only queues the record (no GIL, no lock but its own).
+        match (r, started) {
+            (Ok(()), Some(t)) => log::debug!(
+                target: "gpuptr::fence",
+                "fence {target} done in {} us",
+                t.elapsed().as_micros()
+            ),
+            (Err(e), _) => log::warn!(
+                target: "gpuptr::fence",
+                "fence {target} failed ({e}); its blocks wait for the next one"
+            ),
+            _ => {}
+        }
+        if st.s.waiters > 0 {
+            sh.done.notify_all();
+        } else if !pace.is_zero() && !st.shutdown {
+            // Rest, so that frees gather into the next fence; an
+            // out-of-memory waiter cuts this short.
+            st = wait_timeout(&sh.work, st, pace);
+        }
+    }
+}

@@ -1,0 +1,341 @@
+//! What the pool holds from the driver: its allocations (one block, or
+//! several carved from one), growth under a busy GPU, the limit, and
+//! giving memory back (trim, and forgetting it after a reset).
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::class::{size_class, FastMap};
+use super::Pool;
+use crate::driver::{DevicePtr, RawContext};
+use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::sync::lock;
+
+/// When the pool grows while a fence is outstanding (a busy GPU), it carves
+/// blocks from allocations of about this many bytes, doubling with each
+/// growth under the same fence up to [`CARVE_BYTES_MAX`]: one driver call
+/// then serves several misses, and a `cuMemAlloc` costs about the same
+/// (40-60 µs on an H200) for 8 MiB as for 128 MiB.
+pub(super) const CARVE_BYTES: usize = 8 << 20;
+pub(super) const CARVE_BYTES_MAX: usize = 64 << 20;
+/// At most this many blocks per allocation.
+pub(super) const CARVE_MAX: usize = 64;
+/// At most this many blocks per allocation of a reservation.
+pub(super) const RESERVE_MAX: usize = 1024;
+
+/// A block handed out by [`Pool::alloc`]: where it is and where it goes back.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Block {
+    pub address: DevicePtr,
+    pub class: usize,
+    pub shard: u32,
+    /// The driver allocation this request made, if it made one (this block
+    /// is its first). Its owner registers each block's range.
+    pub new_allocation: Option<Allocation>,
+    /// The pool asks its owner to grow this block's class ahead of demand
+    /// ([`Pool::post_ahead`], then [`Pool::grow_ahead`] on the helper).
+    pub ahead: bool,
+}
+
+/// A driver allocation of the pool: at `base`, `blocks` blocks of `class`
+/// bytes each (one, or several carved from it).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Allocation {
+    pub base: DevicePtr,
+    pub class: usize,
+    pub blocks: usize,
+}
+
+impl Allocation {
+    /// The allocation's size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.class * self.blocks
+    }
+
+    /// The addresses of its blocks.
+    pub fn block_addresses(self) -> impl Iterator<Item = DevicePtr> {
+        (0..self.blocks).map(move |i| self.base + (i * self.class) as u64)
+    }
+}
+
+/// What the pool holds from the driver. Touched on misses, trims and resets.
+#[derive(Default)]
+pub(super) struct Held {
+    /// Allocations by base address.
+    pub(super) allocations: FastMap<DevicePtr, Allocation>,
+    /// The base of each carved block that is not its allocation's first.
+    pub(super) carved: FastMap<DevicePtr, DevicePtr>,
+    /// Bytes of `allocations`.
+    pub(super) bytes: usize,
+    /// Bytes of driver allocations and frees under way: the driver may hold
+    /// them beyond `bytes`, so the limit counts them.
+    pub(super) pending: usize,
+}
+
+impl Held {
+    pub(super) fn base_of(&self, block: DevicePtr) -> DevicePtr {
+        self.carved.get(&block).copied().unwrap_or(block)
+    }
+
+    pub(super) fn record(&mut self, a: Allocation) {
+        self.bytes += a.bytes();
+        self.allocations.insert(a.base, a);
+        for p in a.block_addresses().skip(1) {
+            self.carved.insert(p, a.base);
+        }
+    }
+
+    /// Take the record of the allocation at `base` out.
+    pub(super) fn forget(&mut self, base: DevicePtr) -> Allocation {
+        let a = self
+            .allocations
+            .remove(&base)
+            .expect("a recorded allocation");
+        self.bytes -= a.bytes();
+        for p in a.block_addresses().skip(1) {
+            self.carved.remove(&p);
+        }
+        a
+    }
+}
+
+/// How many times the pool grew under the fence numbered `done`.
+#[derive(Default)]
+pub(super) struct Growth {
+    pub(super) done: u64,
+    pub(super) carves: u32,
+}
+
+impl Pool {
+    /// New memory from the driver for blocks of `class`: one block, or,
+    /// while a fence is outstanding (a busy GPU), several carved from one
+    /// allocation, so that one driver call serves several misses.
+    pub(super) fn alloc_new(&self, context: RawContext, class: usize) -> Result<Allocation> {
+        let carve = if self.fencer.outstanding() {
+            let mut g = lock(&self.growth);
+            let done = self.fencer.done();
+            if g.done != done {
+                // A fence finished since: start small again.
+                *g = Growth { done, carves: 0 };
+            }
+            let bytes = (CARVE_BYTES << g.carves).min(CARVE_BYTES_MAX);
+            g.carves = (g.carves + 1).min(8);
+            (bytes / class).clamp(1, CARVE_MAX)
+        } else {
+            1
+        };
+        match self.allocate(context, class, carve) {
+            // Too big a request for a tight device: one block will do.
+            Err(e) if carve > 1 && e.is_oom() => self.allocate(context, class, 1),
+            r => r,
+        }
+    }
+
+    /// One driver allocation of `blocks` blocks of `class`, recorded.
+    pub(super) fn allocate(
+        &self,
+        context: RawContext,
+        class: usize,
+        blocks: usize,
+    ) -> Result<Allocation> {
+        let bytes = blocks * class;
+        {
+            let mut held = lock(&self.held);
+            let limit = self.limit.load(Ordering::Relaxed);
+            if held.bytes + held.pending + bytes > limit {
+                return Err(Error::cuda(
+                    "gpuptr pool limit",
+                    CUDA_ERROR_OUT_OF_MEMORY,
+                    "CUDA_ERROR_OUT_OF_MEMORY",
+                ));
+            }
+            held.pending += bytes;
+        }
+        let started =
+            log::log_enabled!(target: "gpuptr::pool", log::Level::Debug).then(Instant::now);
+        // SAFETY: the pool's owner passes its live, retained context.
+        let r = unsafe { self.driver.mem_alloc(context, bytes) };
+        if let Some(t) = started {
+            log::debug!(
+                target: "gpuptr::pool",
+                "cuMemAlloc of {bytes} bytes took {} us",
+                t.elapsed().as_micros()
+            );
+        }
+        let mut held = lock(&self.held);
+        held.pending -= bytes;
+        let a = Allocation {
+            base: r?,
+            class,
+            blocks,
+        };
+        held.record(a);
+        Ok(a)
+    }
+
+    /// Fill the cache ahead of demand with blocks of `size`'s class, about
+    /// `bytes` in all, ready at once (fresh memory is safe for anyone),
+    /// spread over the shards. Returns the driver allocations made (their
+    /// owner registers them); stops early, keeping what it got, when the
+    /// driver runs out of memory.
+    pub(crate) fn reserve(
+        &self,
+        context: RawContext,
+        size: usize,
+        bytes: usize,
+    ) -> (Vec<Allocation>, Result<()>) {
+        let class = size_class(size.max(1));
+        let mut want = bytes.div_ceil(class);
+        let mut per_chunk = (CARVE_BYTES_MAX / class).clamp(1, RESERVE_MAX);
+        let mut made = Vec::new();
+        let mut next_shard = 0;
+        while want > 0 {
+            let blocks = want.min(per_chunk);
+            let a = match self.allocate(context, class, blocks) {
+                Ok(a) => a,
+                // A tight device: smaller allocations may still fit.
+                Err(e) if e.is_oom() && blocks > 1 => {
+                    per_chunk = blocks / 2;
+                    continue;
+                }
+                Err(e) => return (made, Err(e)),
+            };
+            for p in a.block_addresses() {
+                self.shard(next_shard % self.shards.len())
+                    .put_ready(p, class);
+                next_shard += 1;
+            }
+            made.push(a);
+            want -= blocks;
+        }
+        (made, Ok(()))
+    }
+
+    /// Return every allocation whose blocks are all cached to the driver
+    /// (`cuMemFree`, which waits for the device, so blocks still waiting for
+    /// a fence are safe to free too). Blocks handed out, and the other
+    /// blocks of their allocations, stay. `before_free` sees each allocation
+    /// before its free (the driver may reuse its addresses at once after),
+    /// and `failed_free` each one whose free failed: it stays cached, so
+    /// nothing is lost, and the others are freed all the same. Returns the
+    /// allocations freed, and the first driver error.
+    pub(crate) fn trim(
+        &self,
+        context: RawContext,
+        mut before_free: impl FnMut(&Allocation),
+        mut failed_free: impl FnMut(&Allocation),
+    ) -> (Vec<Allocation>, Result<()>) {
+        // Each cached block with whether its fence is done.
+        let mut cached = Vec::new();
+        for i in 0..self.shards.len() {
+            self.shard(i).drain(&mut cached);
+        }
+        // Group the cached blocks by allocation.
+        let mut by_base: FastMap<DevicePtr, Vec<(DevicePtr, usize, bool)>> = FastMap::default();
+        {
+            let held = lock(&self.held);
+            for b in cached {
+                by_base.entry(held.base_of(b.0)).or_default().push(b);
+            }
+        }
+        let mut freed = Vec::new();
+        let mut keep = Vec::new();
+        let mut first_err = Ok(());
+        for (base, blocks) in by_base {
+            // Take the record of an allocation whose blocks are all here
+            // out of `held` in one step with the check.
+            let taken = {
+                let mut held = lock(&self.held);
+                let whole = held
+                    .allocations
+                    .get(&base)
+                    .is_some_and(|a| a.blocks == blocks.len());
+                whole.then(|| {
+                    let a = held.forget(base);
+                    // Still the driver's until the free returns.
+                    held.pending += a.bytes();
+                    a
+                })
+            };
+            let Some(a) = taken else {
+                keep.extend(blocks);
+                continue;
+            };
+            // The owner forgets the blocks before the driver may hand the
+            // same addresses to another thread's new allocation.
+            before_free(&a);
+            // SAFETY: an allocation this pool made in `context` whose blocks
+            // are all cached (none handed out), so no one uses it after this.
+            let r = unsafe { self.driver.mem_free(context, base) };
+            let mut held = lock(&self.held);
+            held.pending -= a.bytes();
+            match r {
+                Ok(()) => freed.push(a),
+                Err(e) => {
+                    held.record(a);
+                    drop(held);
+                    failed_free(&a);
+                    keep.extend(blocks);
+                    if first_err.is_ok() {
+                        first_err = Err(e);
+                    }
+                }
+            }
+        }
+        // What stays goes back as it was: a block whose fence is not done
+        // is pending again (sealed with the next batch), never ready.
+        let mut sh = self.shard(0);
+        for (p, class, fenced) in keep {
+            if fenced {
+                sh.put_ready(p, class);
+            } else {
+                sh.put_pending(p, class);
+            }
+        }
+        if !sh.pending.is_empty() {
+            sh.seal(&self.fencer, context, false);
+        }
+        (freed, first_err)
+    }
+
+    /// Forget every block without freeing it (the context was reset and the
+    /// memory is gone), and zero the live counts; the blocks it held.
+    pub(crate) fn forget(&self) -> Vec<Allocation> {
+        for i in 0..self.shards.len() {
+            let mut sh = self.shard(i);
+            sh.drain(&mut Vec::new());
+            sh.live_bytes = 0;
+            sh.class_live.iter_mut().for_each(|c| c.live = 0);
+            sh.large_live.clear();
+            for k in &mut sh.clients {
+                (k.live_bytes, k.live_count) = (0, 0);
+            }
+        }
+        let mut held = lock(&self.held);
+        held.carved.clear();
+        held.bytes = 0;
+        held.allocations.drain().map(|(_, a)| a).collect()
+    }
+
+    /// Number of driver allocations the pool holds (cached or handed out).
+    pub(crate) fn held_blocks(&self) -> usize {
+        lock(&self.held).allocations.len()
+    }
+
+    /// Bytes the pool holds from the driver (handed out or cached).
+    pub(crate) fn held_bytes(&self) -> usize {
+        lock(&self.held).bytes
+    }
+
+    /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).
+    /// Past it, an allocation goes through the out-of-memory path (the
+    /// fence, then returning the cache) and fails as out of memory if that
+    /// does not make room. What it holds already is not given back.
+    pub(crate) fn set_limit(&self, bytes: usize) {
+        self.limit.store(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,144 @@
+//! The one skeleton of the pool's helper threads: the fence
+//! ([`Fencer`](super::fence::Fencer)) and growth ahead
+//! ([`Grower`](super::ahead::Grower)). Each is a thread started on first
+//! use, woken through a condition variable only when it sleeps, stopped
+//! without anyone waiting for it, and replaced by work on the caller's
+//! thread when no thread can be started.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use crate::sync::{lock, wait};
+
+/// A helper thread over state `S` (under its lock) and `E` (outside it).
+pub(crate) struct Helper<S, E> {
+    pub(crate) shared: Arc<Shared<S, E>>,
+    name: &'static str,
+}
+
+/// What the helper and the threads that use it share.
+pub(crate) struct Shared<S, E> {
+    pub(crate) state: Mutex<State<S>>,
+    /// Wakes the helper.
+    pub(crate) work: Condvar,
+    /// Wakes threads waiting for the helper's work (a fence, its jobs).
+    pub(crate) done: Condvar,
+    /// What is read without the lock.
+    pub(crate) ext: E,
+}
+
+/// The helper's state under the lock.
+pub(crate) struct State<S> {
+    pub(crate) s: S,
+    /// The thread runs.
+    pub(crate) spawned: bool,
+    pub(crate) shutdown: bool,
+    /// The helper waits on `work`: a request must wake it.
+    pub(crate) sleeping: bool,
+}
+
+impl<S: Send + 'static, E: Send + Sync + 'static> Helper<S, E> {
+    /// A helper named `name` (not started).
+    pub(crate) fn new(name: &'static str, s: S, ext: E) -> Self {
+        Helper {
+            name,
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    s,
+                    spawned: false,
+                    shutdown: false,
+                    sleeping: false,
+                }),
+                work: Condvar::new(),
+                done: Condvar::new(),
+                ext,
+            }),
+        }
+    }
+
+    /// Lock its state.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State<S>> {
+        lock(&self.shared.state)
+    }
+
+    /// Start the thread, running `body`, unless it runs; `false` if no
+    /// thread can be started (the caller then does the work itself).
+    pub(crate) fn start(&self, st: &mut State<S>, body: fn(&Shared<S, E>)) -> bool {
+        if st.spawned {
+            return true;
+        }
+        let shared = self.shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(self.name.into())
+            .spawn(move || {
+                short_timer_slack();
+                body(&shared)
+            });
+        st.spawned = spawned.is_ok();
+        st.spawned
+    }
+
+    /// Unlock, waking the helper if it sleeps.
+    pub(crate) fn wake(&self, st: MutexGuard<'_, State<S>>) {
+        let sleeping = st.sleeping;
+        drop(st);
+        if sleeping {
+            self.shared.work.notify_one();
+        }
+    }
+
+    /// Stop the helper after what it is doing now; `take` runs under the
+    /// lock (to take what it would have done). Nobody waits for it:
+    /// shutdown never hangs on the GPU.
+    pub(crate) fn shutdown<R>(&self, take: impl FnOnce(&mut S) -> R) -> R {
+        let r = {
+            let mut st = self.lock();
+            st.shutdown = true;
+            take(&mut st.s)
+        };
+        self.shared.work.notify_all();
+        self.shared.done.notify_all();
+        r
+    }
+}
+
+impl<S, E> Shared<S, E> {
+    /// On the helper: sleep until woken (`sleeping` is set and read under
+    /// the lock with the request, so a request is either seen before this
+    /// or wakes it).
+    pub(crate) fn sleep<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<S>>,
+    ) -> MutexGuard<'a, State<S>> {
+        st.sleeping = true;
+        st = wait(&self.work, st);
+        st.sleeping = false;
+        st
+    }
+}
+
+impl<S, E> Drop for Helper<S, E> {
+    fn drop(&mut self) {
+        lock(&self.shared.state).shutdown = true;
+        self.shared.work.notify_all();
+        self.shared.done.notify_all();
+    }
+}
+
+/// Let this thread's short sleeps be short: Linux otherwise lets a timed
+/// wait run up to 50 µs late.
+fn short_timer_slack() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_TIMERSLACK takes an integer and changes only the
+    // calling thread's timer slack; no memory is passed. prctl is variadic
+    // and reads five words: pass them all, so none is uninitialised.
+    unsafe {
+        let zero: libc::c_ulong = 0;
+        libc::prctl(
+            libc::PR_SET_TIMERSLACK,
+            1000 as libc::c_ulong,
+            zero,
+            zero,
+            zero,
+        );
+    }
+}

@@ -1,0 +1,231 @@
+//! The one vocabulary of gpuptr's statistics: which library asked
+//! ([`Client`]), the counters a device keeps for driver allocations, the
+//! pool's own per-shard counts, and the snapshots both make.
+//!
+//! Two kinds of counters feed one [`DeviceStats`]: driver allocations are
+//! counted in shared atomics ([`DeviceCounters`]), and pool blocks under the
+//! shard lock that the allocation takes anyway ([`PoolStats`], summed over
+//! shards): a shared atomic on the pool's fast path would cost more than
+//! the rest of it. A device's snapshot adds the two; its peak is the larger
+//! of the two peaks (they need not coincide).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// Which library asked for an allocation, for per-client statistics.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Client {
+    /// gpuptr's own API (Python `gpuptr.alloc`, Rust `Context::alloc`).
+    #[default]
+    Direct = 0,
+    /// numba, through the `gpuptr.numba` memory manager.
+    Numba = 1,
+    /// CuPy, through `gpuptr.cupy`.
+    Cupy = 2,
+    /// PyTorch, through `gpuptr.torch`.
+    Torch = 3,
+}
+
+impl Client {
+    /// Every client, in index order.
+    pub const ALL: [Client; 4] = [Client::Direct, Client::Numba, Client::Cupy, Client::Torch];
+
+    /// Its name: `"direct"`, `"numba"`, `"cupy"` or `"torch"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Client::Direct => "direct",
+            Client::Numba => "numba",
+            Client::Cupy => "cupy",
+            Client::Torch => "torch",
+        }
+    }
+
+    /// The client of that name.
+    pub fn from_name(name: &str) -> Option<Client> {
+        Client::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Allocation counters of one device (allocations made outside the pool).
+#[derive(Default, Debug)]
+pub(crate) struct DeviceCounters {
+    pub live_bytes: AtomicUsize,
+    pub live_count: AtomicUsize,
+    pub peak_bytes: AtomicUsize,
+    pub alloc_count: AtomicU64,
+    /// Live bytes, live count and allocations per client.
+    clients: [[AtomicU64; 3]; 4],
+}
+
+impl DeviceCounters {
+    /// Count a driver allocation of `size` bytes (pool blocks are counted by
+    /// the pool).
+    pub(crate) fn allocated(&self, size: usize, client: Client) {
+        self.alloc_count.fetch_add(1, Ordering::Relaxed);
+        self.live_count.fetch_add(1, Ordering::Relaxed);
+        let live = self.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
+        self.peak_bytes.fetch_max(live, Ordering::Relaxed);
+        let [bytes, count, allocs] = &self.clients[client.index()];
+        bytes.fetch_add(size as u64, Ordering::Relaxed);
+        count.fetch_add(1, Ordering::Relaxed);
+        allocs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Count the release of a driver allocation.
+    pub(crate) fn released(&self, size: usize, client: Client) {
+        self.live_count.fetch_sub(1, Ordering::Relaxed);
+        self.live_bytes.fetch_sub(size, Ordering::Relaxed);
+        let [bytes, count, _] = &self.clients[client.index()];
+        bytes.fetch_sub(size as u64, Ordering::Relaxed);
+        count.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn client_stats(&self, client: Client) -> ClientStats {
+        let [bytes, count, allocs] = &self.clients[client.index()];
+        ClientStats {
+            live_bytes: bytes.load(Ordering::Relaxed) as usize,
+            live_count: count.load(Ordering::Relaxed) as usize,
+            alloc_count: allocs.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A reset: nothing is live any more.
+    pub(crate) fn forget_live(&self) {
+        self.live_bytes.store(0, Ordering::Relaxed);
+        self.live_count.store(0, Ordering::Relaxed);
+        for [bytes, count, _] in &self.clients {
+            bytes.store(0, Ordering::Relaxed);
+            count.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One client's share of a device's allocations ([`Client`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Bytes in its live allocations.
+    pub live_bytes: usize,
+    /// Its live allocations.
+    pub live_count: usize,
+    /// Allocations it made so far.
+    pub alloc_count: u64,
+}
+
+impl std::ops::AddAssign for ClientStats {
+    fn add_assign(&mut self, o: ClientStats) {
+        self.live_bytes += o.live_bytes;
+        self.live_count += o.live_count;
+        self.alloc_count += o.alloc_count;
+    }
+}
+
+/// A snapshot of one device's allocation counters.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Device ordinal.
+    pub device: usize,
+    /// Bytes in live allocations made by gpuptr.
+    pub live_bytes: usize,
+    /// Number of live allocations made by gpuptr.
+    pub live_count: usize,
+    /// The most `live_bytes` has been.
+    pub peak_bytes: usize,
+    /// Allocations made so far.
+    pub alloc_count: u64,
+    /// Bytes the pool holds for reuse (ready, on a stream's list, or
+    /// waiting for a fence).
+    pub cached_bytes: usize,
+    /// The part of `cached_bytes` waiting for a fence: freed blocks that
+    /// queued work may still use.
+    pub pending_bytes: usize,
+    /// Allocations served from the pool's cache.
+    pub pool_hits: u64,
+    /// Allocations that went to the driver.
+    pub pool_misses: u64,
+    /// Fences completed (each makes a batch of freed blocks reusable).
+    pub fences: u64,
+    /// The live allocations per client, in [`Client::ALL`] order.
+    pub clients: [ClientStats; 4],
+    /// Bytes the pool holds from the driver (handed out or cached).
+    pub pool_bytes: usize,
+    /// The cap on `pool_bytes`, if one is set ([`Runtime::set_pool_limit`]).
+    pub pool_limit: Option<usize>,
+}
+
+/// A snapshot of one pool's statistics.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PoolStats {
+    pub live_bytes: usize,
+    pub live_count: usize,
+    /// The sum of the shards' peaks: the peak of `live_bytes` when one
+    /// thread allocates, an upper bound of it when several do.
+    pub peak_bytes: usize,
+    pub alloc_count: u64,
+    /// Every byte held for reuse: ready, on a stream's list, or pending.
+    pub cached_bytes: usize,
+    /// The part of `cached_bytes` waiting for a fence.
+    pub pending_bytes: usize,
+    pub hits: u64,
+    pub misses: u64,
+    pub fences: u64,
+    pub clients: [ClientStats; 4],
+}
+
+/// One size class of a pool, in blocks of `class` bytes.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClassStats {
+    /// The block size.
+    pub class: usize,
+    /// Blocks handed out now.
+    pub live_blocks: usize,
+    /// The most handed out at once (an upper bound when several threads
+    /// allocate).
+    pub peak_blocks: usize,
+    /// Blocks held for reuse (ready, on a stream, or waiting for a fence).
+    pub cached_blocks: usize,
+}
+
+impl DeviceCounters {
+    /// Make the peak equal to the live bytes now.
+    pub(crate) fn reset_peak(&self) {
+        self.peak_bytes
+            .store(self.live_bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+impl DeviceStats {
+    /// Device `device`'s snapshot: its driver allocations' counters plus
+    /// its pool's, which holds `pool_bytes` from the driver under `limit`.
+    pub(crate) fn combine(
+        device: usize,
+        c: &DeviceCounters,
+        p: PoolStats,
+        pool_bytes: usize,
+        pool_limit: Option<usize>,
+    ) -> DeviceStats {
+        DeviceStats {
+            device,
+            live_bytes: c.live_bytes.load(Ordering::Relaxed) + p.live_bytes,
+            live_count: c.live_count.load(Ordering::Relaxed) + p.live_count,
+            // Peaks of the two kinds may not coincide: report the larger.
+            peak_bytes: c.peak_bytes.load(Ordering::Relaxed).max(p.peak_bytes),
+            alloc_count: c.alloc_count.load(Ordering::Relaxed) + p.alloc_count,
+            cached_bytes: p.cached_bytes,
+            pending_bytes: p.pending_bytes,
+            pool_hits: p.hits,
+            pool_misses: p.misses,
+            fences: p.fences,
+            clients: Client::ALL.map(|k| {
+                let mut s = c.client_stats(k);
+                s += p.clients[k.index()];
+                s
+            }),
+            pool_bytes,
+            pool_limit,
+        }
+    }
+}

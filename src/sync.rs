@@ -1,0 +1,58 @@
+//! Locks that outlive a panic. A deleter or a helper thread that panicked
+//! while holding a lock must not take every later allocation down with it:
+//! the state each lock guards is kept consistent at every unlock point, so
+//! gpuptr takes a poisoned lock as it is. Every lock in the crate goes
+//! through these helpers.
+
+use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
+
+/// Lock `m`, ignoring poison.
+#[inline]
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Read-lock `l`, ignoring poison.
+#[inline]
+pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Write-lock `l`, ignoring poison.
+#[inline]
+pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Wait on `c` with `g`, ignoring poison.
+#[inline]
+pub(crate) fn wait<'a, T>(c: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    c.wait(g).unwrap_or_else(|p| p.into_inner())
+}
+
+/// Wait on `c` with `g` for at most `d`, ignoring poison.
+#[inline]
+pub(crate) fn wait_timeout<'a, T>(
+    c: &Condvar,
+    g: MutexGuard<'a, T>,
+    d: Duration,
+) -> MutexGuard<'a, T> {
+    c.wait_timeout(g, d)
+        .map_or_else(|p| p.into_inner().0, |r| r.0)
+}
+
+/// Wait on `c` while `cond` holds, for at most `d`, ignoring poison;
+/// whether `cond` stopped holding (not timed out).
+#[inline]
+pub(crate) fn wait_while<T>(
+    c: &Condvar,
+    g: MutexGuard<'_, T>,
+    d: Duration,
+    cond: impl FnMut(&mut T) -> bool,
+) -> bool {
+    let (_g, r) = c
+        .wait_timeout_while(g, d, cond)
+        .unwrap_or_else(|p| p.into_inner());
+    !r.timed_out()
+}

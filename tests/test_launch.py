@@ -16,6 +16,7 @@ pytest.importorskip("numba.cuda")
 import numpy as np  # noqa: E402
 
 import gpuptr  # noqa: E402
+import gpuptr._launch  # noqa: E402
 import gpuptr.numba  # noqa: E402
 from gpuptr.numba import ArgCache, Launcher  # noqa: E402
 
@@ -130,13 +131,13 @@ def test_a_launch_asks_each_librarys_stream_once_and_waits_once_per_stream(mem, 
     # current stream is waited for (as numba does), once per library and
     # device however many arguments come from it, not once per argument.
     asked, waited = [], []
-    monkeypatch.setattr(gpuptr.numba._CUPY, "stream", lambda device: asked.append(device) or 0x7000)
+    monkeypatch.setattr(gpuptr._launch._CUPY, "stream", lambda device: asked.append(device) or 0x7000)
 
     class Ctx:
         def stream_synchronize(self, s):
             waited.append(s)
 
-    monkeypatch.setattr(gpuptr.numba._core, "context", lambda device: Ctx())
+    monkeypatch.setattr(gpuptr._launch._core, "context", lambda device: Ctx())
 
     class Kernel:
         def __getitem__(self, config):

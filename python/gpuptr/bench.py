@@ -18,7 +18,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+
+if TYPE_CHECKING:
+    from gpuptr._types import DriverInfo
 
 #: A row's two timed callables: gpuptr's and the baseline's.
 Pair = Tuple[Callable[[], object], Callable[[], object]]
@@ -263,16 +266,41 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
     """Run every row (or those whose name or baseline contains ``only``,
     ignoring case); returns ``{"meta": ..., "rows": [...]}``."""
     import gpuptr
-    from gpuptr import _testing
 
     b = Bench(quick, out, only)
     info = gpuptr.driver_info()
     on_gpu = info["driver"] == "cuda"
     print(f"gpuptr bench on {info['driver']} ({'quick' if quick else 'full'})", file=out, flush=True)
 
+    # Held for the whole run: the context rows look up addresses inside it.
     mem = gpuptr.alloc(1 << 22)
     addr = mem.device_pointer_value
     assert addr is not None
+
+    _context_rows(b, on_gpu, addr)
+    _cai_rows(b, on_gpu)
+    _observability_rows(b)
+    _alloc_rows(b, on_gpu)
+    _launch_rows(b, on_gpu)
+    _numba_manager_rows(b, on_gpu, quick)
+    _library_rows(b, on_gpu, quick)
+    _busy_rows(b, on_gpu)
+    return {"meta": _meta(info, quick), "rows": [r.__dict__ for r in b.results]}
+
+
+def _cupy_array() -> Any:
+    """A CuPy array of 1 Mi float32 zeros (the peer rows' foreign array)."""
+    import cupy
+
+    return cupy.zeros(1 << 20, dtype=cupy.float32)
+
+
+def _context_rows(b: Bench, on_gpu: bool, addr: int) -> None:
+    """The context of an address (``addr``, inside gpuptr memory): the
+    registry against the driver query, and ``wrap`` against numba's
+    MemoryPointer."""
+    import gpuptr
+    from gpuptr import _testing
 
     # Rows that need only gpuptr: the registry against the driver query.
     b.row(
@@ -280,11 +308,6 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
         "driver query (cuPointerGetAttributes)",
         lambda: (lambda: gpuptr.context_of(addr + 64), lambda: _testing.query_context(addr + 64)),
     )
-
-    def cupy_array() -> Any:
-        import cupy
-
-        return cupy.zeros(1 << 20, dtype=cupy.float32)
 
     def wrap_setup(known: bool) -> Callable[[], Pair]:
         def setup() -> Pair:
@@ -294,7 +317,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
             from numba import cuda
             from numba.cuda.cudadrv import driver as nd
 
-            arr = cupy_array()
+            arr = _cupy_array()
             p, n = arr.data.ptr, arr.nbytes
             cuda.current_context()
             keep = gpuptr.wrap(p, n, owner=arr) if known else None
@@ -318,6 +341,11 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
 
     b.row("context of an address (cached)", "cuPointerGetAttribute (cuda.bindings)", ctx_setup)
 
+
+def _cai_rows(b: Bench, on_gpu: bool) -> None:
+    """A CUDA Array Interface exporter to a numba array: gpuptr's
+    ``as_cuda_array`` against numba's."""
+
     def cai_setup(sync: bool) -> Callable[[], Pair]:
         def setup() -> Pair:
             if not on_gpu:
@@ -326,7 +354,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
 
             from gpuptr.numba import as_cuda_array
 
-            arr = cupy_array()
+            arr = _cupy_array()
             return (lambda: as_cuda_array(arr, sync=sync)), (lambda: cuda.as_cuda_array(arr, sync=sync))
 
         return setup
@@ -334,8 +362,87 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
     b.row("CAI object -> numba array", "numba.cuda.as_cuda_array", cai_setup(True), scale=0.25)
     b.row("CAI object -> numba array, sync=False", "numba.cuda.as_cuda_array(sync=False)", cai_setup(False), scale=0.25)
 
+
+def _alloc_pair() -> Callable[[], None]:
+    """gpuptr's side of the allocation rows: ``gpuptr.alloc`` + free, 1 MiB."""
+    import gpuptr
+
     def alloc_pair() -> None:
         gpuptr.alloc(1 << 20).free()
+
+    return alloc_pair
+
+
+def _observability_rows(b: Bench) -> None:
+    """What observability costs: gpuptr.alloc+free with the leak report on,
+    and with DEBUG logging on (records to a NullHandler), each against the
+    same pair with it off, measured one after the other."""
+    alloc_pair = _alloc_pair()
+    _observed(b, "gpuptr.alloc+free 1 MiB, tracking on", _tracking, alloc_pair)
+    _observed(b, "gpuptr.alloc+free 1 MiB, DEBUG logging on", _debug_logging, alloc_pair)
+
+
+def _observed(b: Bench, name: str, switch: Callable[[bool], None], alloc_pair: Callable[[], None]) -> None:
+    """The row ``name``: ``alloc_pair`` with ``switch(True)``, against it
+    after ``switch(False)``."""
+    if not b.wants(name):
+        return
+    print(f"  measuring: {name} ...", file=b.out, flush=True)
+    n = max(10, b.n // 4)
+    try:
+        switch(True)
+        try:
+            on = runs_ns(alloc_pair, n, b.repeat)
+        finally:
+            switch(False)
+        off = runs_ns(alloc_pair, n, b.repeat)
+    except Exception as e:
+        b.add(Result(name, "the same, off", skipped=f"{type(e).__name__}: {e}"))
+        return
+    b.add(
+        Result(
+            name,
+            "the same, off",
+            round(min(on), 1),
+            round(min(off), 1),
+            round(min(off) / min(on), 2),
+            gpuptr_runs=[round(x, 1) for x in on],
+            baseline_runs=[round(x, 1) for x in off],
+        )
+    )
+
+
+def _tracking(on: bool) -> None:
+    """Turn the leak report on or off (a switch for :func:`_observed`)."""
+    import gpuptr
+
+    if on and gpuptr.tracking():
+        raise RuntimeError("tracking is already on in this process (GPUPTR_TRACK)")
+    gpuptr.track(on)
+
+
+def _debug_logging(on: bool) -> None:
+    """Turn gpuptr's DEBUG logging to a NullHandler on, or back to what it
+    was (a switch for :func:`_observed`)."""
+    import logging
+
+    logger = logging.getLogger("gpuptr")
+    if on:
+        _debug_logging.saved = (logger.level, logger.propagate)  # type: ignore[attr-defined]
+        logger.addHandler(_NULL_HANDLER)
+        logger.propagate = False
+        logger.setLevel(logging.DEBUG)
+    else:
+        level, propagate = _debug_logging.saved  # type: ignore[attr-defined]
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.removeHandler(_NULL_HANDLER)
+
+
+def _alloc_rows(b: Bench, on_gpu: bool) -> None:
+    """alloc+free 1 MiB: gpuptr's pool against CuPy's pool, the driver's
+    stream-ordered allocator and cuda.core's memory resource."""
+    alloc_pair = _alloc_pair()
 
     def cupy_setup() -> Pair:
         if not on_gpu:
@@ -373,66 +480,16 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
 
         return alloc_pair, pair
 
-    # What observability costs: gpuptr.alloc+free with the leak report on,
-    # and with DEBUG logging on (records to a NullHandler), each against the
-    # same pair with it off, measured one after the other.
-    def observed(name: str, switch: Callable[[bool], None]) -> None:
-        if not b.wants(name):
-            return
-        print(f"  measuring: {name} ...", file=out, flush=True)
-        n = max(10, b.n // 4)
-        try:
-            switch(True)
-            try:
-                on = runs_ns(alloc_pair, n, b.repeat)
-            finally:
-                switch(False)
-            off = runs_ns(alloc_pair, n, b.repeat)
-        except Exception as e:
-            b.add(Result(name, "the same, off", skipped=f"{type(e).__name__}: {e}"))
-            return
-        b.add(
-            Result(
-                name,
-                "the same, off",
-                round(min(on), 1),
-                round(min(off), 1),
-                round(min(off) / min(on), 2),
-                gpuptr_runs=[round(x, 1) for x in on],
-                baseline_runs=[round(x, 1) for x in off],
-            )
-        )
-
-    def tracking(on: bool) -> None:
-        if on and gpuptr.tracking():
-            raise RuntimeError("tracking is already on in this process (GPUPTR_TRACK)")
-        gpuptr.track(on)
-
-    def debug_logging(on: bool) -> None:
-        import logging
-
-        logger = logging.getLogger("gpuptr")
-        if on:
-            debug_logging.saved = (logger.level, logger.propagate)  # type: ignore[attr-defined]
-            logger.addHandler(_NULL_HANDLER)
-            logger.propagate = False
-            logger.setLevel(logging.DEBUG)
-        else:
-            level, propagate = debug_logging.saved  # type: ignore[attr-defined]
-            logger.setLevel(level)
-            logger.propagate = propagate
-            logger.removeHandler(_NULL_HANDLER)
-
-    observed("gpuptr.alloc+free 1 MiB, tracking on", tracking)
-    observed("gpuptr.alloc+free 1 MiB, DEBUG logging on", debug_logging)
-
     b.row("alloc+free 1 MiB", "cupy.cuda.alloc (CuPy pool)", cupy_setup, scale=0.5)
     b.row("alloc+free 1 MiB", "cuMemAllocAsync+FreeAsync (cuda.bindings)", async_setup, scale=0.5)
     b.row("alloc+free 1 MiB", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
 
-    # Kernel launches on foreign arrays (the numba-cuda #536 complaint): 1
-    # and 8 array arguments, CuPy and torch, through gpuptr.numba.foreign_args
-    # against passing them directly, and against native numba arrays.
+
+def _launch_rows(b: Bench, on_gpu: bool) -> None:
+    """Kernel launches on foreign arrays (the numba-cuda #536 complaint): 1
+    and 8 array arguments, CuPy and torch, through gpuptr.numba.foreign_args
+    against passing them directly, and against native numba arrays."""
+
     def launch_setup(lib: str, nargs: int, against: str) -> Callable[[], Pair]:
         def setup() -> Pair:
             if not on_gpu:
@@ -468,7 +525,9 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
             b.row(f"launch, {nargs} {lib} arg(s) via foreign_args", "native numba arrays",
                   launch_setup(lib, nargs, "native"), scale=0.05)
 
-    # numba device_array under each memory manager, in child processes.
+
+def _numba_manager_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
+    """numba device_array under each memory manager, in child processes."""
     n_child = 500 if quick else 5000
     # The pure-Python EMM is a bench fixture, in the checkout's benches/
     # (not in the wheel).
@@ -479,7 +538,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
     ):
         if not b.wants("numba device_array(1 MiB) alloc+free", name):
             continue
-        print(f"  measuring: numba device_array(1 MiB) under gpuptr vs {name} ...", file=out, flush=True)
+        print(f"  measuring: numba device_array(1 MiB) under gpuptr vs {name} ...", file=b.out, flush=True)
         try:
             if not on_gpu:
                 raise RuntimeError("needs the GPU")
@@ -492,10 +551,12 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
         except Exception as e:
             b.add(Result("numba device_array(1 MiB) alloc+free", name, skipped=f"{type(e).__name__}: {e}"))
 
-    # CuPy's and PyTorch's allocation through gpuptr against their own
-    # pools and RMM's, each in its own process. Processes differ (one
-    # measured CuPy's own pool at 2.2 and 3.7 us in one run), so each
-    # allocator runs in alternating rounds and keeps its best.
+
+def _library_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
+    """CuPy's and PyTorch's allocation through gpuptr against their own
+    pools and RMM's, each in its own process. Processes differ (one
+    measured CuPy's own pool at 2.2 and 3.7 us in one run), so each
+    allocator runs in alternating rounds and keeps its best."""
     n_lib = 2000 if quick else 20000
     rounds = 2 if quick else 3
     for lib, what in (("cupy", "cp.empty(1 MiB)+free"), ("torch", "torch.empty(1 MiB, cuda)+free")):
@@ -507,38 +568,50 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
         rows = [r for r in rows if b.wants(r[0], r[3])]
         if not rows:
             continue
-        print(f"  measuring: {what} under gpuptr, {lib}'s own pool and RMM ...", file=out, flush=True)
-        best: Dict[str, float] = {}
-        failed: Dict[str, str] = {}
+        print(f"  measuring: {what} under gpuptr, {lib}'s own pool and RMM ...", file=b.out, flush=True)
         allocators = sorted({r[1] for r in rows} | {r[2] for r in rows})
-        for _ in range(rounds):
-            for allocator in allocators:
-                if allocator in failed:
-                    continue
-                try:
-                    if not on_gpu:
-                        raise RuntimeError("needs the GPU")
-                    __import__("rmm" if allocator == "rmm" else lib)
-                    ns = library_alloc_ns(lib, allocator, n_lib, b.repeat)
-                    best[allocator] = min(best.get(allocator, ns), ns)
-                except Exception as e:
-                    failed[allocator] = f"{type(e).__name__}: {e}"
+        best, failed = _best_of_rounds(lib, allocators, rounds, n_lib, b.repeat, on_gpu)
         for row, mine, peer, label in rows:
             if mine in best and peer in best:
                 b.add(Result(row, label, round(best[mine], 1), round(best[peer], 1), round(best[peer] / best[mine], 2)))
             else:
                 b.add(Result(row, label, skipped=failed.get(mine) or failed.get(peer) or "not measured"))
 
-    # A busy GPU: device_array alloc+free while a kernel runs on a
-    # non-blocking stream. The ratio is of the totals; median and worst are
-    # in `extra`.
+
+def _best_of_rounds(
+    lib: str, allocators: List[str], rounds: int, n: int, repeat: int, on_gpu: bool
+) -> Tuple[Dict[str, float], Dict[str, str]]:
+    """:func:`library_alloc_ns` of ``lib`` under each of ``allocators``, in
+    ``rounds`` alternating rounds: the best ns of each, and why each that
+    failed did (a failed one is not tried again)."""
+    best: Dict[str, float] = {}
+    failed: Dict[str, str] = {}
+    for _ in range(rounds):
+        for allocator in allocators:
+            if allocator in failed:
+                continue
+            try:
+                if not on_gpu:
+                    raise RuntimeError("needs the GPU")
+                __import__("rmm" if allocator == "rmm" else lib)
+                ns = library_alloc_ns(lib, allocator, n, repeat)
+                best[allocator] = min(best.get(allocator, ns), ns)
+            except Exception as e:
+                failed[allocator] = f"{type(e).__name__}: {e}"
+    return best, failed
+
+
+def _busy_rows(b: Bench, on_gpu: bool) -> None:
+    """A busy GPU: device_array alloc+free while a kernel runs on a
+    non-blocking stream. The ratio is of the totals; median and worst are
+    in ``extra``."""
     pairs = 300
     ours_busy = None
     for name, manager in (("numba default manager", None), ("RMM pool (rmm.allocators.numba)", "rmm.allocators.numba")):
         row = f"busy GPU: {pairs} device_array(1 MiB) pairs, total"
         if not b.wants(row, name):
             continue
-        print(f"  measuring: {row} under gpuptr vs {name} ...", file=out, flush=True)
+        print(f"  measuring: {row} under gpuptr vs {name} ...", file=b.out, flush=True)
         try:
             if not on_gpu:
                 raise RuntimeError("needs the GPU")
@@ -554,7 +627,12 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
         except Exception as e:
             b.add(Result(row, name, skipped=f"{type(e).__name__}: {e}"))
 
-    meta = {
+
+def _meta(info: DriverInfo, quick: bool) -> Dict[str, Any]:
+    """The report's ``meta``: when, on what, and the peers' versions."""
+    import gpuptr
+
+    meta: Dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "driver": info["driver"],
         "driver_version": info["version_string"],
@@ -569,7 +647,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
             meta[mod] = getattr(m, "__version__", "?")
         except Exception:
             meta[mod] = None
-    return {"meta": meta, "rows": [r.__dict__ for r in b.results]}
+    return meta
 
 
 def format_table(report: Dict[str, Any]) -> str:

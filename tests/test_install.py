@@ -3,7 +3,7 @@ statistics and ``gpuptr.install()``. These run without a GPU: PyTorch's C
 entry points are called through ctypes (as PyTorch's pluggable allocator
 calls them), and CuPy and PyTorch are stood in for by small fakes that
 record what gpuptr hands them. The real libraries are exercised by the GPU
-tests in test_pipeline_gpu.py."""
+tests in gpu/test_pipeline_gpu.py."""
 
 from __future__ import annotations
 

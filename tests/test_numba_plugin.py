@@ -1,6 +1,6 @@
 """The numba EMM plugin's hooks, driven directly with a stand-in for numba's
 context so they run on the simulator in CI (numba-cuda imports without a
-GPU). The same hooks under real numba are in test_numba_gpu.py."""
+GPU). The same hooks under real numba are in gpu/test_numba_plugin_gpu.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ def test_local_cuda_cluster_runs_numba_chunks_on_gpuptr_and_gives_memory_back():
     pytest.importorskip("dask_cuda")
     if len(gpuptr.devices()) < 2:
         pytest.skip("needs two GPUs")
-    script = pathlib.Path(__file__).resolve().parents[1] / "benches" / "dask_workload.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "benches" / "dask_workload.py"
     env = {k: v for k, v in os.environ.items() if k not in ("GPUPTR_DRIVER", "NUMBA_CUDA_MEMORY_MANAGER")}
     out = subprocess.run(
         [sys.executable, str(script), "--manager", "gpuptr", "--chunks", "16"],

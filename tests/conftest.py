@@ -14,6 +14,10 @@ import os
 
 import pytest
 
+# The soak's asserts are in helpers.py: rewritten as a test module's are,
+# a failure shows their values.
+pytest.register_assert_rewrite("helpers")
+
 if not os.environ.get("GPUPTR_DRIVER", "").strip():
     from gpuptr import probe_cuda
 

@@ -1,14 +1,16 @@
 """Shared test helpers: the same plugin runner as ``python -m gpuptr check``,
-and DLPack's C structs in ctypes (to build and read capsules without a GPU
-library)."""
+DLPack's C structs in ctypes (to build and read capsules without a GPU
+library), and the alloc/free soak (on the simulator and on the GPU)."""
 
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 
 from gpuptr.check import run_plugin
 
-__all__ = ["DLDataType", "DLDevice", "DLManagedTensor", "DLManagedTensorVersioned", "DLTensor", "run_plugin"]
+__all__ = ["DLDataType", "DLDevice", "DLManagedTensor", "DLManagedTensorVersioned", "DLTensor", "run_plugin", "soak"]
 
 
 class DLDevice(ctypes.Structure):
@@ -44,3 +46,57 @@ class DLManagedTensorVersioned(ctypes.Structure):
         ("flags", ctypes.c_uint64),
         ("dl_tensor", DLTensor),
     ]
+
+
+SOAK_CODE = """
+import gc, sys, tracemalloc
+import numpy as np
+import gpuptr
+from gpuptr import _core
+N = int(sys.argv[1])
+sizes = [256, 4096, 65536, 1 << 20, 3000, 12345]
+mm = None
+if sys.argv[2] == "plugin":
+    from numba import cuda
+    ctx = cuda.current_context()
+    alloc = lambda n: cuda.device_array(n, dtype=np.uint8)
+else:
+    from gpuptr.numba import MemoryManager
+    class _Ctx:
+        class device:
+            id = 0
+    mm = MemoryManager(context=_Ctx()); mm.initialize()
+    alloc = mm.memalloc
+free0, total = gpuptr.context(0).get_memory_info()
+def cycle(k):
+    for i in range(k):
+        a = alloc(sizes[i % 6]); b = alloc(sizes[(i * 7) % 6])
+        del a, b
+cycle(1000)                      # warm the pool and the caches
+gc.collect()
+tracemalloc.start()
+snap0 = tracemalloc.take_snapshot()
+cycle(N // 2)
+gc.collect()
+snap1 = tracemalloc.take_snapshot()
+grown = sum(s.size_diff for s in snap1.compare_to(snap0, "filename") if s.size_diff > 0)
+s = gpuptr.stats()[0]
+free1, _ = gpuptr.context(0).get_memory_info()
+print(N, s["live_bytes"], s["live_count"], s["cached_bytes"], free0 - free1, grown)
+"""
+
+
+def soak(n, mode, env):
+    """Run ``n`` alloc/free cycles in a child process (``mode``: ``"plugin"``
+    through numba under ``env``'s memory manager, ``"hooks"`` through
+    :class:`gpuptr.numba.MemoryManager` directly) and assert that memory
+    came back: no live pointer, free device memory back less what the pool
+    caches, Python memory flat."""
+    out = subprocess.run([sys.executable, "-c", SOAK_CODE, str(n), mode], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n, live_bytes, live_count, cached, used, grown = map(int, out.stdout.split())
+    assert (live_bytes, live_count) == (0, 0)
+    # Free device memory came back, except what the pool caches (and says so).
+    assert used <= cached + (2 << 20), (used, cached)
+    assert grown < 256 * 1024, f"Python memory grew by {grown} bytes"

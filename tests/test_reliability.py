@@ -1,5 +1,6 @@
 """Reliability: threads, interpreter shutdown, bad input, injected faults
-and panics. Runs on the simulator in CI; the GPU parts are marked."""
+and panics. Runs on the simulator in CI; the GPU parts are in
+``tests/gpu/test_reliability_gpu.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import textwrap
 import threading
 
 import pytest
+from helpers import soak
 
 import gpuptr
 from gpuptr import _testing
@@ -94,24 +96,6 @@ def test_pointers_alive_at_exit_in_globals_and_cycles_exit_cleanly():
     )
 
 
-@pytest.mark.gpu
-def test_numba_arrays_on_gpuptr_memory_alive_at_exit_exit_cleanly():
-    env_code = """
-        import numpy as np
-        from numba import cuda
-        keep = [cuda.to_device(np.arange(1000)) for _ in range(10)]
-        pinned = cuda.pinned_array(100)
-        mapped = cuda.mapped_array(100)
-        cyc = [keep[0]]; cyc.append(cyc)
-    """
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(env_code)],
-        env=dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba"),
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0 and out.stderr == "", out.stderr
-
-
 # --- bad input ------------------------------------------------------------------
 
 
@@ -185,36 +169,6 @@ def test_unknown_driver_name_is_a_typed_error():
         env=dict(os.environ, GPUPTR_DRIVER="opencl"), capture_output=True, text=True, timeout=60,
     )
     assert out.stdout.strip() == "ok"
-
-
-@pytest.mark.gpu
-def test_ipc_handle_of_a_dead_process_is_a_typed_error():
-    # A handle exported by a process that has exited cannot be opened.
-    code = textwrap.dedent(
-        """
-        import pickle, sys
-        from numba import cuda
-        import numpy as np
-        a = cuda.to_device(np.arange(4))
-        sys.stdout.buffer.write(pickle.dumps(a.get_ipc_handle()))
-        """
-    )
-    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
-    blob = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300).stdout
-    opener = textwrap.dedent(
-        """
-        import pickle, sys
-        h = pickle.loads(sys.stdin.buffer.read())
-        try:
-            with h as arr:
-                arr.copy_to_host()
-            print("opened")
-        except Exception as e:
-            print("error", type(e).__name__)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", opener], env=env, input=blob, capture_output=True, timeout=300)
-    assert out.stdout.decode().startswith("error"), out.stdout + out.stderr
 
 
 # --- injected faults --------------------------------------------------------------
@@ -304,62 +258,7 @@ def test_cai_parsing_never_panics(shape, strides, typestr, offset, stream):
 
 # --- soak -----------------------------------------------------------------------
 
-SOAK_CODE = """
-import gc, sys, tracemalloc
-import numpy as np
-import gpuptr
-from gpuptr import _core
-N = int(sys.argv[1])
-sizes = [256, 4096, 65536, 1 << 20, 3000, 12345]
-mm = None
-if sys.argv[2] == "plugin":
-    from numba import cuda
-    ctx = cuda.current_context()
-    alloc = lambda n: cuda.device_array(n, dtype=np.uint8)
-else:
-    from gpuptr.numba import MemoryManager
-    class _Ctx:
-        class device:
-            id = 0
-    mm = MemoryManager(context=_Ctx()); mm.initialize()
-    alloc = mm.memalloc
-free0, total = gpuptr.context(0).get_memory_info()
-def cycle(k):
-    for i in range(k):
-        a = alloc(sizes[i % 6]); b = alloc(sizes[(i * 7) % 6])
-        del a, b
-cycle(1000)                      # warm the pool and the caches
-gc.collect()
-tracemalloc.start()
-snap0 = tracemalloc.take_snapshot()
-cycle(N // 2)
-gc.collect()
-snap1 = tracemalloc.take_snapshot()
-grown = sum(s.size_diff for s in snap1.compare_to(snap0, "filename") if s.size_diff > 0)
-s = gpuptr.stats()[0]
-free1, _ = gpuptr.context(0).get_memory_info()
-print(N, s["live_bytes"], s["live_count"], s["cached_bytes"], free0 - free1, grown)
-"""
-
-
-def _soak(n, mode, env):
-    out = subprocess.run([sys.executable, "-c", SOAK_CODE, str(n), mode], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    n, live_bytes, live_count, cached, used, grown = map(int, out.stdout.split())
-    assert (live_bytes, live_count) == (0, 0)
-    # Free device memory came back, except what the pool caches (and says so).
-    assert used <= cached + (2 << 20), (used, cached)
-    assert grown < 256 * 1024, f"Python memory grew by {grown} bytes"
-
 
 @pytest.mark.sim
 def test_soak_through_the_plugin_hooks_on_the_simulator():
-    _soak(100_000, "hooks", dict(os.environ))
-
-
-@pytest.mark.gpu
-def test_soak_a_million_alloc_free_cycles_through_numba():
-    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="gpuptr.numba")
-    env.pop("GPUPTR_DRIVER", None)
-    _soak(1_000_000, "plugin", env)
+    soak(100_000, "hooks", dict(os.environ))

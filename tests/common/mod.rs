@@ -5,6 +5,14 @@ use std::sync::Arc;
 
 use gpuptr::{PoolConfig, Runtime, SimConfig, SimDriver};
 
+/// Stream handles for the simulator's queued work: a non-blocking and a
+/// blocking stream.
+pub const NON_BLOCKING: usize = 0x7e57_0001;
+pub const BLOCKING: usize = 0x7e57_0002;
+/// Every stream kind: legacy (both handles), per-thread default, a blocking
+/// and a non-blocking stream.
+pub const STREAMS: [usize; 5] = [0, 1, 2, BLOCKING, NON_BLOCKING];
+
 /// A simulator and a runtime without the pool, so driver-side counters
 /// show each allocation and free directly.
 pub fn sim(devices: usize) -> (Arc<SimDriver>, Arc<Runtime>) {

@@ -1,0 +1,141 @@
+//! How the pool grows on the simulator: an idle device one block per
+//! driver call; a busy one (a kernel holds every freed block back behind its
+//! fence) carves several blocks from one driver allocation, doubling up to
+//! 64 MiB a call; a reservation serves a busy device with no driver call.
+
+use std::sync::Arc;
+
+mod common;
+
+use common::{sim_pooled, NON_BLOCKING};
+use gpuptr::driver::CallKind;
+
+#[test]
+fn test_growth_on_a_busy_device_carves_several_blocks_from_one_allocation() {
+    let (drv, rt) = sim_pooled(1, 256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let a = ctx.alloc(1 << 20).unwrap();
+    let a_addr = a.address();
+    drv.queue_write(NON_BLOCKING, a_addr, &[1; 8]).unwrap();
+    drop(a);
+    drop(ctx.alloc(1 << 20).unwrap()); // a miss seals A: a fence is outstanding
+    let calls = drv.calls(CallKind::MemAlloc);
+    let blocks: Vec<_> = (0..40).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    let fresh_calls = drv.calls(CallKind::MemAlloc) - calls;
+    assert!(fresh_calls <= 6, "{fresh_calls} driver calls for 40 blocks");
+    let mut addrs: Vec<_> = blocks.iter().map(|p| p.address()).collect();
+    addrs.sort_unstable();
+    addrs.dedup();
+    assert_eq!(addrs.len(), 40, "distinct blocks");
+    assert!(
+        !addrs.contains(&a_addr),
+        "never A's block while the write is queued"
+    );
+    for p in &blocks {
+        assert!(Arc::ptr_eq(&rt.context_of(p.address() + 7).unwrap(), &ctx));
+        p.view_all().memset(3, None).unwrap();
+    }
+    // Blocks do not overlap: each still holds its own bytes.
+    blocks[0].view_all().memset(9, None).unwrap();
+    assert!(blocks[1]
+        .view_all()
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|b| *b == 3));
+    drv.complete(None);
+    // Trim frees only allocations none of whose blocks is handed out.
+    let keep = blocks[5].address();
+    let kept: Vec<_> = blocks.into_iter().filter(|p| p.address() == keep).collect();
+    assert!(rt.flush_pool(0).unwrap());
+    rt.trim().unwrap();
+    assert!(
+        drv.live_bytes() >= 1 << 20,
+        "the allocation of the kept block stays"
+    );
+    assert!(
+        rt.registered_ranges() >= 1,
+        "the kept allocation's blocks stay registered"
+    );
+    kept[0].view_all().memset(1, None).unwrap();
+    drop(kept);
+    rt.trim().unwrap();
+    assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
+}
+
+#[test]
+fn test_growth_under_one_long_fence_doubles_up_to_64_mib_per_driver_call() {
+    let (drv, rt) = sim_pooled(1, 1 << 30);
+    let ctx = rt.context(0).unwrap();
+    let first = ctx.alloc(1 << 20).unwrap();
+    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
+        .unwrap();
+    drop(first);
+    drop(ctx.alloc(1 << 20).unwrap()); // a fence is outstanding from here
+    let calls = drv.calls(CallKind::MemAlloc);
+    let blocks: Vec<_> = (0..300).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    // 8 + 16 + 32 + 64 + 64 + 64 + 64 MiB: seven calls, not 38 of 8 MiB
+    // (the helper's growth ahead, 64 MiB a call, may take some of them).
+    let grew = drv.calls(CallKind::MemAlloc) - calls;
+    let live = drv.live_bytes();
+    // Let the queued work end first: a failed assertion must not leave the
+    // teardown's cuMemFree waiting for it.
+    drop(blocks);
+    drv.complete(None);
+    assert!(grew <= 10, "{grew} driver calls for 300 blocks");
+    assert!(
+        live <= (300 + 2 + 64 + 64) << 20,
+        "{live}: at most one carve and one growth ahead of demand"
+    );
+}
+
+#[test]
+fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
+    let (drv, rt) = sim_pooled(1, 1 << 30);
+    let ctx = rt.context(0).unwrap();
+    assert_eq!(ctx.reserve(1 << 20, 100 << 20).unwrap(), 100 << 20);
+    assert_eq!(rt.stats()[0].cached_bytes, 100 << 20);
+    // A kernel holds every freed block back (the fence cannot finish).
+    let first = ctx.alloc(1 << 20).unwrap();
+    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
+        .unwrap();
+    drop(first);
+    let misses = rt.stats()[0].pool_misses;
+    let mut resolved = true;
+    for _ in 0..90 {
+        let p = ctx.alloc(1 << 20).unwrap();
+        resolved &= Arc::ptr_eq(&rt.context_of(p.address() + 5).unwrap(), &ctx);
+    }
+    // End the queued work before asserting (a failed assertion must not
+    // leave the teardown's cuMemFree waiting for it).
+    drv.complete(None);
+    assert!(resolved);
+    // The allocating thread made no driver call (the pool's helper may
+    // have grown ahead meanwhile: frees are held back).
+    assert_eq!(rt.stats()[0].pool_misses, misses, "no driver call");
+    // A device too small for the whole reservation keeps what it got.
+    let (_, small) = sim_pooled(1, 10 << 20);
+    let got = small
+        .context(0)
+        .unwrap()
+        .reserve(4 << 20, 64 << 20)
+        .unwrap();
+    assert!(got > 0 && got <= 10 << 20, "{got}");
+    small.trim().unwrap();
+    rt.trim().unwrap();
+    assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
+}
+
+#[test]
+fn test_an_idle_device_grows_one_block_at_a_time() {
+    let (drv, rt) = sim_pooled(1, 256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let held: Vec<_> = (0..10).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+    assert_eq!(drv.calls(CallKind::MemAlloc), 10);
+    assert_eq!(
+        drv.live_bytes(),
+        10 << 20,
+        "no fence outstanding: nothing carved"
+    );
+    drop(held);
+}

@@ -90,26 +90,29 @@ fn host_object(
     owned: Owned,
     mapped: bool,
 ) -> PyResult<Py<PyAny>> {
+    let inner = HostInner { host, owned };
     if mapped {
-        Ok(Bound::new(py, PyMappedMemory::init(host, owned, true)?)?
+        Ok(Bound::new(py, PyMappedMemory::init(inner, true)?)?
             .into_any()
             .unbind())
     } else {
-        Ok(Bound::new(py, PyPinnedMemory::new(host, owned, true))?
+        Ok(Bound::new(py, PyPinnedMemory::init(inner, true)?)?
             .into_any()
             .unbind())
     }
 }
 
 /// Host memory someone else pinned, from the numba constructor shape
-/// ``(context, pointer, size, finalizer)``; managed when a finalizer is given.
+/// ``(context, pointer, size, owner, finalizer)``; managed when a finalizer
+/// is given.
 fn wrap_pinned(
     context: &Bound<'_, PyAny>,
     pointer: &Bound<'_, PyAny>,
     size: isize,
+    owner: Option<Py<PyAny>>,
     finalizer: Option<Py<PyAny>>,
     mapped: bool,
-) -> PyResult<(Arc<HostMemory>, bool)> {
+) -> PyResult<(HostInner, bool)> {
     let ctx = match context_arg(context)? {
         Some(c) => c,
         None => device_context(None)?,
@@ -128,29 +131,8 @@ fn wrap_pinned(
             keep,
         )
     }?;
-    Ok((host, managed))
-}
-
-/// Page-locked host memory (numba's ``PinnedMemory``). Its bytes are
-/// exported through the buffer protocol. ``PinnedMemory(context, pointer,
-/// size, owner=None, finalizer=None)`` wraps memory someone else pinned.
-#[pyclass(frozen, module = "gpuptr._core", name = "PinnedMemory")]
-pub struct PyPinnedMemory {
-    host: Arc<HostMemory>,
-    owned: Owned,
-    managed: bool,
-    context: OnceLock<Py<PyContext>>,
-}
-
-impl PyPinnedMemory {
-    pub(crate) fn new(host: Arc<HostMemory>, owned: Owned, managed: bool) -> Self {
-        PyPinnedMemory {
-            host,
-            owned,
-            managed,
-            context: OnceLock::new(),
-        }
-    }
+    let owned = Owned::new(owner, None);
+    Ok((HostInner { host, owned }, managed))
 }
 
 /// The Python objects a host-memory object holds: the object whose memory
@@ -197,70 +179,183 @@ impl Owned {
     }
 }
 
-impl Drop for PyPinnedMemory {
+/// What `PinnedMemory` and `MappedMemory` share: the pinned memory and the
+/// Python objects it holds, with what both classes do with them (the host
+/// getters, the garbage collector's hooks, the buffer export, the release).
+/// Each class holds one and delegates to it.
+struct HostInner {
+    host: Arc<HostMemory>,
+    owned: Owned,
+}
+
+impl Drop for HostInner {
     fn drop(&mut self) {
         // Unregister before the buffer export that pins the memory goes.
         let _ = self.host.free();
     }
 }
 
-#[pymethods]
-impl PyPinnedMemory {
-    #[new]
-    #[pyo3(signature = (context, pointer, size, owner=None, finalizer=None))]
-    fn py_new(
-        context: &Bound<'_, PyAny>,
-        pointer: &Bound<'_, PyAny>,
-        size: isize,
-        owner: Option<Py<PyAny>>,
-        finalizer: Option<Py<PyAny>>,
-    ) -> PyResult<Self> {
-        let (host, managed) = wrap_pinned(context, pointer, size, finalizer, false)?;
-        Ok(PyPinnedMemory::new(host, Owned::new(owner, None), managed))
-    }
-
-    /// The context the memory is pinned in.
-    #[getter]
-    fn context(&self, py: Python<'_>) -> PyResult<Py<PyContext>> {
-        lazy_context(&self.context, py, self.host.context())
-    }
-
-    /// The host address (an int).
-    #[getter]
+impl HostInner {
     fn host_pointer(&self) -> usize {
         self.host.host_ptr()
     }
 
-    /// numba's ``handle``: the host address.
+    fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.owned.owner(py)
+    }
+
+    fn readonly(&self) -> bool {
+        self.host.is_readonly()
+    }
+
+    fn traverse(&self, visit: &pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        self.owned.traverse(visit)
+    }
+
+    fn clear(&self) {
+        self.owned.clear(&self.host);
+    }
+
+    /// Release the memory, then `also` (both without the GIL), then let go
+    /// of the export that pinned the owner's memory.
+    fn free(
+        &self,
+        py: Python<'_>,
+        also: impl FnOnce() -> crate::Result<()> + Send,
+    ) -> PyResult<()> {
+        py.detach(|| {
+            self.host.free()?;
+            also()
+        })?;
+        self.owned.release();
+        Ok(())
+    }
+
+    /// `__getbuffer__` of `owner`, the object holding this.
+    ///
+    /// # Safety
+    /// As [`export_host`].
+    unsafe fn get_buffer(
+        &self,
+        owner: &Bound<'_, PyAny>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        // SAFETY: CPython's buffer; the export is counted.
+        unsafe { export_host(owner, &self.host, view, flags) }
+    }
+
+    fn release_buffer(&self) {
+        self.host.end_export();
+    }
+}
+
+/// The methods `PinnedMemory` and `MappedMemory` share, for a class that
+/// holds a [`HostInner`] as `inner` and makes itself from one with `init`:
+/// numba's constructor shape (memory someone else pinned, `mapped` into the
+/// device or not), the host getters, the garbage collector's hooks and the
+/// buffer protocol, each delegating to the [`HostInner`]. `handle` is the
+/// class's docstring for its ``handle``. A macro because a `#[pymethods]`
+/// block belongs to one class (the `multiple-pymethods` feature lets a class
+/// have this one beside its own).
+macro_rules! host_methods {
+    ($class:ident, mapped: $mapped:literal, handle: $handle:tt) => {
+        #[pymethods]
+        impl $class {
+            #[new]
+            #[pyo3(signature = (context, pointer, size, owner=None, finalizer=None))]
+            fn py_new(
+                context: &Bound<'_, PyAny>,
+                pointer: &Bound<'_, PyAny>,
+                size: isize,
+                owner: Option<Py<PyAny>>,
+                finalizer: Option<Py<PyAny>>,
+            ) -> PyResult<PyClassInitializer<Self>> {
+                let (inner, managed) =
+                    wrap_pinned(context, pointer, size, owner, finalizer, $mapped)?;
+                $class::init(inner, managed)
+            }
+
+            /// The host address (an int).
+            #[getter]
+            fn host_pointer(&self) -> usize {
+                self.inner.host_pointer()
+            }
+
+            #[doc = $handle]
+            #[getter]
+            fn handle(&self) -> usize {
+                self.inner.host_pointer()
+            }
+
+            /// The object whose memory this is (registered memory), if any.
+            #[getter]
+            fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+                self.inner.owned(py)
+            }
+
+            /// Whether the bytes are read-only (registered from a read-only object).
+            #[getter]
+            fn readonly(&self) -> bool {
+                self.inner.readonly()
+            }
+
+            fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+                self.inner.traverse(&visit)
+            }
+
+            fn __clear__(&self) {
+                self.inner.clear();
+            }
+
+            unsafe fn __getbuffer__(
+                slf: Bound<'_, Self>,
+                view: *mut ffi::Py_buffer,
+                flags: c_int,
+            ) -> PyResult<()> {
+                // SAFETY: CPython's buffer, for this object.
+                unsafe { slf.get().inner.get_buffer(slf.as_any(), view, flags) }
+            }
+
+            unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
+                slf.get().inner.release_buffer();
+            }
+        }
+    };
+}
+
+/// Page-locked host memory (numba's ``PinnedMemory``). Its bytes are
+/// exported through the buffer protocol. ``PinnedMemory(context, pointer,
+/// size, owner=None, finalizer=None)`` wraps memory someone else pinned.
+#[pyclass(frozen, module = "gpuptr._core", name = "PinnedMemory")]
+pub struct PyPinnedMemory {
+    inner: HostInner,
+    managed: bool,
+    context: OnceLock<Py<PyContext>>,
+}
+
+impl PyPinnedMemory {
+    fn init(inner: HostInner, managed: bool) -> PyResult<PyClassInitializer<Self>> {
+        Ok(PyClassInitializer::from(PyPinnedMemory {
+            inner,
+            managed,
+            context: OnceLock::new(),
+        }))
+    }
+}
+
+#[pymethods]
+impl PyPinnedMemory {
+    /// The context the memory is pinned in.
     #[getter]
-    fn handle(&self) -> usize {
-        self.host.host_ptr()
+    fn context(&self, py: Python<'_>) -> PyResult<Py<PyContext>> {
+        lazy_context(&self.context, py, self.inner.host.context())
     }
 
     /// Size in bytes.
     #[getter]
     fn size(&self) -> usize {
-        self.host.size()
-    }
-
-    /// The object whose memory this is (registered memory), if any.
-    #[getter]
-    fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owned.owner(py)
-    }
-
-    /// Whether the bytes are read-only (registered from a read-only object).
-    #[getter]
-    fn readonly(&self) -> bool {
-        self.host.is_readonly()
-    }
-
-    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
-        self.owned.traverse(&visit)
-    }
-
-    fn __clear__(&self) {
-        self.owned.clear(&self.host);
+        self.inner.host.size()
     }
 
     /// Whether ``free()`` releases the memory.
@@ -279,141 +374,65 @@ impl PyPinnedMemory {
     /// ``BufferError`` (as ``mmap.close()`` does) and releases nothing.
     fn free(&self, py: Python<'_>) -> PyResult<()> {
         if self.managed {
-            py.detach(|| self.host.free())?;
-            // Released: let go of the export that pinned the owner's memory.
-            self.owned.release();
+            self.inner.free(py, || Ok(()))?;
         }
         Ok(())
-    }
-
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: c_int,
-    ) -> PyResult<()> {
-        // SAFETY: CPython's buffer; the export is counted.
-        unsafe { export_host(slf.as_any(), &slf.get().host, view, flags) }
-    }
-
-    unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
-        slf.get().host.end_export();
     }
 
     fn __repr__(&self) -> String {
         format!(
             "<gpuptr.PinnedMemory {:#x} size={}>",
-            self.host.host_ptr(),
-            self.host.size()
+            self.inner.host.host_ptr(),
+            self.inner.host.size()
         )
     }
 }
+
+host_methods!(
+    PyPinnedMemory,
+    mapped: false,
+    handle: "numba's ``handle``: the host address."
+);
 
 /// Host memory mapped into the device (numba's ``MappedMemory``): a
 /// MemoryPointer over the device address, whose host bytes are exported
 /// through the buffer protocol.
 #[pyclass(frozen, extends = PyMemoryPointer, module = "gpuptr._core", name = "MappedMemory")]
 pub struct PyMappedMemory {
-    host: Arc<HostMemory>,
-    owned: Owned,
-}
-
-impl Drop for PyMappedMemory {
-    fn drop(&mut self) {
-        // Unregister before the buffer export that pins the memory goes.
-        let _ = self.host.free();
-    }
+    inner: HostInner,
 }
 
 impl PyMappedMemory {
-    pub(crate) fn init(
-        host: Arc<HostMemory>,
-        owned: Owned,
-        managed: bool,
-    ) -> PyResult<PyClassInitializer<Self>> {
-        let view = host.device_view()?;
+    fn init(inner: HostInner, managed: bool) -> PyResult<PyClassInitializer<Self>> {
+        let view = inner.host.device_view()?;
         let base = PyMemoryPointer::over(view, None).with_managed(managed);
-        Ok(PyClassInitializer::from(base).add_subclass(PyMappedMemory { host, owned }))
+        Ok(PyClassInitializer::from(base).add_subclass(PyMappedMemory { inner }))
     }
 }
 
 #[pymethods]
 impl PyMappedMemory {
-    #[new]
-    #[pyo3(signature = (context, pointer, size, owner=None, finalizer=None))]
-    fn py_new(
-        context: &Bound<'_, PyAny>,
-        pointer: &Bound<'_, PyAny>,
-        size: isize,
-        owner: Option<Py<PyAny>>,
-        finalizer: Option<Py<PyAny>>,
-    ) -> PyResult<PyClassInitializer<Self>> {
-        let (host, managed) = wrap_pinned(context, pointer, size, finalizer, true)?;
-        PyMappedMemory::init(host, Owned::new(owner, None), managed)
-    }
-
-    /// The host address (an int).
-    #[getter]
-    fn host_pointer(&self) -> usize {
-        self.host.host_ptr()
-    }
-
-    /// numba's ``handle`` for mapped memory: the host address.
-    #[getter]
-    fn handle(&self) -> usize {
-        self.host.host_ptr()
-    }
-
-    /// The object whose memory this is (registered memory), if any.
-    #[getter]
-    fn owned(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owned.owner(py)
-    }
-
-    /// Whether the bytes are read-only (registered from a read-only object).
-    #[getter]
-    fn readonly(&self) -> bool {
-        self.host.is_readonly()
-    }
-
-    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
-        self.owned.traverse(&visit)
-    }
-
-    fn __clear__(&self) {
-        self.owned.clear(&self.host);
-    }
-
     /// Release the host memory now (when this pointer manages it). While
     /// numpy arrays or memoryviews of it are alive this raises
     /// ``BufferError`` and releases nothing.
     fn free(slf: &Bound<'_, Self>) -> PyResult<()> {
         let base = slf.as_super().get();
         if base.is_managed() {
-            let host = &slf.get().host;
             // The host memory first: it refuses while exports are alive, and
             // a device operation in flight defers its release.
-            slf.py().detach(|| {
-                host.free()?;
-                base.view.parent().free()
-            })?;
-            slf.get().owned.release();
+            slf.get()
+                .inner
+                .free(slf.py(), || base.view.parent().free().map(drop))?;
         }
         Ok(())
     }
-
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: c_int,
-    ) -> PyResult<()> {
-        // SAFETY: CPython's buffer; the export is counted.
-        unsafe { export_host(slf.as_any(), &slf.get().host, view, flags) }
-    }
-
-    unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
-        slf.get().host.end_export();
-    }
 }
+
+host_methods!(
+    PyMappedMemory,
+    mapped: true,
+    handle: "numba's ``handle`` for mapped memory: the host address."
+);
 
 /// Managed (unified) memory (numba's ``ManagedMemory``): a MemoryPointer
 /// whose bytes the host can also reach, exported through the buffer protocol.

@@ -1,5 +1,6 @@
 //! The binding room: `gpuptr._core`. Thin wrappers over the core; every
-//! error goes through one `From<Error> for PyErr`.
+//! error goes through one `From<Error> for PyErr`. `mod _core`, at the end,
+//! lists what Python sees.
 
 mod args;
 mod dlpack;
@@ -20,7 +21,7 @@ use pyo3::types::{PyAny, PyDict, PyList};
 use crate::{Error, Runtime};
 use args::{device_arg, device_context, int_arg, optional_device, pointer_arg, runtime, size_arg};
 use pointer::PyMemoryPointer;
-use py_context::{py_context, PyContext, PyContextHandle, PyDevice};
+use py_context::{py_context, PyContext, PyDevice};
 
 /// The context of `device` (default 0): one object per device.
 #[pyfunction]
@@ -316,56 +317,60 @@ fn release_contexts() {
 
 /// The native core of gpuptr. Use the `gpuptr` package, which re-exports it.
 #[pymodule(gil_used = false)]
-fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    logging::init();
-    m.add_function(wrap_pyfunction!(logging::_set_log_level, m)?)?;
-    m.add_function(wrap_pyfunction!(logging::_flush_log, m)?)?;
-    m.add_class::<PyContext>()?;
-    m.add_class::<PyContextHandle>()?;
-    m.add_class::<PyDevice>()?;
-    m.add_class::<PyMemoryPointer>()?;
-    m.add_class::<host::PyPinnedMemory>()?;
-    m.add_class::<host::PyMappedMemory>()?;
-    m.add_class::<host::PyManagedMemory>()?;
-    m.add_class::<dlpack::DLPackOwner>()?;
-    m.add_function(wrap_pyfunction!(host::alloc_host, m)?)?;
-    m.add_function(wrap_pyfunction!(host::register_host, m)?)?;
-    m.add_function(wrap_pyfunction!(host::register_host_ptr, m)?)?;
-    m.add_function(wrap_pyfunction!(host::alloc_managed, m)?)?;
-    m.add_function(wrap_pyfunction!(context, m)?)?;
-    m.add_function(wrap_pyfunction!(alloc, m)?)?;
-    m.add_function(wrap_pyfunction!(_alloc_for, m)?)?;
-    m.add_function(wrap_pyfunction!(track::track, m)?)?;
-    m.add_function(wrap_pyfunction!(track::tracking, m)?)?;
-    m.add_function(wrap_pyfunction!(track::outstanding, m)?)?;
-    m.add_function(wrap_pyfunction!(hooks::_hooks_configure, m)?)?;
-    m.add_function(wrap_pyfunction!(hooks::_cupy_malloc, m)?)?;
-    m.add_function(wrap_pyfunction!(hooks::_cupy_free, m)?)?;
-    m.add_function(wrap_pyfunction!(hooks::_hooks_state, m)?)?;
-    m.add_function(wrap_pyfunction!(wrap, m)?)?;
-    m.add_function(wrap_pyfunction!(context_of, m)?)?;
-    m.add_function(wrap_pyfunction!(driver_info, m)?)?;
-    m.add_function(wrap_pyfunction!(devices, m)?)?;
-    m.add_function(wrap_pyfunction!(probe_cuda, m)?)?;
-    m.add_function(wrap_pyfunction!(stats, m)?)?;
-    m.add_function(wrap_pyfunction!(release_contexts, m)?)?;
-    m.add_function(wrap_pyfunction!(trim, m)?)?;
-    m.add_function(wrap_pyfunction!(flush_pool, m)?)?;
-    m.add_function(wrap_pyfunction!(reserve, m)?)?;
-    m.add_function(wrap_pyfunction!(set_pool_limit, m)?)?;
-    m.add_function(wrap_pyfunction!(pool_classes, m)?)?;
-    m.add_function(wrap_pyfunction!(reset_peak_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(dlpack::_dlpack_consume, m)?)?;
-    m.add_function(wrap_pyfunction!(interop::_dlpack_export, m)?)?;
-    m.add_function(wrap_pyfunction!(interop::_layout, m)?)?;
-    m.add_function(wrap_pyfunction!(dlpack::_dtype_info, m)?)?;
-    m.add_function(wrap_pyfunction!(reset_context, m)?)?;
-    m.add_function(wrap_pyfunction!(interop::_import_cai, m)?)?;
-    m.add_function(wrap_pyfunction!(interop::_import_dlpack, m)?)?;
-    m.add_class::<interop::ImportedArray>()?;
-    m.add_class::<ipc::PyIpcHandle>()?;
-    m.add_function(wrap_pyfunction!(ipc::open_ipc, m)?)?;
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    testing::register(m)?;
-    Ok(())
+mod _core {
+    use pyo3::prelude::*;
+
+    // The classes.
+    #[pymodule_export]
+    use super::{
+        dlpack::DLPackOwner,
+        host::{PyManagedMemory, PyMappedMemory, PyPinnedMemory},
+        interop::ImportedArray,
+        ipc::PyIpcHandle,
+        pointer::PyMemoryPointer,
+        py_context::{PyContext, PyContextHandle, PyDevice},
+    };
+
+    // Contexts, allocation and the pool.
+    #[pymodule_export]
+    use super::{
+        alloc, context, context_of, devices, driver_info, flush_pool, pool_classes, probe_cuda,
+        release_contexts, reserve, reset_context, reset_peak_stats, set_pool_limit, stats, trim,
+        wrap,
+    };
+
+    // Host and managed memory, IPC.
+    #[pymodule_export]
+    use super::{
+        host::{alloc_host, alloc_managed, register_host, register_host_ptr},
+        ipc::open_ipc,
+    };
+
+    // Tracking and logging.
+    #[pymodule_export]
+    use super::{
+        logging::{_flush_log, _set_log_level},
+        track::{outstanding, track, tracking},
+    };
+
+    // The hooks of gpuptr's own Python modules: allocator plugins, interop.
+    #[pymodule_export]
+    use super::{
+        _alloc_for,
+        dlpack::{_dlpack_consume, _dtype_info},
+        hooks::{_cupy_free, _cupy_malloc, _hooks_configure, _hooks_state},
+        interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
+    };
+
+    #[pymodule_export]
+    #[allow(non_upper_case_globals)]
+    const __version__: &str = env!("CARGO_PKG_VERSION");
+
+    /// Route the core's log records to Python, and make `gpuptr._testing`
+    /// (importable by that name, not an attribute of this module).
+    #[pymodule_init]
+    fn init(py: Python<'_>) -> PyResult<()> {
+        super::logging::init();
+        super::testing::register(py)
+    }
 }

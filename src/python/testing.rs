@@ -105,8 +105,7 @@ fn query_context(py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<Py<PyCo
 
 /// Make the `gpuptr._testing` module, importable by that name but not an
 /// attribute of `_core`.
-pub(crate) fn register(core: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = core.py();
+pub(crate) fn register(py: Python<'_>) -> PyResult<()> {
     let m = PyModule::new(py, "gpuptr._testing")?;
     m.add_function(wrap_pyfunction!(sim_fail_nth, &m)?)?;
     m.add_function(wrap_pyfunction!(sim_clear_faults, &m)?)?;

@@ -19,6 +19,9 @@ use crate::registry::Registry;
 use crate::stats::{ClassStats, DeviceStats};
 use crate::track::{Outstanding, Tracker};
 
+/// The process-wide runtime ([`Runtime::global`]).
+static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
+
 /// The driver with everything gpuptr keeps about it.
 pub struct Runtime {
     services: Arc<Services>,
@@ -158,11 +161,16 @@ impl Runtime {
         self.driver().as_sim()
     }
 
+    /// The process-wide runtime if [`Runtime::global`] opened it already
+    /// (this never opens a driver).
+    pub fn global_if_open() -> Option<&'static Arc<Runtime>> {
+        GLOBAL.get().and_then(|r| r.as_ref().ok())
+    }
+
     /// The process-wide runtime, over the driver `GPUPTR_DRIVER` names
     /// (`auto`/`cuda`/`sim`). Opened on first use; a failure is remembered.
     pub fn global() -> Result<&'static Arc<Runtime>> {
         crate::fork::check()?;
-        static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
         GLOBAL
             .get_or_init(|| {
                 use crate::config;

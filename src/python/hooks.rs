@@ -40,7 +40,7 @@ impl Live {
     fn shard(&self, address: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<DevicePointer>>> {
         // Blocks are at least 512-byte aligned: mix the bits above that.
         let i = ((address >> 9) ^ (address >> 17)) as usize % SHARDS;
-        self.0[i].lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.0[i])
     }
 }
 
@@ -209,10 +209,6 @@ pub(crate) fn _hooks_configure(stream_ordered: bool) {
 /// address they did not hand out.
 #[pyfunction]
 pub(crate) fn _hooks_state() -> (usize, u64) {
-    let n = live()
-        .0
-        .iter()
-        .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()).len())
-        .sum();
+    let n = live().0.iter().map(|m| crate::sync::lock(m).len()).sum();
     (n, FAILURES.load(Ordering::Relaxed))
 }

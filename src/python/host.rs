@@ -151,7 +151,7 @@ impl Owned {
     }
 
     fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let g = crate::sync::lock(&self.0);
         g.0.as_ref().map(|o| o.clone_ref(py))
     }
 
@@ -166,7 +166,7 @@ impl Owned {
 
     /// Let go of the objects (once the memory is released).
     fn release(&self) {
-        let taken = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        let taken = std::mem::take(&mut *crate::sync::lock(&self.0));
         drop(taken);
     }
 

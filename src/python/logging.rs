@@ -67,7 +67,7 @@ impl Log for PyLogger {
             created,
             thread: std::thread::current().name().map(str::to_owned),
         };
-        let mut queue = QUEUE.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queue = crate::sync::lock(&QUEUE);
         if queue.len() >= QUEUE_MAX {
             DROPPED.fetch_add(1, Ordering::Relaxed);
         } else {
@@ -122,7 +122,7 @@ pub(crate) fn flush(py: Python<'_>) {
 #[cold]
 fn deliver(py: Python<'_>) {
     let records: Vec<Queued> = {
-        let mut queue = QUEUE.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queue = crate::sync::lock(&QUEUE);
         PENDING.store(false, Ordering::Release);
         queue.drain(..).collect()
     };

@@ -121,9 +121,7 @@ impl PyMemoryPointer {
     }
 
     fn owner_ref(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.owner)
             .as_ref()
             .map(|o| o.clone_ref(py))
     }
@@ -334,7 +332,7 @@ impl PyMemoryPointer {
     }
 
     fn __clear__(&self) {
-        let owner = self.owner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let owner = crate::sync::lock(&self.owner).take();
         drop(owner);
         // The collector breaks a cycle through the finalizer: release the
         // memory as its last holder's deallocation would (which calls the

@@ -220,7 +220,7 @@ impl PyContext {
 static PY_CONTEXTS: Mutex<Vec<Option<Py<PyContext>>>> = Mutex::new(Vec::new());
 
 fn cached(ctx: &Arc<Context>, py: Python<'_>) -> Option<Py<PyContext>> {
-    let slots = PY_CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    let slots = crate::sync::lock(&PY_CONTEXTS);
     let c = slots.get(ctx.device())?.as_ref()?;
     Arc::ptr_eq(&c.get().inner, ctx).then(|| c.clone_ref(py))
 }
@@ -239,7 +239,7 @@ pub(crate) fn py_context(py: Python<'_>, ctx: &Arc<Context>) -> PyResult<Py<PyCo
             handle: Py::new(py, PyContextHandle { value: ctx.raw() })?,
         },
     )?;
-    let mut slots = PY_CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut slots = crate::sync::lock(&PY_CONTEXTS);
     if slots.len() <= ctx.device() {
         slots.resize_with(ctx.device() + 1, || None);
     }
@@ -268,11 +268,15 @@ pub(crate) fn lazy_context(
     Ok(cell.get_or_init(|| c).clone_ref(py))
 }
 
-/// Drop gpuptr's own hold on every context: a context is then released
-/// once no pointer or other object holds it.
+/// Drop gpuptr's own holds on every context, the Python objects cached
+/// here and the runtime's hold for the allocator hooks alike: a context is
+/// then released once no pointer or other object holds it.
 pub(crate) fn release_contexts() {
-    let old = std::mem::take(&mut *PY_CONTEXTS.lock().unwrap_or_else(|p| p.into_inner()));
+    let old = std::mem::take(&mut *crate::sync::lock(&PY_CONTEXTS));
     drop(old);
+    if let Some(rt) = crate::Runtime::global_if_open() {
+        rt.release_held_contexts();
+    }
 }
 
 /// The context a constructor argument names: a gpuptr context, a numba

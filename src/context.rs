@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::device::DeviceState;
+use crate::device::{DeviceState, Services};
 use crate::driver::{Driver, RawContext, RawStream};
 use crate::error::Result;
 
@@ -21,6 +21,9 @@ use crate::error::Result;
 #[repr(align(128))]
 pub struct Context {
     state: Arc<DeviceState>,
+    /// The device's services, one load away (every allocation asks the
+    /// leak report whether it is on).
+    services: Arc<Services>,
     device: usize,
     raw: RawContext,
     /// The device's reset epoch when this context was retained: it owns the
@@ -46,6 +49,7 @@ impl Context {
         let raw = state.driver().primary_context_retain(device)?;
         Ok(Context {
             born: state.epoch(),
+            services: state.services_arc().clone(),
             state,
             device,
             raw,
@@ -66,7 +70,7 @@ impl Context {
 
     #[inline]
     pub(crate) fn driver(&self) -> &dyn Driver {
-        self.state.driver()
+        self.services.driver.as_ref()
     }
 
     /// The current generation: the device's reset epoch (see
@@ -88,6 +92,13 @@ impl Context {
     #[inline]
     pub(crate) fn state(&self) -> &Arc<DeviceState> {
         &self.state
+    }
+
+    /// The services of this context's device (its driver, the registry,
+    /// the leak report).
+    #[inline]
+    pub(crate) fn services(&self) -> &Services {
+        &self.services
     }
 
     /// Fill this device's pool ahead of demand with about `bytes` of ready

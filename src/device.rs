@@ -85,7 +85,7 @@ impl DeviceState {
     }
 
     #[inline]
-    pub(crate) fn services(&self) -> &Services {
+    pub(crate) fn services_arc(&self) -> &Arc<Services> {
         &self.services
     }
 

@@ -124,6 +124,13 @@ impl DevicePointer {
         req: AllocRequest,
         site: impl FnOnce() -> Site,
     ) -> Result<Arc<Self>> {
+        let p = DevicePointer::make(context, req)?;
+        p.note_site(site);
+        Ok(p)
+    }
+
+    /// [`DevicePointer::allocate`] before the leak report hears of it.
+    fn make(context: &Arc<Context>, req: AllocRequest) -> Result<Arc<Self>> {
         crate::fork::check()?;
         let state = context.state();
         let p = match req.source {
@@ -161,7 +168,6 @@ impl DevicePointer {
                 })?
             }
         };
-        p.note_site(site);
         Ok(p)
     }
 
@@ -215,7 +221,7 @@ impl DevicePointer {
             (0, None)
         } else {
             let address = allocate(context).map_err(|e| e.oom_on(context.device(), req.size))?;
-            let services = context.state().services();
+            let services = context.services();
             let reg = services.registry.insert(address, req.size, context);
             (address, Some(reg))
         };
@@ -255,7 +261,7 @@ impl DevicePointer {
         p.client = client;
         // Noted by the leak report once the caller gives the site
         // ([`DevicePointer::note_site`]): one load here while it is off.
-        p.tracked = address != 0 && context.state().services().tracker.enabled();
+        p.tracked = address != 0 && context.services().tracker.enabled();
         Arc::new(p)
     }
 }

@@ -359,19 +359,16 @@ impl DevicePointer {
     #[cold]
     fn record_site(&self, site: Site) {
         let device = self.context.device();
-        self.context.state().services().tracker.record(
-            self.address,
-            device,
-            self.size,
-            self.client,
-            site,
-        );
+        self.context
+            .services()
+            .tracker
+            .record(self.address, device, self.size, self.client, site);
     }
 
     #[cold]
     #[inline(never)]
     fn forget_site(&self) {
-        self.context.state().services().tracker.forget(self.address);
+        self.context.services().tracker.forget(self.address);
     }
 
     /// Release the memory; the caller has claimed the release.
@@ -380,7 +377,7 @@ impl DevicePointer {
         if self.exported.load(Ordering::Acquire) {
             // First, before the memory can be reused: another process that
             // opens a handle of it from now on gets a typed error.
-            ctx.state().services().exports.forget(self.address);
+            ctx.services().exports.forget(self.address);
         }
         let stale = self.is_stale();
         match self.origin {
@@ -406,7 +403,7 @@ impl DevicePointer {
             _ => {}
         }
         if let Some(reg) = self.registration {
-            ctx.state().services().registry.remove(reg);
+            ctx.services().registry.remove(reg);
         }
         // A reset already zeroed the counters for stale allocations, and the
         // pool keeps its own.

@@ -106,7 +106,7 @@ impl Context {
     /// of that size then make no driver call until the blocks are used,
     /// also while the GPU is busy and freed blocks wait for their fence.
     /// Returns the bytes reserved, fewer if the device ran out of memory
-    /// part way. [`Runtime::trim`] gives them back.
+    /// part way. [`Runtime::trim`](crate::Runtime::trim) gives them back.
     pub fn reserve(self: &Arc<Self>, size: usize, bytes: usize) -> Result<usize> {
         crate::fork::check()?;
         self.state().reserve(self, size, bytes)

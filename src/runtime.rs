@@ -251,7 +251,7 @@ impl Runtime {
         self.devices.len()
     }
 
-    /// `Ok` if `device` exists, else [`Error::InvalidArgument`].
+    /// `Ok` if `device` exists, else [`Error::InvalidArgument`](crate::Error::InvalidArgument).
     pub fn check_device(&self, device: usize) -> Result<()> {
         crate::error::check_device(device, self.device_count())
     }

@@ -152,7 +152,7 @@ pub struct DeviceStats {
     pub clients: [ClientStats; 4],
     /// Bytes the pool holds from the driver (handed out or cached).
     pub pool_bytes: usize,
-    /// The cap on `pool_bytes`, if one is set ([`Runtime::set_pool_limit`]).
+    /// The cap on `pool_bytes`, if one is set ([`Runtime::set_pool_limit`](crate::Runtime::set_pool_limit)).
     pub pool_limit: Option<usize>,
 }
 

@@ -215,7 +215,7 @@ impl DevicePointer {
         self.generation != self.context.generation()
     }
 
-    /// `Ok` if the memory may be used now, else [`Error::InvalidPointer`].
+    /// `Ok` if the memory may be used now, else [`Error::InvalidPointer`](crate::Error::InvalidPointer).
     #[inline]
     pub fn check_live(&self) -> Result<()> {
         check_live("memory", self.address, self.is_freed(), self.is_stale())?;

@@ -59,8 +59,8 @@ mod python;
 
 pub use context::Context;
 pub use driver::{
-    CallKind, CudaDriver, DevicePtr, Driver, DriverKind, RawContext, RawStream, SimConfig,
-    SimDriver, STREAM_LEGACY, STREAM_PER_THREAD,
+    CallKind, CaptureMode, CudaDriver, DevicePtr, Driver, DriverKind, RawContext, RawStream,
+    SimConfig, SimDriver, STREAM_LEGACY, STREAM_PER_THREAD,
 };
 pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;
@@ -80,6 +80,7 @@ pub mod codes {
         CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE,
         CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_LAUNCH_FAILED,
         CUDA_ERROR_MAP_FAILED, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_READY,
-        CUDA_ERROR_NO_DEVICE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_UNKNOWN,
+        CUDA_ERROR_NO_DEVICE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, CUDA_ERROR_UNKNOWN,
     };
 }

@@ -322,6 +322,25 @@ impl Driver for CudaDriver {
         Ok(d)
     }
 
+    fn exchange_capture_mode(&self, mode: super::CaptureMode) -> Result<super::CaptureMode> {
+        use sys::CUstreamCaptureMode as M;
+        let mut m = match mode {
+            super::CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            super::CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            super::CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        guard("cuThreadExchangeStreamCaptureMode", || {
+            // SAFETY: `m` is a valid, writable mode for the call's lifetime;
+            // the call changes only the calling thread's capture mode.
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) }.result()
+        })?;
+        Ok(match m {
+            M::CU_STREAM_CAPTURE_MODE_GLOBAL => super::CaptureMode::Global,
+            M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => super::CaptureMode::ThreadLocal,
+            _ => super::CaptureMode::Relaxed,
+        })
+    }
+
     unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
         self.enter(context)?;
         guard("cuMemGetInfo", result::mem_get_info)

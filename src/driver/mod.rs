@@ -399,10 +399,50 @@ pub trait Driver: Send + Sync + 'static {
     /// and nothing uses it afterwards.
     unsafe fn ipc_close_handle(&self, context: RawContext, mapped: DevicePtr) -> Result<()>;
 
+    /// `cuThreadExchangeStreamCaptureMode`: set the calling thread's
+    /// capture mode to `mode`; the mode it had.
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode>;
+
     /// The simulator behind this driver, for tests that inject faults.
     fn as_sim(&self) -> Option<&SimDriver> {
         None
     }
+}
+
+/// A thread's stream-capture mode (`CUstreamCaptureMode`): which driver
+/// calls it may make while a stream captures.
+///
+/// Measured on an H200 (driver 580, `benches/capture_probe.py`): while one
+/// thread captures in global mode, a thread in global mode that calls
+/// `cuMemAlloc`, `cuMemFree`, `cuCtxSynchronize`, `cuStreamSynchronize`,
+/// `cuStreamQuery` or `cuEventRecord` on any stream gets
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, and the capture is invalidated;
+/// in relaxed or thread-local mode all of those succeed and leave the
+/// capture intact, except `cuCtxSynchronize`, which fails and invalidates
+/// the capture in every mode. `cuMemGetInfo` is allowed in every mode.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_GLOBAL`, every thread's default.
+    Global = 0,
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`.
+    ThreadLocal = 1,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+    Relaxed = 2,
+}
+
+/// Run `f` with the calling thread in relaxed capture mode, then put the
+/// thread's mode back, as PyTorch's caching allocator guards `cudaMalloc`:
+/// gpuptr's own allocations and frees then never fail, nor invalidate a
+/// capture, because some thread captures a stream.
+pub(crate) fn relaxed<R>(driver: &dyn Driver, f: impl FnOnce() -> R) -> R {
+    let before = driver.exchange_capture_mode(CaptureMode::Relaxed);
+    let r = f();
+    if let Ok(mode) = before {
+        if mode != CaptureMode::Relaxed {
+            let _ = driver.exchange_capture_mode(mode);
+        }
+    }
+    r
 }
 
 /// How to pick the driver: the value of `GPUPTR_DRIVER`.

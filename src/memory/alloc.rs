@@ -220,7 +220,10 @@ impl DevicePointer {
         let (address, registration) = if req.size == 0 {
             (0, None)
         } else {
-            let address = allocate(context).map_err(|e| e.oom_on(context.device(), req.size))?;
+            // Relaxed: a capture under way on some thread neither refuses
+            // this allocation nor is invalidated by it.
+            let address = crate::driver::relaxed(context.driver(), || allocate(context))
+                .map_err(|e| e.oom_on(context.device(), req.size))?;
             let services = context.services();
             let reg = services.registry.insert(address, req.size, context);
             (address, Some(reg))

@@ -15,8 +15,12 @@ use crate::stats::Client;
 /// `address` is a live driver allocation of `ctx` that gpuptr made, whose
 /// release is claimed once, with no operation in flight on it.
 pub(super) unsafe fn driver(ctx: &Context, address: DevicePtr) -> Result<()> {
-    // SAFETY: this fn's contract; the context is retained by `ctx`.
-    unsafe { ctx.driver().mem_free(ctx.raw(), address) }
+    // Relaxed, as the allocation: a capture on some thread neither refuses
+    // the free nor is invalidated by it.
+    crate::driver::relaxed(ctx.driver(), || {
+        // SAFETY: this fn's contract; the context is retained by `ctx`.
+        unsafe { ctx.driver().mem_free(ctx.raw(), address) }
+    })
 }
 
 /// Close the mapping `ipc_open_handle` made at `address`.

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::class::{size_class, FastMap};
 use super::Pool;
-use crate::driver::{DevicePtr, RawContext};
+use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
 use crate::sync::lock;
 
@@ -153,8 +153,12 @@ impl Pool {
         }
         let started =
             log::log_enabled!(target: "gpuptr::pool", log::Level::Debug).then(Instant::now);
+        // Relaxed: a capture under way on some thread neither refuses this
+        // allocation nor is invalidated by it.
         // SAFETY: the pool's owner passes its live, retained context.
-        let r = unsafe { self.driver.mem_alloc(context, bytes) };
+        let r = relaxed(self.driver.as_ref(), || unsafe {
+            self.driver.mem_alloc(context, bytes)
+        });
         if let Some(t) = started {
             log::debug!(
                 target: "gpuptr::pool",
@@ -266,7 +270,9 @@ impl Pool {
             before_free(&a);
             // SAFETY: an allocation this pool made in `context` whose blocks
             // are all cached (none handed out), so no one uses it after this.
-            let r = unsafe { self.driver.mem_free(context, base) };
+            let r = relaxed(self.driver.as_ref(), || unsafe {
+                self.driver.mem_free(context, base)
+            });
             let mut held = lock(&self.held);
             held.pending -= a.bytes();
             match r {

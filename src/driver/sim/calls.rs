@@ -109,24 +109,28 @@ impl Driver for SimDriver {
     }
 
     unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
-        let (st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
+        let (mut st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
+        st.capture_rule("cuCtxSynchronize", true)?;
         drop(self.wait_idle(st, device, None));
         Ok(())
     }
 
     unsafe fn stream_synchronize(&self, context: RawContext, stream: RawStream) -> Result<()> {
-        let (st, device) = self.begin(CallKind::Synchronize, "cuStreamSynchronize", context)?;
+        let (mut st, device) = self.begin(CallKind::Synchronize, "cuStreamSynchronize", context)?;
+        st.capture_rule("cuStreamSynchronize", false)?;
         drop(self.wait_idle(st, device, Some(normal_stream(stream))));
         Ok(())
     }
 
     unsafe fn stream_query(&self, context: RawContext, stream: RawStream) -> Result<bool> {
-        let (st, device) = self.begin(CallKind::Synchronize, "cuStreamQuery", context)?;
+        let (mut st, device) = self.begin(CallKind::Synchronize, "cuStreamQuery", context)?;
+        st.capture_rule("cuStreamQuery", false)?;
         Ok(!st.busy(device, Some(normal_stream(stream)), u64::MAX))
     }
 
     unsafe fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
         let (mut st, device) = self.begin(CallKind::MemAlloc, "cuMemAlloc", context)?;
+        st.capture_rule("cuMemAlloc", false)?;
         if size == 0 {
             return Err(err("cuMemAlloc", CUDA_ERROR_INVALID_VALUE));
         }
@@ -161,7 +165,8 @@ impl Driver for SimDriver {
     }
 
     unsafe fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {
-        let (st, device) = self.begin(CallKind::MemFree, "cuMemFree", context)?;
+        let (mut st, device) = self.begin(CallKind::MemFree, "cuMemFree", context)?;
+        st.capture_rule("cuMemFree", false)?;
         // cuMemFree waits for the device.
         let mut st = self.wait_idle(st, device, None);
         match st.blocks.get(&ptr) {
@@ -293,6 +298,12 @@ impl Driver for SimDriver {
             }
             _ => Err(invalid()),
         }
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        let mut st = self.lock();
+        let before = st.capture_modes.insert(std::thread::current().id(), mode);
+        Ok(before.unwrap_or(CaptureMode::Global))
     }
 
     unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {

@@ -10,10 +10,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
-use super::{CallKind, DevicePtr, Driver, RawContext, RawStream, STREAM_LEGACY};
+use super::{CallKind, CaptureMode, DevicePtr, Driver, RawContext, RawStream, STREAM_LEGACY};
 use crate::error::{
     cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE,
-    CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
 };
 
 mod calls;
@@ -202,9 +203,34 @@ struct State {
     next_ipc_serial: u64,
     /// Open IPC mappings, by mapped address, with their open count.
     ipc_open: HashMap<DevicePtr, u32>,
+    /// Each thread's capture mode (global unless it exchanged it).
+    capture_modes: HashMap<ThreadId, CaptureMode>,
+    /// Streams capturing now (in global mode), and whether their capture
+    /// was invalidated.
+    captures: HashMap<RawStream, bool>,
 }
 
 impl State {
+    /// CUDA's rule while a stream captures in global mode (see
+    /// [`CaptureMode`]): a calling thread in global mode may make no
+    /// "potentially unsafe" call, and `cuCtxSynchronize` (`always`) is
+    /// refused in every mode; a refused call invalidates the captures.
+    fn capture_rule(&mut self, call: &'static str, always: bool) -> Result<()> {
+        if self.captures.is_empty() {
+            return Ok(());
+        }
+        let mode = self
+            .capture_modes
+            .get(&std::thread::current().id())
+            .copied()
+            .unwrap_or(CaptureMode::Global);
+        if always || mode == CaptureMode::Global {
+            self.captures.values_mut().for_each(|bad| *bad = true);
+            return Err(err(call, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
+        }
+        Ok(())
+    }
+
     /// Count a call of `kind`, failing it if a fault is armed for this count.
     fn enter(&mut self, kind: CallKind, call: &'static str) -> Result<()> {
         let n = self.calls.entry(kind).or_insert(0);
@@ -498,6 +524,33 @@ impl SimDriver {
             }
         }
         found
+    }
+
+    /// Begin a global-mode capture of `stream` (as `cuStreamBeginCapture`
+    /// from some thread): until [`SimDriver::end_capture`], the capture
+    /// rule of [`CaptureMode`] applies to every thread.
+    pub fn begin_capture(&self, stream: RawStream) {
+        self.lock().captures.insert(stream, false);
+    }
+
+    /// End the capture of `stream`: `Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)`
+    /// if a refused call invalidated it, as `cuStreamEndCapture` does.
+    pub fn end_capture(&self, stream: RawStream) -> Result<()> {
+        match self.lock().captures.remove(&stream) {
+            Some(false) => Ok(()),
+            Some(true) => Err(err(
+                "cuStreamEndCapture",
+                CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            )),
+            None => Err(err("cuStreamEndCapture", CUDA_ERROR_INVALID_VALUE)),
+        }
+    }
+
+    /// The calling thread's capture mode.
+    pub fn capture_mode(&self) -> CaptureMode {
+        let st = self.lock();
+        let mode = st.capture_modes.get(&std::thread::current().id()).copied();
+        mode.unwrap_or(CaptureMode::Global)
     }
 
     /// Fail the `nth` call of `kind` from now on (1 = the next one) with `code`.

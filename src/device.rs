@@ -465,6 +465,24 @@ impl DeviceState {
         }
     }
 
+    /// A stream capture begins (or ends) on this device: see
+    /// [`Runtime::begin_capture`](crate::Runtime::begin_capture).
+    pub(crate) fn begin_capture(&self) {
+        if let Some(pool) = &self.pool {
+            pool.begin_capture();
+        }
+    }
+
+    pub(crate) fn end_capture(&self) {
+        if let Some(pool) = &self.pool {
+            pool.end_capture();
+        }
+    }
+
+    pub(crate) fn capturing(&self) -> bool {
+        self.pool.as_ref().is_some_and(Pool::capturing)
+    }
+
     /// Cap the bytes the pool holds from the driver (`None`: no cap).
     pub(crate) fn set_pool_limit(&self, bytes: Option<usize>) {
         if let Some(pool) = &self.pool {

@@ -97,6 +97,36 @@ impl Runtime {
         self.devices[device].reset()
     }
 
+    /// Tell the pool that a stream capture (a CUDA graph) begins on
+    /// `device`. Until the matching [`Runtime::end_capture`], the pool runs
+    /// no fence: CUDA refuses `cuCtxSynchronize` while any stream captures,
+    /// in every capture mode, and the refusal invalidates the capture. A
+    /// fence already running is waited for first. Blocks freed meanwhile
+    /// wait for the fence after the capture (they are never handed out
+    /// early), and an allocation that runs out of memory meanwhile returns
+    /// the cache and fails rather than wait for a fence. Calls nest: one
+    /// end per begin. gpuptr's own allocations and frees need no call: they
+    /// run in relaxed capture mode.
+    pub fn begin_capture(&self, device: usize) -> Result<()> {
+        self.check_device(device)?;
+        self.devices[device].begin_capture();
+        Ok(())
+    }
+
+    /// End a capture begun with [`Runtime::begin_capture`].
+    pub fn end_capture(&self, device: usize) -> Result<()> {
+        self.check_device(device)?;
+        self.devices[device].end_capture();
+        Ok(())
+    }
+
+    /// Whether a capture begun with [`Runtime::begin_capture`] is under way
+    /// on `device`.
+    pub fn capturing(&self, device: usize) -> Result<bool> {
+        self.check_device(device)?;
+        Ok(self.devices[device].capturing())
+    }
+
     /// Cap the bytes `device`'s pool holds from the driver (`None`: no cap,
     /// the default), as RMM's maximum pool size: past it an allocation first
     /// reuses and returns the cache, then fails as out of memory. A device

@@ -112,3 +112,107 @@ fn test_pool_misses_and_trims_during_another_threads_capture_leave_it_intact() {
     assert_eq!(drv.live_bytes(), 0);
     let _ = sim_pooled; // the common helpers are shared by every test file
 }
+
+/// A pooled runtime on the simulator without growth ahead (the tests count
+/// the allocating thread's own driver calls), fencing as soon as asked.
+fn pooled(memory: usize) -> (Arc<SimDriver>, Arc<Runtime>) {
+    let drv = Arc::new(SimDriver::new(SimConfig::new(1, memory)));
+    let cfg = PoolConfig {
+        ahead_bytes: 0,
+        fence_pace: std::time::Duration::ZERO,
+        ..PoolConfig::default()
+    };
+    let rt = Runtime::with_pool(drv.clone(), Some(cfg)).unwrap();
+    (drv, rt)
+}
+
+#[test]
+fn test_no_fence_runs_during_a_capture_and_blocks_freed_then_wait_for_the_one_after() {
+    let (drv, rt) = pooled(64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let p = ctx.alloc(4096).unwrap();
+    let at = p.address();
+    rt.begin_capture(0).unwrap();
+    drv.begin_capture(CAPTURING);
+    let syncs = drv.calls(gpuptr::CallKind::Synchronize);
+    drop(p);
+    // A miss seals the freed block and asks for a fence; the fence thread
+    // must not run it now.
+    let q = ctx.alloc(4096).unwrap();
+    assert_ne!(q.address(), at, "never reused before its fence");
+    assert_eq!(
+        rt.flush_pool(0),
+        Ok(false),
+        "no fence can run during a capture"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(drv.calls(gpuptr::CallKind::Synchronize), syncs);
+    assert_eq!(drv.end_capture(CAPTURING), Ok(()), "the capture is intact");
+    rt.end_capture(0).unwrap();
+    assert!(!rt.capturing(0).unwrap());
+    // After the capture, the fence runs and the block is reused.
+    assert_eq!(rt.flush_pool(0), Ok(true));
+    let r = ctx.alloc(4096).unwrap();
+    assert_eq!(r.address(), at);
+}
+
+#[test]
+fn test_a_capture_that_begins_while_a_fence_runs_waits_for_it() {
+    let (drv, rt) = pooled(64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let p = ctx.alloc(4096).unwrap();
+    drv.queue_write(NON_BLOCKING, p.address(), &[1; 8]).unwrap();
+    drop(p);
+    let syncs = drv.calls(gpuptr::CallKind::Synchronize);
+    std::thread::scope(|s| {
+        // The fence starts, and waits for the queued write.
+        let flushed = s.spawn(|| rt.flush_pool(0));
+        while drv.calls(gpuptr::CallKind::Synchronize) == syncs {
+            std::thread::yield_now();
+        }
+        let began = s.spawn(|| rt.begin_capture(0));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            !began.is_finished(),
+            "the capture waits for the running fence"
+        );
+        drv.complete(None);
+        began.join().unwrap().unwrap();
+        assert_eq!(flushed.join().unwrap(), Ok(true));
+    });
+    assert!(rt.capturing(0).unwrap());
+    rt.end_capture(0).unwrap();
+}
+
+#[test]
+fn test_out_of_memory_during_a_capture_fails_at_once_and_frees_no_unfenced_block() {
+    let (drv, rt) = pooled(8 << 20);
+    let ctx = rt.context(0).unwrap();
+    let held: Vec<_> = (0..3).map(|_| ctx.alloc(2 << 20).unwrap()).collect();
+    let freed = ctx.alloc(2 << 20).unwrap();
+    drop(freed); // waits for a fence: the device is full
+    rt.begin_capture(0).unwrap();
+    drv.begin_capture(CAPTURING);
+    let syncs = drv.calls(gpuptr::CallKind::Synchronize);
+    let frees = drv.calls(gpuptr::CallKind::MemFree);
+    let r =
+        std::thread::scope(|s| s.spawn(|| ctx.alloc(2 << 20).map(|p| p.size())).join()).unwrap();
+    // The only cached block waits for a fence that cannot run now: it is
+    // neither handed out nor given back to the driver unfenced.
+    assert!(matches!(r, Err(Error::OutOfMemory { .. })), "{r:?}");
+    assert_eq!(
+        drv.calls(gpuptr::CallKind::Synchronize),
+        syncs,
+        "no fence ran"
+    );
+    assert_eq!(
+        drv.calls(gpuptr::CallKind::MemFree),
+        frees,
+        "no unfenced free"
+    );
+    assert_eq!(drv.end_capture(CAPTURING), Ok(()));
+    rt.end_capture(0).unwrap();
+    // After the capture the fence runs, and the same request succeeds.
+    assert_eq!(ctx.alloc(2 << 20).map(|p| p.size()), Ok(2 << 20));
+    drop(held);
+}

@@ -38,8 +38,14 @@ pub(crate) struct FenceState {
     /// The newest number whose synchronize failed.
     failed: u64,
     context: RawContext,
-    /// Threads waiting on `done` (out of memory).
+    /// Threads waiting on `done` (out of memory, or a capture's start).
     waiters: usize,
+    /// Stream captures under way on the device ([`Fencer::begin_capture`]):
+    /// while any is, no fence runs (`cuCtxSynchronize` would fail and
+    /// invalidate them, in every capture mode).
+    captures: usize,
+    /// A synchronize is running now.
+    syncing: bool,
 }
 
 /// After its last fence the helper looks for a new request every
@@ -97,8 +103,39 @@ impl Fencer {
         n
     }
 
+    /// A stream capture begins on the device: from now until the matching
+    /// [`Fencer::end_capture`], no fence starts, and a fence already
+    /// running is waited for first, so that no `cuCtxSynchronize` runs while
+    /// the capture does. Freed blocks wait, sealed, for the fence after it.
+    pub(crate) fn begin_capture(&self) {
+        let sh = &self.helper.shared;
+        let mut st = lock(&sh.state);
+        st.s.captures += 1;
+        while st.s.syncing && !st.shutdown {
+            st.s.waiters += 1;
+            st = wait(&sh.done, st);
+            st.s.waiters -= 1;
+        }
+    }
+
+    /// A capture begun with [`Fencer::begin_capture`] ended: fences may run
+    /// again once no other capture is under way.
+    pub(crate) fn end_capture(&self) {
+        let mut st = self.helper.lock();
+        st.s.captures = st.s.captures.saturating_sub(1);
+        if st.s.captures == 0 && st.s.requested != st.s.started {
+            self.helper.shared.work.notify_one();
+        }
+    }
+
+    /// Whether a capture is under way (no fence can run now).
+    pub(crate) fn capturing(&self) -> bool {
+        self.helper.lock().s.captures > 0
+    }
+
     /// Wait until fence `n` is done. `false` if it failed or cannot happen
-    /// (no helper, shut down). Only out-of-memory paths wait.
+    /// (no helper, shut down, or a capture under way). Only out-of-memory
+    /// paths wait.
     pub(crate) fn wait(&self, n: u64) -> bool {
         let sh = &self.helper.shared;
         let mut st = lock(&sh.state);
@@ -106,7 +143,7 @@ impl Fencer {
             if self.done() >= n {
                 return true;
             }
-            if st.s.failed >= n || st.shutdown {
+            if st.s.failed >= n || st.shutdown || st.s.captures > 0 {
                 return false;
             }
             if !st.spawned {
@@ -138,7 +175,7 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         // Wait for a request: poll for a while (a request then needs no
         // wake-up), then sleep until a request wakes this thread.
         let idle = Instant::now();
-        while st.s.requested == st.s.started && !st.shutdown {
+        while (st.s.requested == st.s.started || st.s.captures > 0) && !st.shutdown {
             if idle.elapsed() < FENCE_IDLE_POLL {
                 st = wait_timeout(&sh.work, st, poll);
             } else {
@@ -150,6 +187,8 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         }
         let (target, context) = (st.s.requested, st.s.context);
         st.s.started = target;
+        // A capture that begins from now waits for this synchronize.
+        st.s.syncing = true;
         drop(st);
         if crate::fork::forked() {
             return;
@@ -162,6 +201,7 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         // on a context gone since fails with an error, never touches memory.
         let r = unsafe { sh.ext.driver.synchronize(context) };
         st = lock(&sh.state);
+        st.s.syncing = false;
         match &r {
             Ok(()) => {
                 sh.ext.done.fetch_max(target, Ordering::AcqRel);

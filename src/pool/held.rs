@@ -229,6 +229,7 @@ impl Pool {
         mut before_free: impl FnMut(&Allocation),
         mut failed_free: impl FnMut(&Allocation),
     ) -> (Vec<Allocation>, Result<()>) {
+        let capturing = self.fencer.capturing();
         // Each cached block with whether its fence is done.
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
@@ -250,10 +251,14 @@ impl Pool {
             // out of `held` in one step with the check.
             let taken = {
                 let mut held = lock(&self.held);
+                // During a capture no fence can run, and whether `cuMemFree`
+                // still waits for the device then is not known: only
+                // allocations whose blocks are all fenced go back.
                 let whole = held
                     .allocations
                     .get(&base)
-                    .is_some_and(|a| a.blocks == blocks.len());
+                    .is_some_and(|a| a.blocks == blocks.len())
+                    && (!capturing || blocks.iter().all(|b| b.2));
                 whole.then(|| {
                     let a = held.forget(base);
                     // Still the driver's until the free returns.

@@ -419,6 +419,24 @@ impl Pool {
         }
     }
 
+    /// A stream capture begins on this pool's device: no fence runs until
+    /// it ends (see [`Fencer::begin_capture`]); blocks freed meanwhile wait
+    /// for the fence after it, and an allocation that runs out of memory
+    /// meanwhile does not wait for one.
+    pub(crate) fn begin_capture(&self) {
+        self.fencer.begin_capture();
+    }
+
+    /// The capture begun with [`Pool::begin_capture`] ended.
+    pub(crate) fn end_capture(&self) {
+        self.fencer.end_capture();
+    }
+
+    /// Whether a capture is under way on the device.
+    pub(crate) fn capturing(&self) -> bool {
+        self.fencer.capturing()
+    }
+
     /// Let growth ahead under way finish, then wait for the fence that
     /// covers every block freed so far, and make those blocks ready (tests
     /// and `synchronize` callers). `false` if the fence failed.

@@ -31,11 +31,14 @@ from gpuptr._core import (
     alloc,
     alloc_host,
     alloc_managed,
+    begin_capture,
     context,
     context_of,
     devices,
     driver_info,
+    end_capture,
     flush_pool,
+    is_capturing,
     open_ipc,
     probe_cuda,
     register_host,
@@ -61,6 +64,7 @@ from gpuptr._errors import (
     OutOfMemoryError,
 )
 from gpuptr._install import install
+from gpuptr._capture import capturing
 from gpuptr import _log  # noqa: F401,E402  (the core's records into logging)
 from gpuptr._summary import memory_summary
 from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, MemoryInfo, Outstanding
@@ -100,7 +104,11 @@ __all__ = [
     "context_of",
     "devices",
     "driver_info",
+    "begin_capture",
+    "capturing",
+    "end_capture",
     "flush_pool",
+    "is_capturing",
     "install",
     "open_ipc",
     "memory_summary",

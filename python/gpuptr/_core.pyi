@@ -37,6 +37,9 @@ __all__ = [
     "stats",
     "release_contexts",
     "trim",
+    "begin_capture",
+    "end_capture",
+    "is_capturing",
     "flush_pool",
     "reserve",
     "set_pool_limit",
@@ -413,6 +416,26 @@ def _import_dlpack(capsule: object) -> ImportedArray:
 def trim() -> int:
     """Return every block the pool caches to the driver; the bytes freed
     (CuPy's ``free_all_blocks``).
+    """
+def begin_capture(device: Optional[int] = None) -> None:
+    """Tell gpuptr that a stream capture (a CUDA graph) begins on ``device``
+    (default: the current device). Until the matching ``end_capture``, the
+    pool runs no fence: CUDA refuses ``cuCtxSynchronize`` while any stream
+    captures, in every capture mode, and that invalidates the capture. A
+    fence already running is waited for first. Blocks freed meanwhile wait
+    for the fence after the capture; an allocation that runs out of memory
+    meanwhile raises ``OutOfMemoryError`` without waiting for a fence. Calls
+    nest. ``gpuptr.install()`` makes these calls around CuPy's and PyTorch's
+    own captures; gpuptr's allocations and frees need none (they run in
+    relaxed capture mode).
+    """
+def end_capture(device: Optional[int] = None) -> None:
+    """End a capture begun with ``begin_capture`` on ``device`` (default: the
+    current device).
+    """
+def is_capturing(device: Optional[int] = None) -> bool:
+    """Whether a capture begun with ``begin_capture`` is under way on
+    ``device`` (default: the current device).
     """
 def flush_pool(device: Optional[int] = None) -> bool:
     """Wait until every block freed so far on ``device`` (default: all devices

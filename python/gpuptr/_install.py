@@ -27,15 +27,17 @@ def _numba(stream_ordered: bool) -> None:
 
 
 def _cupy(stream_ordered: bool) -> None:
-    from gpuptr import cupy
+    from gpuptr import _capture, cupy
 
     cupy.install(stream_ordered=stream_ordered)
+    _capture.hook_cupy()
 
 
 def _torch(stream_ordered: bool) -> None:
-    from gpuptr import torch
+    from gpuptr import _capture, torch
 
     torch.install(stream_ordered=stream_ordered)
+    _capture.hook_torch()
 
 
 _PARTS: Dict[str, Callable[[bool], None]] = {"numba": _numba, "cupy": _cupy, "torch": _torch}

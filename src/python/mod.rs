@@ -205,6 +205,50 @@ fn flush_pool(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<boo
     .map_err(|e: Error| e.into())
 }
 
+/// The device a capture call names: ``device``, else the current one.
+fn capture_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    match optional_device(device)? {
+        Some(d) => Ok(d),
+        None => Ok(runtime()?.current_device()?),
+    }
+}
+
+/// Tell gpuptr that a stream capture (a CUDA graph) begins on ``device``
+/// (default: the current device). Until the matching ``end_capture``, the
+/// pool runs no fence: CUDA refuses ``cuCtxSynchronize`` while any stream
+/// captures, in every capture mode, and that invalidates the capture. A
+/// fence already running is waited for first. Blocks freed meanwhile wait
+/// for the fence after the capture; an allocation that runs out of memory
+/// meanwhile raises ``OutOfMemoryError`` without waiting for a fence. Calls
+/// nest. ``gpuptr.install()`` makes these calls around CuPy's and PyTorch's
+/// own captures; gpuptr's allocations and frees need none (they run in
+/// relaxed capture mode).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn begin_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let d = capture_device(device)?;
+    let rt = runtime()?;
+    py.detach(|| rt.begin_capture(d)).map_err(Into::into)
+}
+
+/// End a capture begun with ``begin_capture`` on ``device`` (default: the
+/// current device).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn end_capture(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let d = capture_device(device)?;
+    Ok(runtime()?.end_capture(d)?)
+}
+
+/// Whether a capture begun with ``begin_capture`` is under way on
+/// ``device`` (default: the current device).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn is_capturing(device: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    let d = capture_device(device)?;
+    Ok(runtime()?.capturing(d)?)
+}
+
 /// Cap the bytes the pool of ``device`` (default: every device) holds from
 /// the driver at ``nbytes`` (None: no cap, the default), as RMM's maximum
 /// pool size. Past it an allocation reuses and returns the cache first, then
@@ -334,9 +378,9 @@ mod _core {
     // Contexts, allocation and the pool.
     #[pymodule_export]
     use super::{
-        alloc, context, context_of, devices, driver_info, flush_pool, pool_classes, probe_cuda,
-        release_contexts, reserve, reset_context, reset_peak_stats, set_pool_limit, stats, trim,
-        wrap,
+        alloc, begin_capture, context, context_of, devices, driver_info, end_capture, flush_pool,
+        is_capturing, pool_classes, probe_cuda, release_contexts, reserve, reset_context,
+        reset_peak_stats, set_pool_limit, stats, trim, wrap,
     };
 
     // Host and managed memory, IPC.

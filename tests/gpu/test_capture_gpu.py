@@ -88,3 +88,80 @@ def test_gpuptr_allocations_during_another_threads_capture_leave_it_intact():
         m.free()
     # The trim's driver frees, too, run relaxed; nothing captures now.
     assert gpuptr.trim() >= 8 * (5 << 20)
+
+
+_CUPY_CAPTURES = r"""
+import json, sys, threading
+import cupy as cp
+if sys.argv[1] == "gpuptr":
+    import gpuptr
+    print(gpuptr.install(numba=False, torch=False), file=sys.stderr)
+stop, failures, pairs = threading.Event(), [], [0]
+
+def churn():
+    # cp.empty + a kernel + free on this thread's own non-blocking stream,
+    # sizes varied so that the pool misses too.
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        k = 0
+        while not stop.is_set():
+            try:
+                a = cp.empty((1 << 18) + 4096 * (k % 64), dtype=cp.uint8)
+                a.fill(3)
+                del a
+                pairs[0] += 1
+            except Exception as e:
+                failures.append(repr(e)[:200])
+            k += 1
+
+t = threading.Thread(target=churn)
+t.start()
+x = cp.arange(1 << 20, dtype=cp.float32)
+y = cp.zeros_like(x)
+s = cp.cuda.Stream(non_blocking=True)
+ok = invalidated = wrong = 0
+errors = []
+for i in range(60):
+    try:
+        with s:
+            s.begin_capture()
+            cp.multiply(x, float(i + 1), out=y)
+            g = s.end_capture()
+        g.launch(stream=s)
+        s.synchronize()
+        if bool((y == x * (i + 1)).all()):
+            ok += 1
+        else:
+            wrong += 1
+    except Exception as e:
+        invalidated += 1
+        errors.append(repr(e)[:200])
+stop.set()
+t.join()
+print(json.dumps({"ok": ok, "invalidated": invalidated, "wrong": wrong,
+                  "alloc_failures": len(failures), "pairs": pairs[0],
+                  "errors": errors[:3], "failures": failures[:3]}))
+"""
+
+
+def _run_cupy_captures(allocator):
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("cupy")
+    r = subprocess.run(
+        [sys.executable, "-c", _CUPY_CAPTURES, allocator], capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_cupy_captures_while_another_thread_allocates_as_under_cupys_own_pool():
+    own = _run_cupy_captures("cupy")
+    ours = _run_cupy_captures("gpuptr")
+    print("CuPy's pool:", own, "gpuptr:", ours)
+    assert own["ok"] == 60, own
+    assert ours["invalidated"] == 0 and ours["wrong"] == 0, ours
+    assert ours["ok"] == 60 and ours["alloc_failures"] == 0, ours
+    assert ours["pairs"] > 0, "the other thread allocated meanwhile"

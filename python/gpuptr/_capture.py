@@ -1,0 +1,109 @@
+"""Stream captures (CUDA graphs) and gpuptr's pool.
+
+CUDA refuses ``cuCtxSynchronize`` while any stream of the process captures,
+in every capture mode, and the refused call invalidates the capture. The
+pool's fence is such a call, so the pool must know when a capture is under
+way: :func:`capturing` (or ``begin_capture``/``end_capture``) tells it, and
+``gpuptr.install()`` makes those calls around CuPy's
+``Stream.begin_capture``/``end_capture`` and PyTorch's
+``CUDAGraph.capture_begin``/``capture_end`` (so ``torch.cuda.graph`` too).
+gpuptr's own allocations and frees need nothing: they run in relaxed
+capture mode, which CUDA allows during a capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Dict, Iterator, Optional
+
+from gpuptr import _core
+
+__all__ = ["capturing"]
+
+
+@contextlib.contextmanager
+def capturing(device: Optional[int] = None) -> Iterator[None]:
+    """Tell gpuptr's pool that a stream capture is under way on ``device``
+    (default: the current device) for the body of the ``with``: the pool
+    runs no fence meanwhile (see ``gpuptr.begin_capture``). Use it around a
+    capture that ``gpuptr.install()`` does not see, such as one begun with
+    ``cuda.bindings`` or ``cuda.core``."""
+    _core.begin_capture(device)
+    try:
+        yield
+    finally:
+        _core.end_capture(device)
+
+
+def _wrap(cls: Any, begin: str, end: str, device_of: Any) -> None:
+    """Make ``cls.begin``/``cls.end`` tell the pool, once per class."""
+    original_begin, original_end = getattr(cls, begin), getattr(cls, end)
+    if getattr(original_begin, "__gpuptr_capture__", False):
+        return
+    # The device each capture began on, by the capturing object.
+    began: Dict[int, int] = {}
+
+    @functools.wraps(original_begin)
+    def begin_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device = device_of(self)
+        _core.begin_capture(device)
+        try:
+            r = original_begin(self, *args, **kwargs)
+        except BaseException:
+            _core.end_capture(device)
+            raise
+        began[id(self)] = device
+        return r
+
+    @functools.wraps(original_end)
+    def end_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original_end(self, *args, **kwargs)
+        finally:
+            device = began.pop(id(self), None)
+            if device is not None:
+                _core.end_capture(device)
+
+    begin_wrapper.__gpuptr_capture__ = True  # type: ignore[attr-defined]
+    setattr(cls, begin, begin_wrapper)
+    setattr(cls, end, end_wrapper)
+
+
+def hook_cupy() -> None:
+    """Tell the pool about CuPy's captures (``Stream.begin_capture``)."""
+    import cupy
+
+    def device_of(stream: Any) -> int:
+        return int(cupy.cuda.Device().id)
+
+    for cls in (cupy.cuda.Stream, cupy.cuda.ExternalStream):
+        _try_wrap(cls, "begin_capture", "end_capture", device_of)
+
+
+def hook_torch() -> None:
+    """Tell the pool about PyTorch's captures (``CUDAGraph.capture_begin``,
+    which ``torch.cuda.graph`` and ``torch.compile(mode="reduce-overhead")``
+    call)."""
+    import torch
+
+    def device_of(graph: Any) -> int:
+        return int(torch.cuda.current_device())
+
+    _try_wrap(torch.cuda.CUDAGraph, "capture_begin", "capture_end", device_of)
+
+
+def _try_wrap(cls: Any, begin: str, end: str, device_of: Any) -> None:
+    """:func:`_wrap`, or a warning where the class cannot be wrapped (an
+    extension type, or a library version without those methods): the rest
+    of ``install()`` still holds, and :func:`capturing` is the way then."""
+    try:
+        _wrap(cls, begin, end, device_of)
+    except (AttributeError, TypeError) as e:
+        logging.getLogger("gpuptr").warning(
+            "cannot tell the pool about %s.%s captures (%s): wrap them in gpuptr.capturing()",
+            cls.__module__,
+            cls.__qualname__,
+            e,
+        )

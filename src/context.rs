@@ -88,6 +88,12 @@ impl Context {
         self.state.invalidate();
     }
 
+    /// The device's reset epoch when this context was retained.
+    #[inline]
+    pub(crate) fn born(&self) -> u64 {
+        self.born
+    }
+
     /// The state gpuptr keeps for this context's device.
     #[inline]
     pub(crate) fn state(&self) -> &Arc<DeviceState> {

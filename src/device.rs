@@ -182,7 +182,7 @@ impl DeviceState {
             let _recovering = lock(&self.recovery);
             let (mut returned, mut rounds) = (0, 0);
             for round in 0..4 {
-                let freed = self.trim_locked(ctx)?;
+                let freed = self.trim_locked(ctx, false)?;
                 returned += freed;
                 rounds += 1;
                 if freed == 0 && round > 0 {
@@ -229,7 +229,7 @@ impl DeviceState {
     /// thread.
     fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, shard: usize, class: usize) {
         let me = Arc::downgrade(ctx.state());
-        let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), self.epoch());
+        let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
         pool.post_ahead(Box::new(move || {
             if let Some(me) = me.upgrade() {
                 me.grow_ahead(&weak, raw, epoch, shard, class);
@@ -256,10 +256,11 @@ impl DeviceState {
             return;
         };
         let _recovering = lock(&self.recovery);
-        // A live context of this epoch is the slot's (a successor needs
-        // this one gone, or a reset: a new epoch), and one whose handle is
-        // still the device's is not being reset (a reset clears the handle
-        // before it takes the recovery lock).
+        // A live context born in the current epoch is the slot's (a
+        // successor needs this one gone, or a reset: a new epoch; a context
+        // kept across a reset was born in an older one), and one whose
+        // handle is still the device's is not being reset (a reset clears
+        // the handle before it takes the recovery lock).
         let live = weak.strong_count() > 0 && self.epoch() == epoch && self.live_raw() == raw;
         if !live || crate::fork::forked() {
             pool.ahead_over(shard, class);
@@ -351,21 +352,23 @@ impl DeviceState {
         }
     }
 
-    /// Forget the registry entries of the blocks of `gone`, made by `ctx`.
-    fn unregister(&self, ctx: &Context, gone: impl IntoIterator<Item = Allocation>) {
+    /// Forget the registry entries of the blocks of `gone`, whichever
+    /// context made them (one kept across a reset allocates too).
+    fn unregister(&self, gone: impl IntoIterator<Item = Allocation>) {
         let addresses = gone.into_iter().flat_map(Allocation::block_addresses);
-        self.services.registry.remove_owned(addresses, ctx);
+        self.services.registry.remove_at(addresses);
     }
 
     /// Return the pool's cache to the driver; the bytes freed.
     pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
         let _recovering = lock(&self.recovery);
-        self.trim_logged(ctx)
+        self.trim_logged(ctx, false)
     }
 
-    /// [`DeviceState::trim`], with the recovery lock held.
-    fn trim_logged(&self, ctx: &Context) -> Result<usize> {
-        let r = self.trim_locked(ctx);
+    /// [`DeviceState::trim`], with the recovery lock held; `everything`
+    /// when the context is ending (see [`Pool::trim`]).
+    fn trim_logged(&self, ctx: &Context, everything: bool) -> Result<usize> {
+        let r = self.trim_locked(ctx, everything);
         match &r {
             Ok(freed) => log::debug!(
                 target: "gpuptr::pool",
@@ -382,15 +385,16 @@ impl DeviceState {
         r
     }
 
-    fn trim_locked(&self, ctx: &Context) -> Result<usize> {
+    fn trim_locked(&self, ctx: &Context, everything: bool) -> Result<usize> {
         let Some(pool) = &self.pool else {
             return Ok(0);
         };
         let (freed, r) = pool.trim(
             ctx.raw(),
+            everything,
             // Before the free: the driver may hand the addresses to another
             // thread's allocation, registered anew, at once after it.
-            |a| self.unregister(ctx, [*a]),
+            |a| self.unregister([*a]),
             // A failed free leaves the allocation cached: known again (unless
             // the context is going away).
             |a| {
@@ -416,13 +420,13 @@ impl DeviceState {
         // pool's helper grows only under it, so it neither stocks blocks of
         // the old context nor records them after the forget.
         let recovering = lock(&self.recovery);
-        let trimmed = self.trim_logged(&ctx);
+        let trimmed = self.trim_logged(&ctx, true);
         // A new epoch first: the pool then refuses blocks of the old one,
         // and forgets the ones it has under the same locks.
         self.invalidate();
         if let Some(pool) = &self.pool {
             let held = pool.forget();
-            self.unregister(&ctx, held);
+            self.unregister(held);
         }
         drop(recovering);
         // After the reset the old CUcontext is dead. Holders of the old
@@ -446,7 +450,8 @@ impl DeviceState {
         // Before the release: the handle may name another context after it.
         self.forget_raw(ctx.raw());
         if born == self.epoch() {
-            let _ = self.trim(ctx);
+            let _recovering = lock(&self.recovery);
+            let _ = self.trim_logged(ctx, true);
         }
     }
 

@@ -102,21 +102,18 @@ impl<T> Registry<T> {
         }
     }
 
-    /// Drop one reference to each entry at `starts` that `owner` holds:
-    /// for memory whose registrations its holder does not keep (the pool's
-    /// blocks, unregistered before their memory goes back to the driver, so
-    /// no newer entry of the same owner can be at those addresses yet).
-    pub fn remove_owned(&self, starts: impl IntoIterator<Item = DevicePtr>, owner: &T) {
+    /// Drop one reference to each entry at `starts`: for memory whose
+    /// registrations its holder does not keep (the pool's blocks). Sound
+    /// where the holder alone registers those addresses, and unregisters
+    /// them before the memory goes back to the driver: no newer entry can be
+    /// at them yet.
+    pub fn remove_at(&self, starts: impl IntoIterator<Item = DevicePtr>) {
         let mut map = write(&self.ranges);
         for start in starts {
             if let Some(e) = map.get_mut(&start) {
-                // By address: the owner may be dropping (its last holder's
-                // teardown), when no `Arc` or `Weak` of it can be made.
-                if std::ptr::eq(Weak::as_ptr(&e.owner), owner) {
-                    e.refs -= 1;
-                    if e.refs == 0 {
-                        map.remove(&start);
-                    }
+                e.refs -= 1;
+                if e.refs == 0 {
+                    map.remove(&start);
                 }
             }
         }

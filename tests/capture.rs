@@ -216,3 +216,24 @@ fn test_out_of_memory_during_a_capture_fails_at_once_and_frees_no_unfenced_block
     assert_eq!(ctx.alloc(2 << 20).map(|p| p.size()), Ok(2 << 20));
     drop(held);
 }
+
+#[test]
+fn test_the_last_drop_during_a_capture_still_gives_every_cached_block_back() {
+    let (drv, rt) = pooled(64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let p = ctx.alloc(4096).unwrap();
+    rt.begin_capture(0).unwrap();
+    drop(p); // waits for a fence that cannot run now
+    drop(ctx); // the context ends, and its memory with it
+    rt.end_capture(0).unwrap();
+    assert_eq!(drv.retain_count(0), 0);
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(
+        rt.pool_held_blocks(0),
+        0,
+        "no block of the ended context is kept"
+    );
+    let ctx = rt.context(0).unwrap();
+    let q = ctx.alloc(4096).unwrap();
+    q.view_all().memset(1, None).unwrap();
+}

@@ -81,3 +81,23 @@ fn test_reset_detaches_the_context_so_the_next_use_retains_afresh() {
     let q = new.alloc(4096).unwrap();
     q.view_all().memset(3, None).unwrap();
 }
+
+#[test]
+fn test_a_trim_forgets_the_blocks_a_context_kept_across_a_reset_made() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let stale = rt.context(0).unwrap();
+    rt.reset(0).unwrap();
+    // The context kept across the reset still allocates, from the pool.
+    let p = stale.alloc(1 << 20).unwrap();
+    let at = p.address();
+    drop(p);
+    let _live = rt.context(0).unwrap();
+    rt.trim().unwrap();
+    assert_eq!(drv.live_bytes(), 0);
+    assert_eq!(
+        rt.registered_ranges(),
+        0,
+        "no entry outlives the freed memory"
+    );
+    assert!(rt.context_of(at).is_err());
+}

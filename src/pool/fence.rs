@@ -111,6 +111,9 @@ impl Fencer {
         let sh = &self.helper.shared;
         let mut st = lock(&sh.state);
         st.s.captures += 1;
+        // Out-of-memory waiters for a fence that has not started now cannot
+        // have it until the capture ends: let them go on without it.
+        sh.done.notify_all();
         while st.s.syncing && !st.shutdown {
             st.s.waiters += 1;
             st = wait(&sh.done, st);
@@ -143,12 +146,17 @@ impl Fencer {
             if self.done() >= n {
                 return true;
             }
-            if st.s.failed >= n || st.shutdown || st.s.captures > 0 {
+            // A fence not started yet cannot start during a capture (one
+            // under way goes on, and a capture's start waits for it).
+            let held_back = st.s.captures > 0 && st.s.started < n;
+            if st.s.failed >= n || st.shutdown || held_back {
                 return false;
             }
             if !st.spawned {
-                // The helper could not start: synchronize here.
+                // The helper could not start: synchronize here (a capture
+                // that begins meanwhile waits for it, as for the helper's).
                 let (target, context) = (st.s.requested, st.s.context);
+                st.s.syncing = true;
                 drop(st);
                 // SAFETY: `context` is the live context the pool's owner
                 // passed with the request.
@@ -156,6 +164,12 @@ impl Fencer {
                 if ok {
                     sh.ext.done.fetch_max(target, Ordering::AcqRel);
                 }
+                let mut st = lock(&sh.state);
+                st.s.syncing = false;
+                if st.s.waiters > 0 {
+                    sh.done.notify_all();
+                }
+                drop(st);
                 return ok && self.done() >= n;
             }
             st.s.waiters += 1;
@@ -230,5 +244,56 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             // out-of-memory waiter cuts this short.
             st = wait_timeout(&sh.work, st, pace);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::{SimConfig, SimDriver};
+
+    /// A thread already waiting for a fence that has not started when a
+    /// capture begins goes on without it (it would otherwise wait through
+    /// the capture, which a thread holding the device's recovery lock
+    /// cannot afford: the capturing thread may need that lock to end it).
+    #[test]
+    fn a_waiter_for_a_fence_not_yet_started_goes_on_when_a_capture_begins() {
+        let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 20)));
+        let ctx = sim.primary_context_retain(0).unwrap();
+        let (mut caught, mut stuck) = (0, 0);
+        for _ in 0..200 {
+            let f = Arc::new(Fencer::new(sim.clone(), Duration::ZERO));
+            assert!(f.wait(f.request(ctx)));
+            let waiter = f.clone();
+            let w = std::thread::spawn(move || waiter.wait(waiter.request(ctx)));
+            // Begin the capture while the waiter waits and its fence has not
+            // started (the helper polls between fences).
+            let began = loop {
+                let st = f.helper.lock();
+                let fenced = st.s.started == st.s.requested && st.s.requested > 1;
+                if w.is_finished() || st.s.syncing || fenced {
+                    break false;
+                }
+                if st.s.waiters > 0 && st.s.started < st.s.requested {
+                    drop(st);
+                    f.begin_capture();
+                    break true;
+                }
+            };
+            if began {
+                caught += 1;
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while !w.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                stuck += usize::from(!w.is_finished());
+                f.end_capture();
+            }
+            let _ = w.join();
+        }
+        assert_eq!(
+            stuck, 0,
+            "{stuck} of {caught} waiters stayed through a capture"
+        );
     }
 }

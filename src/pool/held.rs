@@ -223,13 +223,19 @@ impl Pool {
     /// and `failed_free` each one whose free failed: it stays cached, so
     /// nothing is lost, and the others are freed all the same. Returns the
     /// allocations freed, and the first driver error.
+    ///
+    /// During a stream capture no fence can run, and whether `cuMemFree`
+    /// still waits for the device then is not known: an allocation with a
+    /// block still waiting for its fence then stays, unless `everything`
+    /// (the context is ending, a reset or its last drop, and its memory
+    /// goes with it).
     pub(crate) fn trim(
         &self,
         context: RawContext,
+        everything: bool,
         mut before_free: impl FnMut(&Allocation),
         mut failed_free: impl FnMut(&Allocation),
     ) -> (Vec<Allocation>, Result<()>) {
-        let capturing = self.fencer.capturing();
         // Each cached block with whether its fence is done.
         let mut cached = Vec::new();
         for i in 0..self.shards.len() {
@@ -251,14 +257,13 @@ impl Pool {
             // out of `held` in one step with the check.
             let taken = {
                 let mut held = lock(&self.held);
-                // During a capture no fence can run, and whether `cuMemFree`
-                // still waits for the device then is not known: only
-                // allocations whose blocks are all fenced go back.
+                // Asked per allocation, just before its free, so that a
+                // capture begun during the trim is seen.
                 let whole = held
                     .allocations
                     .get(&base)
                     .is_some_and(|a| a.blocks == blocks.len())
-                    && (!capturing || blocks.iter().all(|b| b.2));
+                    && (everything || blocks.iter().all(|b| b.2) || !self.fencer.capturing());
                 whole.then(|| {
                     let a = held.forget(base);
                     // Still the driver's until the free returns.

@@ -37,7 +37,7 @@ fn pool_reuses_only_after_its_fence_without_a_runtime() {
         a.address
     );
     assert_eq!(pool.stats().live_count, 1);
-    assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
     assert_eq!(pool.held_blocks(), 1);
 }
 
@@ -69,7 +69,7 @@ fn pool_out_of_memory_claims_a_cached_block_against_churning_threads() {
         }
     });
     assert_eq!(pool.stats().live_count, 0);
-    assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
     assert_eq!(sim.live_bytes(), 0);
 }
 
@@ -115,6 +115,6 @@ fn a_miss_waits_for_the_helpers_growth_of_its_class_then_takes_from_it() {
     pool.release(ctx, c, 1 << 18, None, Client::Direct, || true);
     sim.complete(None);
     assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, |_| {}, |_| {}).1.is_ok());
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
     assert_eq!(sim.live_bytes(), 0);
 }

@@ -302,8 +302,16 @@ impl Driver for SimDriver {
 
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
         let mut st = self.lock();
-        let before = st.capture_modes.insert(std::thread::current().id(), mode);
-        Ok(before.unwrap_or(CaptureMode::Global))
+        let before = st.thread_capture_mode();
+        // Only threads out of the default mode have an entry (every
+        // allocation puts its thread's mode back: the map stays small).
+        let id = std::thread::current().id();
+        if mode == CaptureMode::Global {
+            st.capture_modes.remove(&id);
+        } else {
+            st.capture_modes.insert(id, mode);
+        }
+        Ok(before)
     }
 
     unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {

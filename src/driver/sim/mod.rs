@@ -215,15 +215,17 @@ impl State {
     /// [`CaptureMode`]): a calling thread in global mode may make no
     /// "potentially unsafe" call, and `cuCtxSynchronize` (`always`) is
     /// refused in every mode; a refused call invalidates the captures.
+    /// The calling thread's capture mode (global unless it exchanged it).
+    fn thread_capture_mode(&self) -> CaptureMode {
+        let mode = self.capture_modes.get(&std::thread::current().id());
+        mode.copied().unwrap_or(CaptureMode::Global)
+    }
+
     fn capture_rule(&mut self, call: &'static str, always: bool) -> Result<()> {
         if self.captures.is_empty() {
             return Ok(());
         }
-        let mode = self
-            .capture_modes
-            .get(&std::thread::current().id())
-            .copied()
-            .unwrap_or(CaptureMode::Global);
+        let mode = self.thread_capture_mode();
         if always || mode == CaptureMode::Global {
             self.captures.values_mut().for_each(|bad| *bad = true);
             return Err(err(call, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
@@ -548,9 +550,7 @@ impl SimDriver {
 
     /// The calling thread's capture mode.
     pub fn capture_mode(&self) -> CaptureMode {
-        let st = self.lock();
-        let mode = st.capture_modes.get(&std::thread::current().id()).copied();
-        mode.unwrap_or(CaptureMode::Global)
+        self.lock().thread_capture_mode()
     }
 
     /// Fail the `nth` call of `kind` from now on (1 = the next one) with `code`.

@@ -1,7 +1,7 @@
 """Hooks for gpuptr's own tests and benchmarks; not public API. The module
 is made by ``gpuptr._core`` and reached as ``from gpuptr import _testing``."""
 
-from typing import Optional
+from typing import Optional, final
 
 from gpuptr._core import Context
 
@@ -18,6 +18,9 @@ __all__ = [
     "sim_calls",
     "primary_context_state",
     "query_context",
+    "sim_begin_capture",
+    "sim_end_capture",
+    "SimGraph",
 ]
 
 def sim_fail_nth(kind: str, nth: int, code: int) -> None: ...
@@ -32,3 +35,8 @@ def sim_retain_count(device: int) -> int: ...
 def sim_calls(kind: str) -> int: ...
 def primary_context_state(device: int) -> tuple[int, bool]: ...
 def query_context(address: object) -> Context: ...
+def sim_begin_capture(stream: int) -> None: ...
+def sim_end_capture(stream: int) -> SimGraph: ...
+@final
+class SimGraph:
+    def destroy(self) -> None: ...

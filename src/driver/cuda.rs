@@ -341,6 +341,92 @@ impl Driver for CudaDriver {
         })
     }
 
+    unsafe fn stream_capture(
+        &self,
+        context: RawContext,
+        stream: RawStream,
+    ) -> Result<Option<(u64, super::RawGraph)>> {
+        self.enter(context)?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph): (sys::cuuint64_t, sys::CUgraph) = (0, std::ptr::null_mut());
+        guard("cuStreamGetCaptureInfo", || {
+            // SAFETY: `stream` is live in `context` (this fn's contract);
+            // the out-pointers are valid for the call, and the dependency
+            // outputs are optional (null).
+            unsafe {
+                sys::cuStreamGetCaptureInfo_v2(
+                    stream as sys::CUstream,
+                    &mut status,
+                    &mut id,
+                    &mut graph,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+        })?;
+        Ok(
+            (status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+                .then_some((id, graph as super::RawGraph)),
+        )
+    }
+
+    unsafe fn graph_on_destroy(
+        &self,
+        context: RawContext,
+        graph: super::RawGraph,
+        on_destroy: Box<dyn FnOnce() + Send>,
+    ) -> Result<()> {
+        self.enter(context)?;
+        /// The user object's destructor: runs the boxed callback once; a
+        /// panic never unwinds into the driver.
+        unsafe extern "C" fn run(data: *mut c_void) {
+            // SAFETY: `data` is the `Box::into_raw` below, handed to the
+            // driver once; the driver calls the destructor once.
+            let f = unsafe { Box::from_raw(data as *mut Box<dyn FnOnce() + Send>) };
+            let _ = catch_unwind(AssertUnwindSafe(f));
+        }
+        let data = Box::into_raw(Box::new(on_destroy)) as *mut c_void;
+        let mut object: sys::CUuserObject = std::ptr::null_mut();
+        let created = guard("cuUserObjectCreate", || {
+            // SAFETY: `run` takes ownership of `data` when it is called;
+            // the flag is the one CUDA requires.
+            unsafe {
+                sys::cuUserObjectCreate(
+                    &mut object,
+                    data,
+                    Some(run),
+                    1,
+                    sys::CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32,
+                )
+            }
+            .result()
+        });
+        if let Err(e) = created {
+            // SAFETY: the driver refused the object, so it never calls
+            // `run`: the box is still ours.
+            drop(unsafe { Box::from_raw(data as *mut Box<dyn FnOnce() + Send>) });
+            return Err(e);
+        }
+        guard("cuGraphRetainUserObject", || {
+            // SAFETY: `graph` is live in `context` (this fn's contract), and
+            // the move hands the graph our one reference.
+            unsafe {
+                sys::cuGraphRetainUserObject(
+                    graph as sys::CUgraph,
+                    object,
+                    1,
+                    sys::CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE as u32,
+                )
+            }
+            .result()
+        })
+        .inspect_err(|_| {
+            // SAFETY: our one reference, not moved: releasing it runs `run`.
+            let _ = unsafe { sys::cuUserObjectRelease(object, 1) };
+        })
+    }
+
     unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
         self.enter(context)?;
         guard("cuMemGetInfo", result::mem_get_info)

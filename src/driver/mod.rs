@@ -10,7 +10,7 @@ mod sim;
 use std::sync::Arc;
 
 pub use cuda::{probe as probe_cuda, CudaDriver};
-pub use sim::{SimConfig, SimDriver};
+pub use sim::{SimConfig, SimDriver, SimGraph};
 
 use crate::error::{Error, Result};
 
@@ -20,6 +20,8 @@ pub type RawContext = usize;
 pub type DevicePtr = u64;
 /// A `CUstream`, as an integer; 0 is the legacy default stream.
 pub type RawStream = usize;
+/// A CUDA graph handle (`CUgraph`), as an integer.
+pub type RawGraph = usize;
 /// A host address.
 pub type HostPtr = usize;
 
@@ -402,6 +404,34 @@ pub trait Driver: Send + Sync + 'static {
     /// `cuThreadExchangeStreamCaptureMode`: set the calling thread's
     /// capture mode to `mode`; the mode it had.
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode>;
+
+    /// `cuStreamGetCaptureInfo`: the capture `stream` takes part in now, if
+    /// any, as its id and the graph being captured.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of `context` (or a default-stream handle).
+    unsafe fn stream_capture(
+        &self,
+        context: RawContext,
+        stream: RawStream,
+    ) -> Result<Option<(u64, RawGraph)>>;
+
+    /// `cuUserObjectCreate` + `cuGraphRetainUserObject`: `graph` owns
+    /// `on_destroy`, which runs once the graph and every executable graph
+    /// made from it are destroyed and their launches have finished. It may
+    /// run on a thread of the driver's, and must make no CUDA call. On
+    /// `Err` it either never runs or runs at once; the caller tells which
+    /// apart itself (see [`crate::graph`]).
+    ///
+    /// # Safety
+    /// `graph` is a live graph of `context` (one [`Driver::stream_capture`]
+    /// returned, during that capture).
+    unsafe fn graph_on_destroy(
+        &self,
+        context: RawContext,
+        graph: RawGraph,
+        on_destroy: Box<dyn FnOnce() + Send>,
+    ) -> Result<()>;
 
     /// The simulator behind this driver, for tests that inject faults.
     fn as_sim(&self) -> Option<&SimDriver> {

@@ -103,6 +103,35 @@ fn query_context(py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<Py<PyCo
     py_context(py, &runtime()?.query_context(address)?)
 }
 
+/// Simulator: begin a global-mode capture of ``stream`` (an int handle),
+/// as ``cuStreamBeginCapture`` would.
+#[pyfunction]
+fn sim_begin_capture(stream: usize) -> PyResult<()> {
+    sim()?.begin_capture(stream);
+    Ok(())
+}
+
+/// Simulator: end the capture of ``stream``; the graph it made, destroyed
+/// by ``destroy()`` or when it is collected.
+#[pyfunction]
+fn sim_end_capture(stream: usize) -> PyResult<SimGraphObject> {
+    let g = sim()?.end_capture_graph(stream)?;
+    Ok(SimGraphObject(std::sync::Mutex::new(Some(g))))
+}
+
+/// A simulated CUDA graph: destroying it runs its user objects.
+#[pyclass(frozen, name = "SimGraph", module = "gpuptr._testing")]
+struct SimGraphObject(std::sync::Mutex<Option<crate::driver::SimGraph>>);
+
+#[pymethods]
+impl SimGraphObject {
+    /// Destroy the graph now (a second call does nothing).
+    fn destroy(&self) {
+        let g = crate::sync::lock(&self.0).take();
+        drop(g);
+    }
+}
+
 /// Make the `gpuptr._testing` module, importable by that name but not an
 /// attribute of `_core`.
 pub(crate) fn register(py: Python<'_>) -> PyResult<()> {
@@ -119,6 +148,9 @@ pub(crate) fn register(py: Python<'_>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim_calls, &m)?)?;
     m.add_function(wrap_pyfunction!(primary_context_state, &m)?)?;
     m.add_function(wrap_pyfunction!(query_context, &m)?)?;
+    m.add_function(wrap_pyfunction!(sim_begin_capture, &m)?)?;
+    m.add_function(wrap_pyfunction!(sim_end_capture, &m)?)?;
+    m.add_class::<SimGraphObject>()?;
     py.import("sys")?
         .getattr("modules")?
         .set_item("gpuptr._testing", m)?;

@@ -314,6 +314,34 @@ impl Driver for SimDriver {
         Ok(before)
     }
 
+    unsafe fn stream_capture(
+        &self,
+        context: RawContext,
+        stream: RawStream,
+    ) -> Result<Option<(u64, RawGraph)>> {
+        let _ = context;
+        let st = self.lock();
+        // The graph handle is the capture's id: one graph per capture.
+        Ok(st.captures.get(&stream).map(|c| (c.id, c.id as RawGraph)))
+    }
+
+    unsafe fn graph_on_destroy(
+        &self,
+        context: RawContext,
+        graph: RawGraph,
+        on_destroy: Box<dyn FnOnce() + Send>,
+    ) -> Result<()> {
+        let _ = context;
+        let mut st = self.lock();
+        match st.captures.values_mut().find(|c| c.id as RawGraph == graph) {
+            Some(c) => {
+                c.owned.push(on_destroy);
+                Ok(())
+            }
+            None => Err(err("cuGraphRetainUserObject", CUDA_ERROR_INVALID_VALUE)),
+        }
+    }
+
     unsafe fn mem_get_info(&self, context: RawContext) -> Result<(usize, usize)> {
         let (st, device) = self.begin(CallKind::MemGetInfo, "cuMemGetInfo", context)?;
         let total = self.config.memory_per_device;

@@ -10,7 +10,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
-use super::{CallKind, CaptureMode, DevicePtr, Driver, RawContext, RawStream, STREAM_LEGACY};
+use super::{
+    CallKind, CaptureMode, DevicePtr, Driver, RawContext, RawGraph, RawStream, STREAM_LEGACY,
+};
 use crate::error::{
     cuda_error_name, Error, Result, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
@@ -205,9 +207,38 @@ struct State {
     ipc_open: HashMap<DevicePtr, u32>,
     /// Each thread's capture mode (global unless it exchanged it).
     capture_modes: HashMap<ThreadId, CaptureMode>,
-    /// Streams capturing now (in global mode), and whether their capture
-    /// was invalidated.
-    captures: HashMap<RawStream, bool>,
+    /// Streams capturing now (in global mode), with their capture.
+    captures: HashMap<RawStream, SimCapture>,
+    next_capture_id: u64,
+}
+
+/// A capture under way in the simulator.
+struct SimCapture {
+    id: u64,
+    /// A refused call invalidated it.
+    invalidated: bool,
+    /// What the graph owns (user objects): run when the graph is destroyed.
+    owned: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+/// A captured graph of the simulator: dropping it destroys the graph, and
+/// runs the destructors of the user objects it owns (outside the
+/// simulator's lock, as the driver may).
+#[must_use = "dropping the graph destroys it"]
+pub struct SimGraph(Vec<Box<dyn FnOnce() + Send>>);
+
+impl std::fmt::Debug for SimGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SimGraph({} user objects)", self.0.len())
+    }
+}
+
+impl Drop for SimGraph {
+    fn drop(&mut self) {
+        for f in self.0.drain(..) {
+            f();
+        }
+    }
 }
 
 impl State {
@@ -227,7 +258,9 @@ impl State {
         }
         let mode = self.thread_capture_mode();
         if always || mode == CaptureMode::Global {
-            self.captures.values_mut().for_each(|bad| *bad = true);
+            self.captures
+                .values_mut()
+                .for_each(|c| c.invalidated = true);
             return Err(err(call, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
         }
         Ok(())
@@ -532,18 +565,40 @@ impl SimDriver {
     /// from some thread): until [`SimDriver::end_capture`], the capture
     /// rule of [`CaptureMode`] applies to every thread.
     pub fn begin_capture(&self, stream: RawStream) {
-        self.lock().captures.insert(stream, false);
+        let mut st = self.lock();
+        st.next_capture_id += 1;
+        let id = st.next_capture_id;
+        st.captures.insert(
+            stream,
+            SimCapture {
+                id,
+                invalidated: false,
+                owned: Vec::new(),
+            },
+        );
     }
 
-    /// End the capture of `stream`: `Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)`
-    /// if a refused call invalidated it, as `cuStreamEndCapture` does.
+    /// End the capture of `stream` and destroy its graph at once (its user
+    /// objects run): `Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)` if a
+    /// refused call invalidated it, as `cuStreamEndCapture` does.
     pub fn end_capture(&self, stream: RawStream) -> Result<()> {
-        match self.lock().captures.remove(&stream) {
-            Some(false) => Ok(()),
-            Some(true) => Err(err(
-                "cuStreamEndCapture",
-                CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
-            )),
+        self.end_capture_graph(stream).map(drop)
+    }
+
+    /// End the capture of `stream`, keeping its graph: the user objects the
+    /// graph owns run when the [`SimGraph`] drops.
+    pub fn end_capture_graph(&self, stream: RawStream) -> Result<SimGraph> {
+        let capture = self.lock().captures.remove(&stream);
+        match capture {
+            Some(c) if !c.invalidated => Ok(SimGraph(c.owned)),
+            // The graph of an invalidated capture is destroyed at once.
+            Some(c) => {
+                drop(SimGraph(c.owned));
+                Err(err(
+                    "cuStreamEndCapture",
+                    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                ))
+            }
             None => Err(err("cuStreamEndCapture", CUDA_ERROR_INVALID_VALUE)),
         }
     }

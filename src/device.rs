@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::context::Context;
 use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
 use crate::error::{Error, Result};
+use crate::graph::GraphMemory;
 use crate::ipc::liveness::Exports;
 use crate::pool::{Allocation, Block, Pool, PoolConfig};
 use crate::registry::Registry;
@@ -53,6 +54,8 @@ pub(crate) struct DeviceState {
     /// The reset epoch: bumped when the context is reset (or invalidated);
     /// memory made in an older epoch is gone, and is never freed.
     epoch: AtomicU64,
+    /// Pool blocks that CUDA graphs keep.
+    graphs: GraphMemory,
 }
 
 /// A device's live context, and the runtime's own hold on it, if taken
@@ -75,7 +78,14 @@ impl DeviceState {
             recovery: Mutex::new(()),
             raw: AtomicUsize::new(0),
             epoch: AtomicU64::new(0),
+            graphs: GraphMemory::default(),
         }
+    }
+
+    /// The memory CUDA graphs of this device keep.
+    #[inline]
+    pub(crate) fn graphs(&self) -> &GraphMemory {
+        &self.graphs
     }
 
     /// The device ordinal.
@@ -203,7 +213,10 @@ impl DeviceState {
                 if attempt.is_ok() { "succeeded" } else { "failed" }
             );
         }
-        let block = attempt?;
+        let block = attempt.map_err(|e| match e.is_oom() {
+            true => self.out_of_memory(ctx, size),
+            false => e,
+        })?;
         if block.ahead {
             self.post_ahead(pool, ctx, block.shard as usize, block.class);
         }
@@ -220,6 +233,37 @@ impl DeviceState {
             );
         }
         Ok(block)
+    }
+
+    /// The out-of-memory error for `size` bytes, naming what the pool holds
+    /// (in use, cached, kept by CUDA graphs), its limit if one is set, and
+    /// what the device has free, as PyTorch's message does.
+    #[cold]
+    fn out_of_memory(&self, ctx: &Context, size: usize) -> Error {
+        use crate::error::bytes;
+        let mut detail = String::new();
+        if let Some(pool) = &self.pool {
+            let s = pool.stats();
+            detail = format!(
+                "; gpuptr's pool holds {} from the driver ({} in use, {} cached, {} kept by CUDA graphs)",
+                bytes(pool.held_bytes()),
+                bytes(s.live_bytes),
+                bytes(s.cached_bytes),
+                bytes(self.graphs.kept_bytes())
+            );
+            if pool.limit() != usize::MAX {
+                detail += &format!(", and its limit is {}", bytes(pool.limit()));
+            }
+        }
+        // SAFETY: `ctx` is retained; cuMemGetInfo is allowed even during a capture.
+        if let Ok((free, total)) = unsafe { self.driver().mem_get_info(ctx.raw()) } {
+            detail += &format!("; the device has {} free of {}", bytes(free), bytes(total));
+        }
+        Error::OutOfMemory {
+            device: self.device,
+            requested: size,
+            detail,
+        }
     }
 
     /// Ask the pool's helper to grow `class` ahead of demand in `shard`
@@ -481,6 +525,11 @@ impl DeviceState {
     pub(crate) fn end_capture(&self) {
         if let Some(pool) = &self.pool {
             pool.end_capture();
+        }
+        if self.graphs.watching() {
+            if let Some(ctx) = self.existing() {
+                self.graphs.end(&ctx);
+            }
         }
     }
 

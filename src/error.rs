@@ -75,12 +75,15 @@ pub enum Error {
         name: String,
     },
     /// The device (or the pool in front of it) cannot satisfy a request.
-    #[error("out of memory on device {device}: could not allocate {requested} bytes")]
+    #[error("out of memory on device {device}: could not allocate {} ({requested} bytes){detail}", crate::error::bytes(*requested))]
     OutOfMemory {
         /// The device ordinal.
         device: usize,
         /// The bytes asked for.
         requested: usize,
+        /// What the pool and the device held when it failed (empty, or
+        /// starting with "; ").
+        detail: String,
     },
     /// A pointer that is freed, stale, out of range or not device memory.
     #[error("invalid pointer: {0}")]
@@ -127,11 +130,30 @@ impl Error {
     /// Turn a raw `CUDA_ERROR_OUT_OF_MEMORY` into the typed variant.
     pub(crate) fn oom_on(self, device: usize, requested: usize) -> Self {
         if self.is_oom() {
-            Error::OutOfMemory { device, requested }
+            Error::OutOfMemory {
+                device,
+                requested,
+                detail: String::new(),
+            }
         } else {
             self
         }
     }
+}
+
+/// `n` bytes for a person: "1.50 GiB", "512 bytes".
+pub(crate) fn bytes(n: usize) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} bytes");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.2} {}", UNITS[unit])
 }
 
 /// The crate's result type.

@@ -40,6 +40,7 @@ mod lifetime;
 mod stats;
 
 // The services a device holds, and the pool.
+mod graph;
 mod pool;
 mod registry;
 mod track;

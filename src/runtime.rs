@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::context::Context;
 use crate::device::{DeviceState, Services};
-use crate::driver::{self, Driver, DriverChoice, DriverKind, SimDriver};
+use crate::driver::{self, Driver, DriverChoice, DriverKind, RawStream, SimDriver};
 use crate::error::Result;
 use crate::ipc::liveness::Exports;
 use crate::ipc::Ipc;
@@ -72,12 +72,14 @@ impl Runtime {
     /// callers about to measure do). `false` if the fence failed.
     pub fn flush_pool(self: &Arc<Self>, device: usize) -> Result<bool> {
         self.check_device(device)?;
+        crate::graph::bury();
         Ok(self.devices[device].flush())
     }
 
     /// Return every cached block of every device to the driver; the bytes freed.
     pub fn trim(self: &Arc<Self>) -> Result<usize> {
         crate::fork::check()?;
+        crate::graph::bury();
         let mut freed = 0;
         for d in &self.devices {
             if let Some(ctx) = d.existing() {
@@ -118,6 +120,36 @@ impl Runtime {
         self.check_device(device)?;
         self.devices[device].end_capture();
         Ok(())
+    }
+
+    /// The capture `stream` takes part in (begun after
+    /// [`Runtime::begin_capture`]) keeps its memory for its graph: pool
+    /// blocks allocated during it, on a stream that takes part in it or by
+    /// this thread with no stream given, and blocks this thread frees
+    /// during it, are reused only after the graph, and every executable
+    /// graph made from it, is destroyed (see [`crate::graph`]).
+    /// `gpuptr.install()` calls it for CuPy's and PyTorch's captures.
+    /// `Err` if `stream` is not capturing.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of `device`'s primary context.
+    pub unsafe fn capture_started(
+        self: &Arc<Self>,
+        device: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.check_device(device)?;
+        let ctx = self.context(device)?;
+        // SAFETY: this fn's contract.
+        unsafe { ctx.state().graphs().start(&ctx, stream) }
+    }
+
+    /// Bytes of `device`'s pool that CUDA graphs keep: freed, and reused
+    /// once their graph is destroyed.
+    pub fn graph_kept_bytes(&self, device: usize) -> Result<usize> {
+        self.check_device(device)?;
+        crate::graph::bury();
+        Ok(self.devices[device].graphs().kept_bytes())
     }
 
     /// Whether a capture begun with [`Runtime::begin_capture`] is under way

@@ -330,3 +330,21 @@ fn test_threads_under_a_pool_limit_never_hold_more_than_it() {
     });
     assert!(rt.stats()[0].pool_bytes <= 16 << 20);
 }
+
+#[test]
+fn test_the_out_of_memory_message_names_the_request_the_pool_and_its_limit() {
+    let (_drv, rt) = sim_pooled(1, 8 << 20);
+    let ctx = rt.context(0).unwrap();
+    let live = ctx.alloc(1 << 20).unwrap();
+    rt.set_pool_limit(0, Some(2 << 20)).unwrap();
+    let msg = ctx.alloc(3 << 20).unwrap_err().to_string();
+    for part in [
+        "out of memory on device 0: could not allocate 3.00 MiB (3145728 bytes)",
+        "gpuptr's pool holds 1.00 MiB from the driver (1.00 MiB in use, 0 bytes cached, 0 bytes kept by CUDA graphs)",
+        "its limit is 2.00 MiB",
+        "the device has 7.00 MiB free of 8.00 MiB",
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {msg:?}");
+    }
+    drop(live);
+}

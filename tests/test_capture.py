@@ -79,3 +79,91 @@ def test_wrapped_capture_calls_tell_the_pool_and_always_end():
 def test_a_class_that_cannot_be_wrapped_gets_a_warning_not_an_error(caplog):
     _capture._try_wrap(int, "begin_capture", "end_capture", lambda s: 0)
     assert any("gpuptr.capturing()" in r.getMessage() for r in caplog.records)
+
+
+def _fresh(n=64):
+    """Addresses of ``n`` 4 KiB blocks allocated after a fence (held
+    together, so each is a different block)."""
+    assert gpuptr.flush_pool(0) is True
+    held = [gpuptr.alloc(4096) for _ in range(n)]
+    return {m.device_pointer_value for m in held}
+
+
+class _SimStream:
+    """A stream whose captures are the simulator's: as CuPy's Stream, it has
+    begin_capture/end_capture (which returns the graph) and a handle."""
+
+    ptr = 0x7E57_0C05
+
+    def begin_capture(self, mode=None):
+        from gpuptr import _testing
+
+        _testing.sim_begin_capture(self.ptr)
+
+    def end_capture(self):
+        from gpuptr import _testing
+
+        return _testing.sim_end_capture(self.ptr)
+
+
+def test_a_wrapped_capture_keeps_its_memory_until_the_graph_is_destroyed():
+    class S(_SimStream):
+        pass
+
+    _capture._wrap(S, "begin_capture", "end_capture", lambda s: 0, lambda s: s.ptr)
+    s = S()
+    s.begin_capture()
+    scratch = gpuptr.alloc(4096)  # an intermediate the graph writes at each replay
+    at = scratch.device_pointer_value
+    scratch.free()
+    out = gpuptr.alloc(4096)  # the graph's output, freed later by its user
+    out_at = out.device_pointer_value
+    graph = s.end_capture()
+    assert not gpuptr.is_capturing()
+    out.free()
+    assert gpuptr.graph_kept_bytes(0) == 8192
+    now = _fresh()
+    assert at not in now and out_at not in now, "graph memory reused while the graph can replay"
+    graph.destroy()
+    now = _fresh()
+    assert at in now and out_at in now, "given back once the graph is destroyed"
+    assert gpuptr.graph_kept_bytes(0) == 0
+
+
+def test_a_graph_collected_by_python_gives_its_memory_back():
+    class S(_SimStream):
+        pass
+
+    _capture._wrap(S, "begin_capture", "end_capture", lambda s: 0, lambda s: s.ptr)
+    s = S()
+    s.begin_capture()
+    gpuptr.alloc(4096).free()
+    graph = s.end_capture()
+    assert gpuptr.graph_kept_bytes(0) == 4096
+    del graph
+    assert gpuptr.graph_kept_bytes(0) == 0
+
+
+def test_capture_started_refuses_a_stream_that_is_not_capturing():
+    with pytest.raises(gpuptr.InvalidArgumentError, match="not capturing"):
+        gpuptr.capture_started(0x7E57_0C06, 0)
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.capture_started(None, 0)
+
+
+def test_a_capture_whose_memory_cannot_be_kept_warns_and_goes_on(caplog):
+    class S(_SimStream):
+        ptr = 0x7E57_0C07
+
+        def begin_capture(self, mode=None):
+            pass  # the library "began" nothing the driver knows of
+
+        def end_capture(self):
+            return "graph"
+
+    _capture._wrap(S, "begin_capture", "end_capture", lambda s: 0, lambda s: s.ptr)
+    s = S()
+    s.begin_capture()
+    assert gpuptr.is_capturing()
+    assert s.end_capture() == "graph"
+    assert any("reused while the graph replays" in r.getMessage() for r in caplog.records)

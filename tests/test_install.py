@@ -207,7 +207,13 @@ class FakeCupy(types.ModuleType):
                 mem = PythonFunctionAllocatorMemory(size, self._malloc_func, self._free_func, device)
                 return MemoryPointer(mem, 0)
 
+        class OutOfMemoryError(MemoryError):
+            # As CuPy's: made from (size, total, limit).
+            def __init__(self, size, total, limit=0):
+                super().__init__(f"Out of memory allocating {size} bytes")
+
         self.cuda = types.SimpleNamespace(
+            memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
             runtime=rt,
             stream=st,
             UnownedMemory=UnownedMemory,
@@ -226,7 +232,8 @@ def fake_cupy(monkeypatch):
 
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for name in ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr"):
+    names = ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr", "OutOfMemoryError")
+    for name in names:
         monkeypatch.setattr(gc_mod, name, getattr(gc_mod, name))
     return fake
 
@@ -288,9 +295,16 @@ def test_cupy_stream_ordered_allocates_on_cupys_current_stream(fake_cupy):
 
 
 def test_cupy_hooks_refuse_bad_input_with_typed_errors(fake_cupy):
+    import gpuptr.cupy
+
+    gpuptr.cupy.install()
     live0, failures0 = _core._hooks_state()
-    with pytest.raises(gpuptr.OutOfMemoryError):
+    with pytest.raises(fake_cupy.cuda.memory.OutOfMemoryError) as ei:
         _core._cupy_malloc(1 << 62, 0)
+    # CuPy's error, and gpuptr's too, saying what was asked for and held.
+    assert isinstance(ei.value, gpuptr.OutOfMemoryError) and isinstance(ei.value, MemoryError)
+    assert ei.value.requested == 1 << 62 and ei.value.code == 2
+    assert "could not allocate 4096.00 PiB" in str(ei.value) and "gpuptr's pool holds" in str(ei.value)
     with pytest.raises(gpuptr.InvalidArgumentError):
         _core._cupy_malloc(1024, 99)
     with pytest.raises(gpuptr.InvalidArgumentError):

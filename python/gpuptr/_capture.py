@@ -9,6 +9,14 @@ way: :func:`capturing` (or ``begin_capture``/``end_capture``) tells it, and
 ``CUDAGraph.capture_begin``/``capture_end`` (so ``torch.cuda.graph`` too).
 gpuptr's own allocations and frees need nothing: they run in relaxed
 capture mode, which CUDA allows during a capture.
+
+A graph replays its kernels at the addresses they had during the capture,
+so the wrappers also call ``capture_started`` once the capture has begun:
+pool blocks allocated during it (by the capturing thread, or on a stream
+that takes part in it) and blocks the capturing thread frees during it are
+then reused only after the graph, and every executable graph made from it,
+is destroyed. CUDA tells gpuptr when that is (a user object the graph owns),
+whichever library made the graph.
 """
 
 from __future__ import annotations
@@ -37,8 +45,10 @@ def capturing(device: Optional[int] = None) -> Iterator[None]:
         _core.end_capture(device)
 
 
-def _wrap(cls: Any, begin: str, end: str, device_of: Any) -> None:
-    """Make ``cls.begin``/``cls.end`` tell the pool, once per class."""
+def _wrap(cls: Any, begin: str, end: str, device_of: Any, stream_of: Any = None) -> None:
+    """Make ``cls.begin``/``cls.end`` tell the pool, once per class; with
+    ``stream_of`` (the capturing stream's handle, asked after the begin),
+    the capture's memory is kept for its graph (``capture_started``)."""
     original_begin, original_end = getattr(cls, begin), getattr(cls, end)
     if getattr(original_begin, "__gpuptr_capture__", False):
         return
@@ -55,6 +65,8 @@ def _wrap(cls: Any, begin: str, end: str, device_of: Any) -> None:
             _core.end_capture(device)
             raise
         began[id(self)] = device
+        if stream_of is not None:
+            _keep_graph_memory(device, stream_of, self)
         return r
 
     @functools.wraps(original_end)
@@ -71,6 +83,19 @@ def _wrap(cls: Any, begin: str, end: str, device_of: Any) -> None:
     setattr(cls, end, end_wrapper)
 
 
+def _keep_graph_memory(device: int, stream_of: Any, obj: Any) -> None:
+    """Keep the memory of the capture ``obj`` began for its graph; a
+    warning if that cannot be done (the capture itself goes on)."""
+    try:
+        _core.capture_started(stream_of(obj), device)
+    except Exception as e:  # noqa: BLE001 - the user's capture must not fail for it
+        logging.getLogger("gpuptr").warning(
+            "cannot keep the memory of this capture for its graph (%s): memory freed "
+            "during it may be reused while the graph replays",
+            e,
+        )
+
+
 def hook_cupy() -> None:
     """Tell the pool about CuPy's captures (``Stream.begin_capture``)."""
     import cupy
@@ -78,8 +103,11 @@ def hook_cupy() -> None:
     def device_of(stream: Any) -> int:
         return int(cupy.cuda.Device().id)
 
+    def stream_of(stream: Any) -> int:
+        return int(stream.ptr)
+
     for cls in (cupy.cuda.Stream, cupy.cuda.ExternalStream):
-        _try_wrap(cls, "begin_capture", "end_capture", device_of)
+        _try_wrap(cls, "begin_capture", "end_capture", device_of, stream_of)
 
 
 def hook_torch() -> None:
@@ -91,15 +119,19 @@ def hook_torch() -> None:
     def device_of(graph: Any) -> int:
         return int(torch.cuda.current_device())
 
-    _try_wrap(torch.cuda.CUDAGraph, "capture_begin", "capture_end", device_of)
+    def stream_of(graph: Any) -> int:
+        # torch.cuda.graph makes the capture stream current around capture_begin.
+        return int(torch.cuda.current_stream().cuda_stream)
+
+    _try_wrap(torch.cuda.CUDAGraph, "capture_begin", "capture_end", device_of, stream_of)
 
 
-def _try_wrap(cls: Any, begin: str, end: str, device_of: Any) -> None:
+def _try_wrap(cls: Any, begin: str, end: str, device_of: Any, stream_of: Any = None) -> None:
     """:func:`_wrap`, or a warning where the class cannot be wrapped (an
     extension type, or a library version without those methods): the rest
     of ``install()`` still holds, and :func:`capturing` is the way then."""
     try:
-        _wrap(cls, begin, end, device_of)
+        _wrap(cls, begin, end, device_of, stream_of)
     except (AttributeError, TypeError) as e:
         logging.getLogger("gpuptr").warning(
             "cannot tell the pool about %s.%s captures (%s): wrap them in gpuptr.capturing()",

@@ -40,6 +40,8 @@ __all__ = [
     "begin_capture",
     "end_capture",
     "is_capturing",
+    "capture_started",
+    "graph_kept_bytes",
     "flush_pool",
     "reserve",
     "set_pool_limit",
@@ -61,6 +63,8 @@ __all__ = [
     "_hooks_state",
     "_cupy_malloc",
     "_cupy_free",
+    "_cupy_set_oom_error",
+    "_hooks_torch_errors",
     "_dtype_info",
     "DLPackOwner",
     "_import_cai",
@@ -433,6 +437,21 @@ def end_capture(device: Optional[int] = None) -> None:
     """End a capture begun with ``begin_capture`` on ``device`` (default: the
     current device).
     """
+def capture_started(stream: Any, device: Optional[int] = None) -> None:
+    """Tell gpuptr that the capture ``stream`` takes part in has begun (call
+    it after ``begin_capture`` and the library's own begin): its memory is
+    then kept for its graph. Pool blocks allocated during the capture (on a
+    stream that takes part in it, or by this thread), and blocks this thread
+    frees during it, are reused only after the graph, and every executable
+    graph made from it, is destroyed. ``gpuptr.install()`` calls it for
+    CuPy's and PyTorch's captures. ``stream`` is a live stream handle (an
+    int or a stream object) of ``device``; ``InvalidArgumentError`` if it is
+    not capturing.
+    """
+def graph_kept_bytes(device: Optional[int] = None) -> int:
+    """Bytes of ``device``'s pool (default: the current device) that CUDA
+    graphs keep: freed, and reused once their graph is destroyed.
+    """
 def is_capturing(device: Optional[int] = None) -> bool:
     """Whether a capture begun with ``begin_capture`` is under way on
     ``device`` (default: the current device).
@@ -564,6 +583,14 @@ def _cupy_free(address: int, device: int) -> None:
     (``device`` is CuPy's and unused: the address names the allocation).
     Anything else is ignored (and counted as a failure), never freed; it
     never raises (CuPy calls it from a destructor).
+    """
+def _cupy_set_oom_error(cls: Any) -> None:
+    """Set the class ``_cupy_malloc`` raises for out of memory."""
+def _hooks_torch_errors(path: Any) -> bool:
+    """Find PyTorch's exception thrower in its loaded ``libc10`` at ``path``
+    (never loads the library: it must be loaded already), so a failed
+    allocation raises in PyTorch instead of returning a null pointer.
+    Whether it was found.
     """
 def _hooks_state() -> tuple[int, int]:
     """``(live allocations, failures)`` of the C entry points: allocations

@@ -20,7 +20,7 @@ from typing import Any
 from gpuptr import _core
 from gpuptr._errors import InstallError
 
-__all__ = ["install", "installed", "malloc", "malloc_pinned"]
+__all__ = ["OutOfMemoryError", "install", "installed", "malloc", "malloc_pinned"]
 
 _stream_ordered = False
 _installed = False
@@ -101,9 +101,42 @@ def install(*, stream_ordered: bool = False, pinned: bool = True) -> None:
     _installed = True
 
 
+OutOfMemoryError: Any = None
+"""Out of device memory, as CuPy reports it: a subclass of both
+``cupy.cuda.memory.OutOfMemoryError`` and :class:`gpuptr.OutOfMemoryError`
+(so a ``MemoryError``), made when CuPy is first bound. Raised after gpuptr
+has waited for its fence and returned its cache; the message says what the
+pool held."""
+
+
+def _oom_class(cupy: Any) -> Any:
+    """The class CuPy's hook raises for out of memory (see
+    :data:`OutOfMemoryError`)."""
+    from gpuptr import _errors
+
+    class OutOfMemoryError(cupy.cuda.memory.OutOfMemoryError, _errors.OutOfMemoryError):  # type: ignore[misc,name-defined]
+        """Out of device memory: CuPy's and gpuptr's ``OutOfMemoryError``."""
+
+        def __init__(self, message: str, requested: int = 0) -> None:
+            # CuPy's own __init__ formats (size, total, limit); gpuptr's
+            # message already says more.
+            _errors.OutOfMemoryError.__init__(self, message)
+            self.requested = requested
+
+        def __str__(self) -> str:
+            return str(self.args[0])
+
+    OutOfMemoryError.__module__ = __name__
+    OutOfMemoryError.__qualname__ = "OutOfMemoryError"
+    return OutOfMemoryError
+
+
 def _bind(cupy: Any) -> None:
     """Look up the CuPy functions gpuptr calls (once, not per call)."""
-    global _get_device, _current_stream_ptr
+    global _get_device, _current_stream_ptr, OutOfMemoryError
+    if OutOfMemoryError is None:
+        OutOfMemoryError = _oom_class(cupy)
+        _core._cupy_set_oom_error(OutOfMemoryError)
     try:
         _get_device = cupy.cuda.runtime.getDevice
         stream_mod = cupy.cuda.stream

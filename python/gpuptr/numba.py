@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from numba.cuda.cudadrv.driver import (
     BaseCUDAMemoryManager,
+    CudaAPIError,
     GetIpcHandleMixin,
     MemoryInfo,
 )
@@ -33,7 +34,33 @@ from gpuptr._launch import (
     from_cuda_array_interface_numba,
 )
 
-__all__ = ["ArgCache", "Launcher", "MemoryManager", "as_cuda_array", "foreign_args", "from_cuda_array_interface_numba"]
+__all__ = [
+    "ArgCache",
+    "Launcher",
+    "MemoryManager",
+    "OutOfMemoryError",
+    "as_cuda_array",
+    "foreign_args",
+    "from_cuda_array_interface_numba",
+]
+
+
+class OutOfMemoryError(CudaAPIError, _gpuptr.OutOfMemoryError):  # type: ignore[misc]  # numba ships no types
+    """Out of device memory, as numba's own manager reports it: a numba
+    ``CudaAPIError`` with ``code`` 2 (``CUDA_ERROR_OUT_OF_MEMORY``), and
+    also gpuptr's :class:`~gpuptr.OutOfMemoryError` (a ``MemoryError``).
+    Raised after gpuptr has waited for its fence and returned its cache;
+    the message says what the pool held."""
+
+    def __init__(self, message: str) -> None:
+        CudaAPIError.__init__(self, 2, message)
+        # CudaAPIError's super().__init__(code, msg) reaches gpuptr's
+        # __init__(message, code) along the MRO: set both sides' fields.
+        self.code, self.msg, self.name = 2, message, "CUDA_ERROR_OUT_OF_MEMORY"
+        self.args = (2, message)
+
+    def __str__(self) -> str:
+        return f"[2] {self.msg}"
 
 
 class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):  # type: ignore[misc]  # numba ships no types
@@ -75,8 +102,12 @@ class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):  # type: ignore[m
         return self._device
 
     def memalloc(self, size: int) -> _core.MemoryPointer:
-        """Device memory from gpuptr's pool."""
-        return _core._alloc_for("numba", size, device=self._dev())
+        """Device memory from gpuptr's pool; :class:`OutOfMemoryError` (a
+        numba ``CudaAPIError``) when none is left."""
+        try:
+            return _core._alloc_for("numba", size, device=self._dev())
+        except _gpuptr.OutOfMemoryError as e:
+            raise OutOfMemoryError(str(e)) from None
 
     def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False) -> Any:
         """Pinned host memory (mapped into the device when ``mapped``)."""

@@ -14,15 +14,26 @@ uses). ``install(stream_ordered=True)`` orders frees on the allocating
 stream instead, as PyTorch's caching allocator does, for code that keeps
 each tensor on its stream.
 
+CUDA graphs: memory allocated during a ``torch.cuda.graph`` capture, and
+memory freed during it, is reused only after the graph is destroyed (gpuptr
+ties it to the graph). ``torch.compile(mode="reduce-overhead")`` captures
+one graph per compiled function (``install()`` turns inductor's CUDA graph
+trees off: they need PyTorch's own allocator's private pools).
+
+Out of memory: a failed allocation raises in PyTorch, as a ``RuntimeError``
+whose message starts "CUDA out of memory." (PyTorch's own prefix), after
+gpuptr has waited for its fence and returned its cache; the process goes
+on. It is not a ``torch.OutOfMemoryError``: a pluggable allocator cannot
+throw that type.
+
 What PyTorch's pluggable allocators do not support: ``torch.cuda.memory_stats``
 and its friends raise (use ``gpuptr.stats()``, whose ``"torch"`` client
-counts PyTorch's allocations), a failed allocation returns a null pointer to
-PyTorch (which does not check it), and CUDA-graph private pools are not
-supported.
+counts PyTorch's allocations), and ``torch.cuda.MemPool`` private pools.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from gpuptr import _core
@@ -65,3 +76,44 @@ def install(*, stream_ordered: bool = False) -> None:
             f"(PyTorch said: {e}). Call it (or gpuptr.install()) right after import."
         ) from e
     _allocator = allocator
+    _raise_in_torch()
+    _graph_per_function()
+
+
+def _raise_in_torch() -> None:
+    """Make a failed allocation raise in PyTorch (a ``RuntimeError`` whose
+    message starts "CUDA out of memory.") instead of returning the null
+    pointer PyTorch's pluggable allocator would write through."""
+    import os
+
+    import torch
+
+    here = getattr(torch, "__file__", None) or ""
+    lib = os.path.join(os.path.dirname(here), "lib", "libc10.so")
+    if not (here and _core._hooks_torch_errors(lib)):
+        logging.getLogger("gpuptr").warning(
+            "PyTorch's exception thrower was not found in %s: an allocation that fails "
+            "returns a null pointer to PyTorch",
+            lib,
+        )
+
+
+def _graph_per_function() -> None:
+    """``torch.compile(mode="reduce-overhead")`` on gpuptr: inductor's graph
+    per compiled function (``cudagraph_trees = False``). CUDA graph trees
+    share one private pool of PyTorch's own allocator across graphs, and
+    need allocator calls (``checkPoolLiveAllocations`` and the pool
+    checkpoints) that a pluggable allocator does not have; a graph per
+    function captures through ``torch.cuda.graph``, whose memory gpuptr
+    keeps for the graph."""
+    try:
+        import torch._inductor.config as inductor_config
+    except Exception:  # noqa: BLE001 - a torch without inductor: nothing to set
+        return
+    triton = getattr(inductor_config, "triton", None)
+    if triton is not None and getattr(triton, "cudagraph_trees", False):
+        triton.cudagraph_trees = False
+        logging.getLogger("gpuptr").info(
+            "torch.compile(mode='reduce-overhead') captures one CUDA graph per compiled "
+            "function on gpuptr (torch._inductor.config.triton.cudagraph_trees = False)"
+        )

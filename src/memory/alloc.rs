@@ -23,6 +23,10 @@ pub(crate) struct AllocRequest {
     pub client: Client,
     /// Where the memory comes from.
     pub source: Source,
+    /// The stream the caller allocates on, ordering or not: during a
+    /// capture, the block belongs to the capture this stream takes part in
+    /// (see [`crate::graph`]). Set only where the stream is known live.
+    pub seen: Option<RawStream>,
 }
 
 /// Where an allocation's memory comes from.
@@ -47,6 +51,7 @@ impl AllocRequest {
             stream,
             client,
             source: Source::Pool,
+            seen: None,
         }
     }
 }
@@ -103,6 +108,31 @@ impl Context {
         DevicePointer::allocate(self, AllocRequest::pool(size, stream, client), site)
     }
 
+    /// As [`Context::alloc_at`], made on `seen`, a stream the caller uses
+    /// whether or not the allocation is ordered on it: during a CUDA-graph
+    /// capture, the block belongs to the capture `seen` takes part in, and
+    /// is kept for the graph when freed (see [`crate::graph`]). PyTorch's
+    /// allocator hook passes its current stream.
+    ///
+    /// # Safety
+    /// `seen` is a live stream of this context, or a default-stream handle:
+    /// during a capture the driver is asked about it.
+    #[inline]
+    pub unsafe fn alloc_seen_at(
+        self: &Arc<Self>,
+        size: usize,
+        stream: Option<RawStream>,
+        seen: RawStream,
+        client: Client,
+        site: impl FnOnce() -> Site,
+    ) -> Result<Arc<DevicePointer>> {
+        let req = AllocRequest {
+            seen: Some(seen),
+            ..AllocRequest::pool(size, stream, client)
+        };
+        DevicePointer::allocate(self, req, site)
+    }
+
     /// Allocate `size` bytes of managed (unified) memory in this context.
     #[track_caller]
     pub fn alloc_managed(
@@ -132,11 +162,18 @@ impl DevicePointer {
     /// [`DevicePointer::allocate`] before the leak report hears of it.
     fn make(context: &Arc<Context>, req: AllocRequest) -> Result<Arc<Self>> {
         crate::fork::check()?;
+        crate::graph::bury();
         let state = context.state();
         let p = match req.source {
             Source::Pool if state.pooled() && req.size != 0 => {
                 let stream = req.stream.and_then(ordering_stream);
                 let block = state.pool_alloc(context, req.size, stream, req.client)?;
+                if state.capturing() || state.graphs().watching() {
+                    // The block belongs to a capture under way, if its stream
+                    // takes part in one (or, with no stream known, if this
+                    // thread began one).
+                    state.graphs().tag(context, block.address, req.seen);
+                }
                 let p = DevicePointer::counted(
                     context,
                     block.address,

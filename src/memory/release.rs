@@ -7,6 +7,7 @@
 use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream};
 use crate::error::Result;
+use crate::graph::KeptBlock;
 use crate::stats::Client;
 
 /// Free a `cuMemAlloc[Managed]` allocation.
@@ -47,6 +48,18 @@ pub(super) fn pool(
     stream: Option<RawStream>,
     client: Client,
 ) {
+    // A block a CUDA graph may still touch waits for the graph.
+    let block = KeptBlock {
+        epoch,
+        address,
+        class,
+        shard,
+        size,
+        client,
+    };
+    let Some(KeptBlock { address, .. }) = ctx.state().graphs().keep(block) else {
+        return;
+    };
     ctx.state().pool_release(
         ctx.raw(),
         epoch,

@@ -17,7 +17,7 @@
 //! that keeps each tensor on its stream.
 
 use std::collections::HashMap;
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -47,28 +47,28 @@ impl Live {
 static STREAM_ORDERED: AtomicBool = AtomicBool::new(false);
 static FAILURES: AtomicU64 = AtomicU64::new(0);
 
-fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> *mut c_void {
+/// PyTorch's allocation: `size` bytes on `device` for its current stream
+/// `stream` (the allocation's order, with `stream_ordered`; during a
+/// capture, the graph it belongs to).
+fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate::Result<u64> {
     let (Ok(size), Ok(device)) = (usize::try_from(size), usize::try_from(device)) else {
-        FAILURES.fetch_add(1, Ordering::Relaxed);
-        return std::ptr::null_mut();
+        return Err(crate::Error::InvalidArgument(format!(
+            "size {size} or device {device} out of range"
+        )));
     };
-    let stream = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    match allocate(client, size, device, stream) {
-        Ok(address) => address as usize as *mut c_void,
-        Err(_) => {
-            FAILURES.fetch_add(1, Ordering::Relaxed);
-            std::ptr::null_mut()
-        }
-    }
+    let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
+    allocate(client, size, device, ordered, Some(stream))
 }
 
 /// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
 /// kept in the live map until [`take`] hands them back; 0 for zero bytes.
+/// `seen` is the caller's stream when it is known live (PyTorch's).
 fn allocate(
     client: Client,
     size: usize,
     device: usize,
     stream: Option<RawStream>,
+    seen: Option<RawStream>,
 ) -> crate::Result<u64> {
     if size == 0 {
         return Ok(0);
@@ -77,10 +77,65 @@ fn allocate(
     // without the hold freeing the last tensor would end the context and its
     // pool (every allocation a cuMemAlloc: 100 µs on the H200).
     let ctx = Runtime::global()?.held_context(device)?;
-    let mem = ctx.alloc_at(size, stream, client, caller_site)?;
+    let mem = match seen {
+        // SAFETY: PyTorch passes its current stream of `device`, live while
+        // it allocates on it.
+        Some(s) => unsafe { ctx.alloc_seen_at(size, stream, s, client, caller_site)? },
+        None => ctx.alloc_at(size, stream, client, caller_site)?,
+    };
     let address = mem.address();
     live().shard(address).insert(address, mem);
     Ok(address)
+}
+
+/// PyTorch's own exception thrower (`c10::detail::torchCheckFail`, the
+/// overload that takes C strings), found in its loaded `libc10` by
+/// [`_hooks_torch_errors`]: a failed allocation raises through it, so
+/// PyTorch gets a C++ exception (a catchable `RuntimeError` in Python)
+/// where a null pointer would make it write through address 0.
+type Thrower = unsafe extern "C-unwind" fn(*const c_char, *const c_char, u32, *const c_char) -> !;
+static THROWER: OnceLock<Thrower> = OnceLock::new();
+
+/// The mangled name of `c10::detail::torchCheckFail(const char*, const
+/// char*, uint32_t, const char*)`, in every PyTorch 2 (Itanium C++ ABI).
+const TORCH_CHECK_FAIL: &CStr = c"_ZN3c106detail14torchCheckFailEPKcS2_jS2_";
+
+thread_local! {
+    /// The message of the failure being thrown: kept here so that no value
+    /// with a destructor lives in the frame the exception unwinds through.
+    static MESSAGE: std::cell::RefCell<CString> = std::cell::RefCell::new(CString::default());
+}
+
+/// A failed PyTorch allocation: thrown as PyTorch's own exception when its
+/// thrower was found, else a null pointer (counted).
+fn fail(e: &crate::Error) -> *mut c_void {
+    FAILURES.fetch_add(1, Ordering::Relaxed);
+    let Some(throw) = THROWER.get().copied() else {
+        return std::ptr::null_mut();
+    };
+    // "CUDA out of memory." starts PyTorch's own message, which tools match.
+    let text = match e {
+        crate::Error::OutOfMemory {
+            device,
+            requested,
+            detail,
+        } => format!(
+            "CUDA out of memory. Tried to allocate {} ({requested} bytes) on device {device} through gpuptr{detail}",
+            crate::error::bytes(*requested)
+        ),
+        e if e.is_oom() => format!("CUDA out of memory. {e}"),
+        e => format!("gpuptr could not allocate for PyTorch: {e}"),
+    };
+    let text = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    let ptr = MESSAGE.with(|m| {
+        *m.borrow_mut() = text;
+        m.borrow().as_ptr()
+    });
+    // SAFETY: the thrower is PyTorch's `torchCheckFail`, which copies the
+    // strings into a `c10::Error` and throws it; they live past the call
+    // (static, and this thread's message). The exception unwinds through
+    // this frame, which holds nothing to drop, into PyTorch's caller.
+    unsafe { throw(c"gpuptr_torch_alloc".as_ptr(), c"gpuptr".as_ptr(), 0, ptr) }
 }
 
 /// The allocation handed out at `address`, out of the live map (dropping it
@@ -134,13 +189,17 @@ fn free(ptr: *mut c_void, stream: RawStream) {
 /// Called by PyTorch with the arguments its pluggable allocator passes; no
 /// pointer argument is dereferenced.
 #[no_mangle]
-pub unsafe extern "C" fn gpuptr_torch_alloc(
+pub unsafe extern "C-unwind" fn gpuptr_torch_alloc(
     size: isize,
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    std::panic::catch_unwind(|| alloc(Client::Torch, size, device, stream as RawStream))
-        .unwrap_or(std::ptr::null_mut())
+    let r = std::panic::catch_unwind(|| alloc(Client::Torch, size, device, stream as RawStream));
+    match r {
+        Ok(Ok(address)) => address as usize as *mut c_void,
+        Ok(Err(e)) => fail(&e),
+        Err(_) => fail(&crate::Error::Panic("in gpuptr_torch_alloc".into())),
+    }
 }
 
 /// PyTorch's free hook: release `ptr`, which [`gpuptr_torch_alloc`]
@@ -176,7 +235,7 @@ pub(crate) fn _cupy_malloc(
     let size = super::args::size_arg(super::args::int_arg(nbytes, "nbytes")?)?;
     let device = super::args::device_arg(super::args::int_arg(device, "device")?)?;
     let stream = super::args::stream_arg(stream)?;
-    Ok(allocate(Client::Cupy, size, device, stream)?)
+    allocate(Client::Cupy, size, device, stream, None).map_err(cupy_error)
 }
 
 /// CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``
@@ -195,6 +254,73 @@ pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bo
             FAILURES.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+/// The exception class CuPy's hook raises for out of memory (set by
+/// ``gpuptr.cupy``: a subclass of both CuPy's and gpuptr's
+/// ``OutOfMemoryError``), called with ``(message, requested bytes)``.
+static CUPY_OOM: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
+
+fn cupy_error(e: crate::Error) -> PyErr {
+    let cls = match e.is_oom() {
+        true => Python::attach(|py| {
+            crate::sync::lock(&CUPY_OOM)
+                .as_ref()
+                .map(|c| c.clone_ref(py))
+        }),
+        false => None,
+    };
+    if let Some(cls) = cls {
+        let requested = match &e {
+            crate::Error::OutOfMemory { requested, .. } => *requested,
+            _ => 0,
+        };
+        let msg = e.to_string();
+        return Python::attach(|py| match cls.bind(py).call1((msg, requested)) {
+            Ok(err) => PyErr::from_value(err),
+            Err(other) => other,
+        });
+    }
+    e.into()
+}
+
+/// Set the class ``_cupy_malloc`` raises for out of memory.
+#[pyfunction]
+pub(crate) fn _cupy_set_oom_error(cls: Bound<'_, PyAny>) {
+    *crate::sync::lock(&CUPY_OOM) = Some(cls.unbind());
+}
+
+/// Find PyTorch's exception thrower in its loaded ``libc10`` at ``path``
+/// (never loads the library: it must be loaded already), so a failed
+/// allocation raises in PyTorch instead of returning a null pointer.
+/// Whether it was found.
+#[pyfunction]
+pub(crate) fn _hooks_torch_errors(path: std::path::PathBuf) -> bool {
+    if THROWER.get().is_some() {
+        return true;
+    }
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(cpath) = CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: RTLD_NOLOAD only looks up an already loaded library (no
+    // constructors run); the handle is kept for the process, as the
+    // library stays loaded under PyTorch.
+    let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return false;
+    }
+    // SAFETY: a valid handle and a NUL-terminated name.
+    let sym = unsafe { libc::dlsym(handle, TORCH_CHECK_FAIL.as_ptr()) };
+    if sym.is_null() {
+        return false;
+    }
+    // SAFETY: the symbol is `c10::detail::torchCheckFail(const char*, const
+    // char*, uint32_t, const char*)`, which takes these four arguments and
+    // always throws (`[[noreturn]]`).
+    let f: Thrower = unsafe { std::mem::transmute::<*mut c_void, Thrower>(sym) };
+    let _ = THROWER.set(f);
+    true
 }
 
 /// Set how the C entry points free memory: ordered on the allocating

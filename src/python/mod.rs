@@ -240,6 +240,45 @@ fn end_capture(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
     Ok(runtime()?.end_capture(d)?)
 }
 
+/// Tell gpuptr that the capture ``stream`` takes part in has begun (call
+/// it after ``begin_capture`` and the library's own begin): its memory is
+/// then kept for its graph. Pool blocks allocated during the capture (on a
+/// stream that takes part in it, or by this thread), and blocks this thread
+/// frees during it, are reused only after the graph, and every executable
+/// graph made from it, is destroyed. ``gpuptr.install()`` calls it for
+/// CuPy's and PyTorch's captures. ``stream`` is a live stream handle (an
+/// int or a stream object) of ``device``; ``InvalidArgumentError`` if it is
+/// not capturing.
+#[pyfunction]
+#[pyo3(signature = (stream, device=None))]
+fn capture_started(
+    py: Python<'_>,
+    stream: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let d = capture_device(device)?;
+    let Some(s) = args::stream_arg(Some(stream))? else {
+        return Err(crate::Error::InvalidArgument(
+            "capture_started needs a stream, not None".into(),
+        )
+        .into());
+    };
+    let rt = runtime()?;
+    // SAFETY: the caller passes a live stream of `d` (documented above), as
+    // every CUDA library's stream arguments require.
+    py.detach(|| unsafe { rt.capture_started(d, s) })
+        .map_err(Into::into)
+}
+
+/// Bytes of ``device``'s pool (default: the current device) that CUDA
+/// graphs keep: freed, and reused once their graph is destroyed.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn graph_kept_bytes(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    let d = capture_device(device)?;
+    Ok(runtime()?.graph_kept_bytes(d)?)
+}
+
 /// Whether a capture begun with ``begin_capture`` is under way on
 /// ``device`` (default: the current device).
 #[pyfunction]
@@ -378,9 +417,10 @@ mod _core {
     // Contexts, allocation and the pool.
     #[pymodule_export]
     use super::{
-        alloc, begin_capture, context, context_of, devices, driver_info, end_capture, flush_pool,
-        is_capturing, pool_classes, probe_cuda, release_contexts, reserve, reset_context,
-        reset_peak_stats, set_pool_limit, stats, trim, wrap,
+        alloc, begin_capture, capture_started, context, context_of, devices, driver_info,
+        end_capture, flush_pool, graph_kept_bytes, is_capturing, pool_classes, probe_cuda,
+        release_contexts, reserve, reset_context, reset_peak_stats, set_pool_limit, stats, trim,
+        wrap,
     };
 
     // Host and managed memory, IPC.
@@ -402,7 +442,10 @@ mod _core {
     use super::{
         _alloc_for,
         dlpack::{_dlpack_consume, _dtype_info},
-        hooks::{_cupy_free, _cupy_malloc, _hooks_configure, _hooks_state},
+        hooks::{
+            _cupy_free, _cupy_malloc, _cupy_set_oom_error, _hooks_configure, _hooks_state,
+            _hooks_torch_errors,
+        },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
     };
 

@@ -285,6 +285,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
     _numba_manager_rows(b, on_gpu, quick)
     _library_rows(b, on_gpu, quick)
     _busy_rows(b, on_gpu)
+    _graph_rows(b, on_gpu, quick)
     return {"meta": _meta(info, quick), "rows": [r.__dict__ for r in b.results]}
 
 
@@ -626,6 +627,86 @@ def _busy_rows(b: Bench, on_gpu: bool) -> None:
                          extra={"gpuptr": ours_busy, "baseline": busy_theirs}))
         except Exception as e:
             b.add(Result(row, name, skipped=f"{type(e).__name__}: {e}"))
+
+
+_GRAPH_CHILD = r"""
+import sys, time
+what, allocator, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if allocator == "gpuptr":
+    import gpuptr
+    gpuptr.install(numba=False)
+if what == "cupy":
+    import cupy as cp
+    x = cp.ones(1 << 18, dtype=cp.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    def cycle():
+        # Capture three kernels with two temporaries, replay ten times.
+        with s:
+            s.begin_capture()
+            a = x * 2.0
+            b = a + 1.0
+            out = b * 3.0
+            g = s.end_capture()
+        for _ in range(10):
+            g.launch(stream=s)
+        s.synchronize()
+        return out
+    sync = s.synchronize
+else:
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).cuda()
+    step = torch.compile(model, mode="reduce-overhead")
+    x = torch.randn(64, 256, device="cuda")
+    def cycle():
+        with torch.no_grad():
+            return step(x)
+    sync = torch.cuda.synchronize
+for _ in range(20):
+    cycle()
+sync()
+best = float("inf")
+for _ in range(5):
+    t = time.perf_counter_ns()
+    for _ in range(n):
+        cycle()
+    sync()
+    best = min(best, (time.perf_counter_ns() - t) / n)
+print(best)
+"""
+
+
+def _graph_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
+    """CUDA graphs: a CuPy capture (three kernels, two temporaries) and ten
+    replays under gpuptr against CuPy's pool, and a
+    ``torch.compile(mode="reduce-overhead")`` step of a 2-layer MLP under
+    gpuptr against PyTorch's own allocator; each in its own process, in
+    alternating rounds, best of each."""
+    rows = (
+        ("cupy", "CuPy graph capture + 10 replays", "CuPy's own pool", 200 if quick else 2000),
+        ("torch", "torch.compile reduce-overhead (CUDA graph) MLP step", "torch's own allocator", 500 if quick else 5000),
+    )
+    for what, name, label, n in rows:
+        if not b.wants(name, label):
+            continue
+        print(f"  measuring: {name} under gpuptr vs {label} ...", file=b.out, flush=True)
+        best: Dict[str, float] = {}
+        try:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            __import__(what)
+            # torch.compile takes tens of seconds per process: two rounds.
+            for _ in range(2 if quick or what == "torch" else 3):
+                for allocator in ("gpuptr", "own"):
+                    r = subprocess.run([sys.executable, "-c", _GRAPH_CHILD, what, allocator, str(n)],
+                                       capture_output=True, text=True, timeout=600)
+                    if r.returncode != 0:
+                        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "child failed")
+                    ns = float(r.stdout.strip().splitlines()[-1])
+                    best[allocator] = min(best.get(allocator, ns), ns)
+            b.add(Result(name, label, round(best["gpuptr"], 1), round(best["own"], 1),
+                         round(best["own"] / best["gpuptr"], 2)))
+        except Exception as e:
+            b.add(Result(name, label, skipped=f"{type(e).__name__}: {e}"))
 
 
 def _meta(info: DriverInfo, quick: bool) -> Dict[str, Any]:

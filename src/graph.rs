@@ -104,29 +104,6 @@ struct Active {
     kept: Arc<Kept>,
 }
 
-/// Graphs whose destructor ran, waiting to give their blocks back on a
-/// thread of gpuptr's caller: the destructor may run on a driver thread,
-/// where no CUDA call (such as a context's teardown) may be made.
-static DEAD: Mutex<Vec<Arc<Kept>>> = Mutex::new(Vec::new());
-static DEAD_N: AtomicUsize = AtomicUsize::new(0);
-
-/// Give back the memory of destroyed graphs, if any (one load when none).
-#[inline]
-pub(crate) fn bury() {
-    if DEAD_N.load(Ordering::Acquire) != 0 {
-        bury_now();
-    }
-}
-
-#[cold]
-fn bury_now() {
-    let dead = std::mem::take(&mut *lock(&DEAD));
-    DEAD_N.fetch_sub(dead.len(), Ordering::AcqRel);
-    for k in dead {
-        k.give_back();
-    }
-}
-
 /// One device's graph memory (see the module documentation).
 #[derive(Default)]
 pub(crate) struct GraphMemory {
@@ -137,9 +114,38 @@ pub(crate) struct GraphMemory {
     tagged: Mutex<HashMap<DevicePtr, Arc<Kept>>>,
     /// Bytes freed and kept by graphs.
     bytes: AtomicUsize,
+    /// Graphs whose destructor ran, waiting to give their blocks back on a
+    /// thread of gpuptr's caller: the destructor may run on a driver
+    /// thread, where no CUDA call (such as a context's teardown) may be
+    /// made. Held while they are given back, so a caller that finds it
+    /// empty knows every destroyed graph's blocks are back.
+    dead: Mutex<Vec<Arc<Kept>>>,
+    dead_n: AtomicUsize,
 }
 
 impl GraphMemory {
+    /// Give back the memory of this device's destroyed graphs, if any (one
+    /// load when none).
+    #[inline]
+    pub(crate) fn bury(&self) {
+        if self.dead_n.load(Ordering::Acquire) != 0 {
+            self.bury_now();
+        }
+    }
+
+    #[cold]
+    fn bury_now(&self) {
+        let mut dead = lock(&self.dead);
+        let gone = std::mem::take(&mut *dead);
+        self.dead_n.fetch_sub(gone.len(), Ordering::AcqRel);
+        for k in &gone {
+            k.give_back();
+        }
+        drop(dead);
+        // Outside the lock: the last holder of a context may end it here.
+        drop(gone);
+    }
+
     /// Whether a capture that keeps memory is under way.
     #[inline]
     pub(crate) fn watching(&self) -> bool {
@@ -153,7 +159,7 @@ impl GraphMemory {
     /// # Safety
     /// `stream` is a live stream of `ctx` (or a default-stream handle).
     pub(crate) unsafe fn start(&self, ctx: &Arc<Context>, stream: RawStream) -> Result<()> {
-        bury();
+        self.bury();
         // SAFETY: this fn's contract.
         match unsafe { capture_of(ctx, stream) }? {
             Some((id, graph)) => {
@@ -195,8 +201,13 @@ impl GraphMemory {
             if owned.armed.load(Ordering::Acquire) {
                 // Never the last holder dropped here (maybe a driver
                 // thread): the blocks go back on a caller's thread (`bury`).
-                lock(&DEAD).push(owned);
-                DEAD_N.fetch_add(1, Ordering::AcqRel);
+                // (Not the last holder of the device either: `owned` holds
+                // its context, which holds it.)
+                let state = owned.ctx.state().clone();
+                let graphs = state.graphs();
+                let mut dead = lock(&graphs.dead);
+                graphs.dead_n.fetch_add(1, Ordering::AcqRel);
+                dead.push(owned);
             } else {
                 // Run at once because the graph refused it: the graph
                 // lives on with the memory, which is never reused.
@@ -237,7 +248,7 @@ impl GraphMemory {
     /// Captures that have ended keep no more new memory (their graphs keep
     /// what they have). Called when a capture ends on the device.
     pub(crate) fn end(&self, ctx: &Context) {
-        bury();
+        self.bury();
         let mut active = lock(&self.active);
         active.retain(|a| {
             // SAFETY: the stream was capturing in `ctx` when it was noted,

@@ -72,16 +72,16 @@ impl Runtime {
     /// callers about to measure do). `false` if the fence failed.
     pub fn flush_pool(self: &Arc<Self>, device: usize) -> Result<bool> {
         self.check_device(device)?;
-        crate::graph::bury();
+        self.devices[device].graphs().bury();
         Ok(self.devices[device].flush())
     }
 
     /// Return every cached block of every device to the driver; the bytes freed.
     pub fn trim(self: &Arc<Self>) -> Result<usize> {
         crate::fork::check()?;
-        crate::graph::bury();
         let mut freed = 0;
         for d in &self.devices {
+            d.graphs().bury();
             if let Some(ctx) = d.existing() {
                 freed += d.trim(&ctx)?;
             }
@@ -148,8 +148,9 @@ impl Runtime {
     /// once their graph is destroyed.
     pub fn graph_kept_bytes(&self, device: usize) -> Result<usize> {
         self.check_device(device)?;
-        crate::graph::bury();
-        Ok(self.devices[device].graphs().kept_bytes())
+        let graphs = self.devices[device].graphs();
+        graphs.bury();
+        Ok(graphs.kept_bytes())
     }
 
     /// Whether a capture begun with [`Runtime::begin_capture`] is under way

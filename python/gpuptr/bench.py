@@ -236,7 +236,12 @@ slowest_us = [round(times[i] * 1e6, 1) for i in slowest]
 first_us = [round(t * 1e6, 1) for t in times[:12]]
 after_first = max(times[1:]) * 1e9
 times.sort()
-print(json.dumps({"median_ns": statistics.median(times) * 1e9, "p99_ns": times[int(0.99 * len(times))] * 1e9,
+pool = {}
+if manager == "gpuptr.numba":
+    import gpuptr
+    st = gpuptr.stats()[0]
+    pool = {k: st.get(k) for k in ("pool_hits", "pool_misses", "fences", "pool_bytes")}
+print(json.dumps({"pool": pool, "median_ns": statistics.median(times) * 1e9, "p99_ns": times[int(0.99 * len(times))] * 1e9,
                   "worst_ns": times[-1] * 1e9, "total_ns": total * 1e9, "busy": busy, "gc": keep_gc,
                   "slowest_pairs": slowest, "slowest_us": slowest_us, "worst_after_first_ns": after_first,
                   "first_us": first_us}))

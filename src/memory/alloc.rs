@@ -162,8 +162,8 @@ impl DevicePointer {
     /// [`DevicePointer::allocate`] before the leak report hears of it.
     fn make(context: &Arc<Context>, req: AllocRequest) -> Result<Arc<Self>> {
         crate::fork::check()?;
-        crate::graph::bury();
         let state = context.state();
+        state.graphs().bury();
         let p = match req.source {
             Source::Pool if state.pooled() && req.size != 0 => {
                 let stream = req.stream.and_then(ordering_stream);

@@ -169,7 +169,10 @@ impl Pool {
         register: impl FnOnce(&Allocation),
     ) -> Option<Allocation> {
         let shard = shard & (self.shards.len() - 1);
-        let Some(a) = self.ahead_allocation(context, shard, class) else {
+        let grown = self.ahead_allocation(context, shard, class);
+        let Ok(a) = grown.inspect_err(|why| {
+            log::debug!(target: "gpuptr::pool", "no growth ahead of class {class}: {why}");
+        }) else {
             // Without a pause, a shard that stays short (past the budget, an
             // idle GPU's lagging fence) would ask at every hand-out, and each
             // ask costs the helper a look at every shard.
@@ -188,8 +191,8 @@ impl Pool {
         context: RawContext,
         shard: usize,
         class: usize,
-    ) -> Option<Allocation> {
-        let i = class_index(class)?;
+    ) -> Result<Allocation, &'static str> {
+        let i = class_index(class).ok_or("not a small class")?;
         let want = self.ahead_blocks[i] as usize;
         let bytes = want * class;
         {
@@ -197,26 +200,31 @@ impl Pool {
             sh.promote(self.fencer.done());
             // Not when a fence made the stock up meanwhile (an idle GPU), or
             // frees no longer wait for one (a trim emptied the shard since).
-            if sh.ready[i].len() >= want || sh.pending_bytes + sh.sealed_bytes == 0 {
-                return None;
+            if sh.ready[i].len() >= want {
+                return Err("a fence made the stock up");
+            }
+            if sh.pending_bytes + sh.sealed_bytes == 0 {
+                return Err("no free waits for a fence");
             }
         }
         let ready: usize = (0..self.shards.len())
             .map(|i| self.shard(i).ready_bytes)
             .sum();
         if ready + bytes > self.config.ahead_total {
-            return None;
+            return Err("the pool's ready bytes would pass ahead_total");
         }
         // Leave room: growth ahead must never be why another allocation runs
         // out of memory (which would then wait for the busy GPU's fence).
         // SAFETY: the owner passes its live context, kept retained across
         // this call (see `DeviceState::grow_ahead`).
-        let (free, total) = unsafe { self.driver.mem_get_info(context) }.ok()?;
+        let (free, total) =
+            unsafe { self.driver.mem_get_info(context) }.map_err(|_| "cuMemGetInfo failed")?;
         if free < bytes.saturating_add(total / AHEAD_HEADROOM) {
-            return None;
+            return Err("the device would be left with less than a quarter free");
         }
         *lock(&self.ahead) = Some((shard, class));
-        self.allocate(context, class, want).ok()
+        self.allocate(context, class, want)
+            .map_err(|_| "the driver (or the pool limit) refused")
     }
 
     /// Put the blocks of `a` in shard `shard`, ready for anyone (fresh
@@ -255,9 +263,15 @@ impl Pool {
         if *a != Some((own, class)) || crate::fork::forked() {
             return false;
         }
-        wait_while(&self.grown, a, self.ahead_wait, |a| {
+        let started = std::time::Instant::now();
+        let _ = wait_while(&self.grown, a, self.ahead_wait, |a| {
             *a == Some((own, class))
         });
+        log::debug!(
+            target: "gpuptr::pool",
+            "a miss of class {class} waited {} us for growth ahead",
+            started.elapsed().as_micros()
+        );
         true
     }
 }

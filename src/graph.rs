@@ -15,7 +15,13 @@
 //! Which allocations belong to a capture: one made on a stream that takes
 //! part in it (the driver says so), or, when the caller gave no stream, one
 //! made by the thread that began it (CuPy and numba allocate with no
-//! stream, on the capturing thread).
+//! stream, on the capturing thread). Only captures announced by the thread
+//! that began them ([`GraphMemory::start`]) keep memory: that thread alone
+//! touches the graph being captured (CUDA's graphs are not thread-safe).
+//!
+//! A freed block may belong to several graphs at once (one graph's output,
+//! freed during the capture of the next): each keeps it, and it goes back
+//! to the pool when the last of them is destroyed.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -43,35 +49,35 @@ pub(crate) struct KeptBlock {
 pub(crate) struct Kept {
     /// The context the blocks live in: held, so its pool outlives the graph.
     ctx: Arc<Context>,
-    /// `None` once the graph was destroyed.
-    blocks: Mutex<Option<Vec<KeptBlock>>>,
+    /// `None` once the graph was destroyed. A block shared by several
+    /// graphs is one `Arc`, given back by the last to let go.
+    blocks: Mutex<Option<Vec<Arc<KeptBlock>>>>,
     /// The graph owns the destructor: only then does it give the blocks back.
     armed: AtomicBool,
 }
 
 impl Kept {
-    /// Keep `block` if the graph is alive; `Err` gives it back if not.
-    fn keep(&self, block: KeptBlock) -> std::result::Result<(), KeptBlock> {
+    /// Keep `block` if the graph is alive; whether it did.
+    fn keep(&self, block: &Arc<KeptBlock>) -> bool {
         match lock(&self.blocks).as_mut() {
             Some(v) => {
-                let graphs = self.ctx.state().graphs();
-                graphs.bytes.fetch_add(block.size, Ordering::Relaxed);
-                v.push(block);
-                Ok(())
+                v.push(block.clone());
+                true
             }
-            None => Err(block),
+            None => false,
         }
     }
 
-    /// The graph is gone: hand every kept block back to the pool, through
-    /// its fence (no driver call here, no wait).
+    /// The graph is gone: hand back every kept block no other live graph
+    /// keeps, through the pool's fence (no driver call here, no wait).
     fn give_back(&self) {
         let blocks = lock(&self.blocks).take().unwrap_or_default();
-        let (ctx, n) = (&self.ctx, blocks.len());
-        let bytes: usize = blocks.iter().map(|b| b.size).sum();
+        let ctx = &self.ctx;
         let graphs = ctx.state().graphs();
-        graphs.bytes.fetch_sub(bytes, Ordering::Relaxed);
-        for b in blocks {
+        let (mut n, mut bytes) = (0, 0);
+        for b in blocks.into_iter().filter_map(Arc::into_inner) {
+            graphs.bytes.fetch_sub(b.size, Ordering::Relaxed);
+            (n, bytes) = (n + 1, bytes + b.size);
             ctx.state().pool_release(
                 ctx.raw(),
                 b.epoch,
@@ -86,7 +92,7 @@ impl Kept {
         if n != 0 {
             log::debug!(
                 target: "gpuptr::pool",
-                "device {}: a CUDA graph was destroyed; its {} block(s) ({} bytes) go back to the pool",
+                "device {}: a CUDA graph was destroyed; {} block(s) ({} bytes) go back to the pool",
                 ctx.device(),
                 n,
                 bytes
@@ -99,10 +105,17 @@ impl Kept {
 struct Active {
     id: u64,
     stream: RawStream,
-    /// The thread that began it, if it said so ([`GraphMemory::start`]).
-    thread: Option<ThreadId>,
+    /// The thread that began it.
+    thread: ThreadId,
     kept: Arc<Kept>,
 }
+
+/// Shards of the map of tagged blocks: frees on many threads rarely share one.
+const TAG_SHARDS: usize = 16;
+
+/// The graph a live block allocated during a capture belongs to, with the
+/// reset epoch it was made in (a stale pointer's address may be reused).
+type Tag = (u64, Arc<Kept>);
 
 /// One device's graph memory (see the module documentation).
 #[derive(Default)]
@@ -110,8 +123,8 @@ pub(crate) struct GraphMemory {
     active_n: AtomicUsize,
     active: Mutex<Vec<Active>>,
     tagged_n: AtomicUsize,
-    /// Live blocks allocated during a capture, by address.
-    tagged: Mutex<HashMap<DevicePtr, Arc<Kept>>>,
+    /// Live blocks allocated during a capture, by address, in shards.
+    tagged: [Mutex<HashMap<DevicePtr, Tag>>; TAG_SHARDS],
     /// Bytes freed and kept by graphs.
     bytes: AtomicUsize,
     /// Graphs whose destructor ran, waiting to give their blocks back on a
@@ -157,38 +170,21 @@ impl GraphMemory {
     /// is not capturing.
     ///
     /// # Safety
-    /// `stream` is a live stream of `ctx` (or a default-stream handle).
+    /// `stream` is a live stream of `ctx` that the calling thread began
+    /// capturing, and it stays alive until the capture has ended and the
+    /// device heard so ([`GraphMemory::end`]): only the capturing thread
+    /// may touch the graph being captured.
     pub(crate) unsafe fn start(&self, ctx: &Arc<Context>, stream: RawStream) -> Result<()> {
         self.bury();
         // SAFETY: this fn's contract.
-        match unsafe { capture_of(ctx, stream) }? {
-            Some((id, graph)) => {
-                self.join(ctx, stream, id, graph, true);
-                Ok(())
-            }
-            None => Err(Error::InvalidArgument(format!(
+        let Some((id, graph)) = (unsafe { capture_of(ctx, stream) })? else {
+            return Err(Error::InvalidArgument(format!(
                 "stream {stream:#x} is not capturing"
-            ))),
-        }
-    }
-
-    /// The active capture `id` (graph `graph`, on `stream`), made now if
-    /// new; `mine`: the calling thread began it.
-    fn join(
-        &self,
-        ctx: &Arc<Context>,
-        stream: RawStream,
-        id: u64,
-        graph: usize,
-        mine: bool,
-    ) -> Arc<Kept> {
-        let me = std::thread::current().id();
+            )));
+        };
         let mut active = lock(&self.active);
-        if let Some(a) = active.iter_mut().find(|a| a.id == id) {
-            if mine {
-                a.thread = Some(me);
-            }
-            return a.kept.clone();
+        if active.iter().any(|a| a.id == id) {
+            return Ok(());
         }
         let kept = Arc::new(Kept {
             ctx: ctx.clone(),
@@ -215,34 +211,35 @@ impl GraphMemory {
             }
         });
         let driver = ctx.driver();
-        // SAFETY: `graph` is the graph of the capture under way on `stream`,
-        // which the driver just returned.
+        // SAFETY: `graph` is the graph of the capture this thread runs on
+        // `stream` (this fn's contract), which the driver just returned; the
+        // capture cannot end meanwhile (this thread would end it).
         let attached = crate::driver::relaxed(driver, || unsafe {
             driver.graph_on_destroy(ctx.raw(), graph, on_destroy)
         });
         match attached {
             Ok(()) => kept.armed.store(true, Ordering::Release),
-            Err(e) => log::warn!(
-                target: "gpuptr::pool",
-                "device {}: cannot tie capture {} to its graph ({}): the memory it keeps stays kept until exit",
-                ctx.device(),
-                id,
-                e
-            ),
+            Err(e) => {
+                log::warn!(
+                    target: "gpuptr::pool",
+                    "device {}: cannot tie capture {} to its graph ({}): the memory it keeps stays kept until exit",
+                    ctx.device(),
+                    id,
+                    e
+                );
+                // The graph lives on for good as far as gpuptr knows: its
+                // memory is never reused, so its `Kept` is never dropped.
+                std::mem::forget(kept.clone());
+            }
         }
         active.push(Active {
             id,
             stream,
-            thread: mine.then_some(me),
-            kept: kept.clone(),
+            thread: std::thread::current().id(),
+            kept,
         });
         self.active_n.store(active.len(), Ordering::Release);
-        // A graph that could not be tied to stays alive for good (its
-        // memory is never reused), so its `Kept` is never dropped.
-        if !kept.armed.load(Ordering::Acquire) {
-            std::mem::forget(kept.clone());
-        }
-        kept
+        Ok(())
     }
 
     /// Captures that have ended keep no more new memory (their graphs keep
@@ -252,31 +249,62 @@ impl GraphMemory {
         let mut active = lock(&self.active);
         active.retain(|a| {
             // SAFETY: the stream was capturing in `ctx` when it was noted,
-            // and the caller keeps it alive through the capture.
+            // and stays alive until the device hears its capture ended
+            // (`start`'s contract): this is that call.
             let now = unsafe { capture_of(ctx, a.stream) };
             matches!(now, Ok(Some((id, _))) if id == a.id)
         });
         self.active_n.store(active.len(), Ordering::Release);
     }
 
-    /// A block allocated at `address` while a capture is under way: it
-    /// belongs to the capture its stream takes part in (`seen`, if given),
-    /// or, with no stream, to the capture begun on this thread.
-    pub(crate) fn tag(&self, ctx: &Arc<Context>, address: DevicePtr, seen: Option<RawStream>) {
-        let kept = match seen {
+    /// The tag shard of `address`.
+    fn tags(&self, address: DevicePtr) -> std::sync::MutexGuard<'_, HashMap<DevicePtr, Tag>> {
+        // Blocks are at least 512-byte aligned: mix the bits above that.
+        lock(&self.tagged[((address >> 9) ^ (address >> 15)) as usize % TAG_SHARDS])
+    }
+
+    /// A block allocated at `address` in reset epoch `epoch` while a capture
+    /// is under way: it belongs to the announced capture its stream takes
+    /// part in (`seen`), or else to the capture this thread began.
+    pub(crate) fn tag(
+        &self,
+        ctx: &Arc<Context>,
+        address: DevicePtr,
+        epoch: u64,
+        seen: Option<RawStream>,
+    ) {
+        if !self.watching() {
+            return;
+        }
+        let on_stream = match seen {
             Some(s) if s != 0 && s != STREAM_LEGACY && s != STREAM_PER_THREAD => {
                 // SAFETY: a stream the caller allocates on, live in `ctx`.
                 match unsafe { capture_of(ctx, s) } {
-                    Ok(Some((id, graph))) => Some(self.join(ctx, s, id, graph, false)),
+                    Ok(Some((id, _))) => {
+                        let active = lock(&self.active);
+                        active.iter().find(|a| a.id == id).map(|a| a.kept.clone())
+                    }
                     _ => None,
                 }
             }
-            _ => self.on_this_thread(),
+            _ => None,
         };
-        if let Some(k) = kept {
-            let mut tagged = lock(&self.tagged);
-            tagged.insert(address, k);
-            self.tagged_n.store(tagged.len(), Ordering::Release);
+        if let Some(k) = on_stream.or_else(|| self.on_this_thread()) {
+            if self.tags(address).insert(address, (epoch, k)).is_none() {
+                self.tagged_n.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Forget the tag of a stale block at `address` (its context was reset
+    /// since epoch `epoch`, so it goes back to no pool).
+    pub(crate) fn untag(&self, address: DevicePtr, epoch: u64) {
+        if self.tagged_n.load(Ordering::Acquire) != 0 {
+            let mut tags = self.tags(address);
+            if tags.get(&address).is_some_and(|t| t.0 == epoch) {
+                tags.remove(&address);
+                self.tagged_n.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 
@@ -287,16 +315,14 @@ impl GraphMemory {
         }
         let me = std::thread::current().id();
         let active = lock(&self.active);
-        active
-            .iter()
-            .find(|a| a.thread == Some(me))
-            .map(|a| a.kept.clone())
+        let mine = active.iter().find(|a| a.thread == me);
+        mine.map(|a| a.kept.clone())
     }
 
-    /// A pool block is being freed: keep it for its graph (`None`), or
+    /// A pool block is being freed: keep it for its graphs (`None`), or
     /// hand it back to the caller to release (`Some`). A block allocated
-    /// during a capture whose graph lives, or freed during a capture by
-    /// the capturing thread, is kept.
+    /// during a capture whose graph lives, and one freed during a capture
+    /// by the capturing thread, are kept (by both graphs, if both).
     #[inline]
     pub(crate) fn keep(&self, block: KeptBlock) -> Option<KeptBlock> {
         if self.tagged_n.load(Ordering::Acquire) == 0 && !self.watching() {
@@ -307,16 +333,38 @@ impl GraphMemory {
 
     #[cold]
     fn keep_slow(&self, block: KeptBlock) -> Option<KeptBlock> {
-        let owner = {
-            let mut tagged = lock(&self.tagged);
-            let k = tagged.remove(&block.address);
-            self.tagged_n.store(tagged.len(), Ordering::Release);
-            k
+        let tag = {
+            let mut tags = self.tags(block.address);
+            let t = tags.remove(&block.address);
+            if t.is_some() {
+                self.tagged_n.fetch_sub(1, Ordering::AcqRel);
+            }
+            // A tag from another epoch was a stale pointer's: not this block's.
+            t.filter(|t| t.0 == block.epoch).map(|t| t.1)
         };
-        let Some(kept) = owner.or_else(|| self.on_this_thread()) else {
+        let now = self.on_this_thread();
+        let owners = [tag, now];
+        if owners.iter().all(Option::is_none) {
             return Some(block);
-        };
-        kept.keep(block).err()
+        }
+        let size = block.size;
+        // Counted before any owner can give it back (and count it out).
+        self.bytes.fetch_add(size, Ordering::Relaxed);
+        let shared = Arc::new(block);
+        let mut seen: Option<*const Kept> = None;
+        for k in owners.iter().flatten() {
+            if seen != Some(Arc::as_ptr(k)) {
+                seen = Some(Arc::as_ptr(k));
+                k.keep(&shared);
+            }
+        }
+        // No live graph took it (each was destroyed meanwhile): the caller
+        // releases it. Otherwise the last graph to go gives it back.
+        let mine = Arc::into_inner(shared);
+        if mine.is_some() {
+            self.bytes.fetch_sub(size, Ordering::Relaxed);
+        }
+        mine
     }
 
     /// Bytes that graphs keep now (freed, not yet reusable).

@@ -61,7 +61,7 @@ mod python;
 pub use context::Context;
 pub use driver::{
     CallKind, CaptureMode, CudaDriver, DevicePtr, Driver, DriverKind, RawContext, RawStream,
-    SimConfig, SimDriver, STREAM_LEGACY, STREAM_PER_THREAD,
+    SimConfig, SimDriver, SimGraph, STREAM_LEGACY, STREAM_PER_THREAD,
 };
 pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;

@@ -72,6 +72,8 @@ impl Runtime {
     /// callers about to measure do). `false` if the fence failed.
     pub fn flush_pool(self: &Arc<Self>, device: usize) -> Result<bool> {
         self.check_device(device)?;
+        // A forked child never gives back its parent's memory.
+        crate::fork::check()?;
         self.devices[device].graphs().bury();
         Ok(self.devices[device].flush())
     }
@@ -128,11 +130,15 @@ impl Runtime {
     /// this thread with no stream given, and blocks this thread frees
     /// during it, are reused only after the graph, and every executable
     /// graph made from it, is destroyed (see [`crate::graph`]).
-    /// `gpuptr.install()` calls it for CuPy's and PyTorch's captures.
-    /// `Err` if `stream` is not capturing.
+    /// `gpuptr.install()` calls it for CuPy's and PyTorch's captures. A
+    /// capture nobody announced keeps nothing. `Err` if `stream` is not
+    /// capturing.
     ///
     /// # Safety
-    /// `stream` is a live stream of `device`'s primary context.
+    /// `stream` is a live stream of `device`'s primary context, whose
+    /// capture the calling thread began (only that thread may touch the
+    /// graph being captured), and it stays alive until the matching
+    /// [`Runtime::end_capture`].
     pub unsafe fn capture_started(
         self: &Arc<Self>,
         device: usize,
@@ -148,6 +154,7 @@ impl Runtime {
     /// once their graph is destroyed.
     pub fn graph_kept_bytes(&self, device: usize) -> Result<usize> {
         self.check_device(device)?;
+        crate::fork::check()?;
         let graphs = self.devices[device].graphs();
         graphs.bury();
         Ok(graphs.kept_bytes())

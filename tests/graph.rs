@@ -6,6 +6,7 @@ mod common;
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use gpuptr::driver::Driver;
 use gpuptr::{Error, PoolConfig, Runtime, SimConfig, SimDriver};
 
 const CAPTURING: usize = 0x7e57_0c02;
@@ -13,9 +14,12 @@ const OTHER: usize = 0x7e57_0c03;
 
 fn pooled() -> (Arc<SimDriver>, Arc<Runtime>) {
     let drv = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
+    // One shard: every freed block is in reach of the test thread's
+    // allocations, whichever thread freed it.
     let cfg = PoolConfig {
         ahead_bytes: 0,
         fence_pace: std::time::Duration::ZERO,
+        shards: 1,
         ..PoolConfig::default()
     };
     let _ = common::sim_pooled;
@@ -108,33 +112,60 @@ fn test_another_threads_memory_is_not_the_graphs() {
     });
     let graph = end(&drv, &rt);
     assert_eq!(rt.graph_kept_bytes(0), Ok(0));
-    assert!(fresh(&rt, 256).contains(&at), "reused after its fence alone");
+    assert!(
+        fresh(&rt, 256).contains(&at),
+        "reused after its fence alone"
+    );
     drop(graph);
 }
 
 #[test]
-fn test_a_stream_that_takes_part_in_the_capture_names_it_without_capture_started() {
+fn test_a_stream_that_takes_part_in_the_capture_tags_from_another_thread() {
     let (drv, rt) = pooled();
     let ctx = rt.context(0).unwrap();
-    // No capture_started: the stream alone names the capture (PyTorch's
-    // hook passes its current stream), and no thread is the capture's.
+    begin(&drv, &rt);
+    let site = || gpuptr::Site::Described("test".into());
+    let (on_capture, elsewhere) = std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: the simulator's streams are plain numbers.
+            let a =
+                unsafe { ctx.alloc_seen_at(4096, None, CAPTURING, gpuptr::Client::Torch, site) };
+            // SAFETY: as above.
+            let b = unsafe { ctx.alloc_seen_at(4096, None, OTHER, gpuptr::Client::Torch, site) };
+            (a.unwrap().address(), b.unwrap().address())
+        })
+        .join()
+        .unwrap()
+    });
+    let graph = end(&drv, &rt);
+    let now = fresh(&rt, 256);
+    assert!(
+        !now.contains(&on_capture),
+        "the capture's stream: the graph's"
+    );
+    assert!(
+        now.contains(&elsewhere),
+        "another thread, another stream: not"
+    );
+    drop(graph);
+    assert!(fresh(&rt, 256).contains(&on_capture));
+}
+
+#[test]
+fn test_a_capture_nobody_announced_keeps_nothing() {
+    // Only the thread that began a capture may touch its graph, so only an
+    // announced capture (capture_started) keeps memory.
+    let (drv, rt) = pooled();
+    let ctx = rt.context(0).unwrap();
     rt.begin_capture(0).unwrap();
     drv.begin_capture(CAPTURING);
     let site = || gpuptr::Site::Described("test".into());
     // SAFETY: the simulator's streams are plain numbers.
     let a = unsafe { ctx.alloc_seen_at(4096, None, CAPTURING, gpuptr::Client::Torch, site) };
-    // SAFETY: as above.
-    let b = unsafe { ctx.alloc_seen_at(4096, None, OTHER, gpuptr::Client::Torch, site) };
-    let (on_capture, elsewhere) = (a.unwrap().address(), b.unwrap().address());
+    drop(a.unwrap());
     let graph = end(&drv, &rt);
-    let now = fresh(&rt, 256);
-    assert!(
-        !now.contains(&on_capture),
-        "the capture's block is the graph's"
-    );
-    assert!(now.contains(&elsewhere), "a block of another stream is not");
+    assert_eq!(rt.graph_kept_bytes(0), Ok(0));
     drop(graph);
-    assert!(fresh(&rt, 256).contains(&on_capture));
 }
 
 #[test]
@@ -145,7 +176,7 @@ fn test_an_invalidated_capture_gives_its_memory_back() {
     let at = ctx.alloc(4096).unwrap().address();
     // A refused call by some thread in global mode invalidates the capture.
     // SAFETY: the context is retained by `ctx`.
-    let _ = unsafe { gpuptr::driver::Driver::synchronize(drv.as_ref(), ctx.raw()) };
+    let _ = unsafe { drv.synchronize(ctx.raw()) };
     assert!(drv.end_capture_graph(CAPTURING).is_err());
     rt.end_capture(0).unwrap();
     assert!(
@@ -199,4 +230,96 @@ fn test_the_graph_holds_the_context_so_the_pool_outlives_it() {
     drop(graph);
     gpuptr::Runtime::graph_kept_bytes(&rt, 0).unwrap(); // gives it back
     assert_eq!(drv.live_bytes(), 0, "all given back once the graph is gone");
+}
+
+#[test]
+fn test_a_dead_graphs_block_freed_during_a_new_capture_waits_for_the_new_graph() {
+    let (drv, rt) = pooled();
+    let ctx = rt.context(0).unwrap();
+    begin(&drv, &rt);
+    let x = ctx.alloc(4096).unwrap(); // graph 1's output
+    let g1 = end(&drv, &rt);
+    drop(g1);
+    let at = x.address();
+    begin(&drv, &rt);
+    // ... a kernel captured here reads `x` ...
+    drop(x); // freed by the capturing thread during capture 2
+    let g2 = end(&drv, &rt);
+    assert!(
+        !fresh(&rt, 64).contains(&at),
+        "reused while graph 2 (which reads it) lives"
+    );
+    drop(g2);
+}
+
+#[test]
+fn test_a_block_two_graphs_keep_returns_when_the_last_is_destroyed() {
+    let (drv, rt) = pooled();
+    let ctx = rt.context(0).unwrap();
+    begin(&drv, &rt);
+    let x = ctx.alloc(4096).unwrap();
+    let g1 = end(&drv, &rt);
+    let at = x.address();
+    begin(&drv, &rt);
+    drop(x); // freed by the capturing thread during capture 2
+    let g2 = end(&drv, &rt);
+    drop(g1);
+    assert!(!fresh(&rt, 64).contains(&at), "reused while graph 2 lives");
+    drop(g2);
+}
+
+#[test]
+fn test_a_stale_tagged_block_does_not_keep_the_old_context() {
+    let (drv, rt) = pooled();
+    let ctx = rt.context(0).unwrap();
+    begin(&drv, &rt);
+    let x = ctx.alloc(4096).unwrap();
+    let g = end(&drv, &rt);
+    drop(g); // the graph is gone
+    rt.graph_kept_bytes(0).unwrap(); // bury
+    rt.reset(0).unwrap();
+    drop(ctx);
+    drop(x); // stale: its release is skipped, and so is its tag's removal
+    rt.graph_kept_bytes(0).unwrap();
+    assert_eq!(
+        drv.retain_count(0),
+        0,
+        "the old primary context is still retained (by the tagged map)"
+    );
+}
+
+#[test]
+fn test_a_stale_untagged_block_releases_the_old_context() {
+    let (drv, rt) = pooled();
+    let ctx = rt.context(0).unwrap();
+    let x = ctx.alloc(4096).unwrap();
+    rt.reset(0).unwrap();
+    drop(ctx);
+    drop(x);
+    assert_eq!(drv.retain_count(0), 0);
+}
+
+#[test]
+fn test_a_stale_tag_never_catches_a_new_block_at_its_address() {
+    let (drv, rt) = pooled();
+    let ctx = rt.context(0).unwrap();
+    begin(&drv, &rt);
+    let x = ctx.alloc(4096).unwrap();
+    let g = end(&drv, &rt); // the graph lives on
+    let at = x.address();
+    rt.reset(0).unwrap();
+    // Simulate the driver's reset: the memory is gone, the address is free.
+    // SAFETY: simulates the reset; `x` is stale and never used again.
+    unsafe { drv.mem_free(ctx.raw(), at) }.unwrap();
+    drop(x); // stale: its tag stays
+    let ctx2 = rt.context(0).unwrap();
+    let y = ctx2.alloc(4096).unwrap();
+    assert_eq!(y.address(), at, "the simulator reuses the address");
+    drop(y); // no capture anywhere
+    assert_eq!(
+        rt.graph_kept_bytes(0),
+        Ok(0),
+        "a block never captured is kept for an old graph"
+    );
+    drop(g);
 }

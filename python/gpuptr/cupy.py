@@ -114,7 +114,7 @@ def _oom_class(cupy: Any) -> Any:
     :data:`OutOfMemoryError`)."""
     from gpuptr import _errors
 
-    class OutOfMemoryError(cupy.cuda.memory.OutOfMemoryError, _errors.OutOfMemoryError):  # type: ignore[misc,name-defined]
+    class OutOfMemoryError(cupy.cuda.memory.OutOfMemoryError, _errors.OutOfMemoryError):  # type: ignore[misc]
         """Out of device memory: CuPy's and gpuptr's ``OutOfMemoryError``."""
 
         def __init__(self, message: str, requested: int = 0) -> None:

@@ -172,7 +172,9 @@ impl DevicePointer {
                     // The block belongs to a capture under way, if its stream
                     // takes part in one (or, with no stream known, if this
                     // thread began one).
-                    state.graphs().tag(context, block.address, req.seen);
+                    state
+                        .graphs()
+                        .tag(context, block.address, context.generation(), req.seen);
                 }
                 let p = DevicePointer::counted(
                     context,

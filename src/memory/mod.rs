@@ -400,6 +400,8 @@ impl DevicePointer {
                 self.stream(),
                 self.client,
             ),
+            // A stale block goes back to no pool; a graph's tag of it goes.
+            Origin::Pool(_) => ctx.state().graphs().untag(self.address, self.generation),
             _ => {}
         }
         if let Some(reg) = self.registration {

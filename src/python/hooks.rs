@@ -113,8 +113,30 @@ fn fail(e: &crate::Error) -> *mut c_void {
     let Some(throw) = THROWER.get().copied() else {
         return std::ptr::null_mut();
     };
-    // "CUDA out of memory." starts PyTorch's own message, which tools match.
-    let text = match e {
+    // No panic may cross into PyTorch's C++ frames: a failure to build the
+    // message gives a plain one.
+    let text = std::panic::catch_unwind(|| torch_message(e)).unwrap_or_default();
+    let text = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    let ptr = MESSAGE.try_with(|m| {
+        *m.borrow_mut() = text;
+        m.borrow().as_ptr()
+    });
+    let Ok(ptr) = ptr else {
+        // This thread's storage is gone (thread exit): a null pointer.
+        return std::ptr::null_mut();
+    };
+    // SAFETY: the thrower is PyTorch's `torchCheckFail`, which copies the
+    // strings into a `c10::Error` and throws it; they live past the call
+    // (static, and this thread's message). The exception unwinds through
+    // this frame (which holds nothing to drop) and the hook's (whose
+    // `Result` is dropped on the way, as "C-unwind" allows) into PyTorch.
+    unsafe { throw(c"gpuptr_torch_alloc".as_ptr(), c"gpuptr".as_ptr(), 0, ptr) }
+}
+
+/// The message PyTorch's exception carries for `e`: "CUDA out of memory."
+/// starts PyTorch's own, which tools match.
+fn torch_message(e: &crate::Error) -> String {
+    match e {
         crate::Error::OutOfMemory {
             device,
             requested,
@@ -125,17 +147,7 @@ fn fail(e: &crate::Error) -> *mut c_void {
         ),
         e if e.is_oom() => format!("CUDA out of memory. {e}"),
         e => format!("gpuptr could not allocate for PyTorch: {e}"),
-    };
-    let text = CString::new(text.replace('\0', " ")).unwrap_or_default();
-    let ptr = MESSAGE.with(|m| {
-        *m.borrow_mut() = text;
-        m.borrow().as_ptr()
-    });
-    // SAFETY: the thrower is PyTorch's `torchCheckFail`, which copies the
-    // strings into a `c10::Error` and throws it; they live past the call
-    // (static, and this thread's message). The exception unwinds through
-    // this frame, which holds nothing to drop, into PyTorch's caller.
-    unsafe { throw(c"gpuptr_torch_alloc".as_ptr(), c"gpuptr".as_ptr(), 0, ptr) }
+    }
 }
 
 /// The allocation handed out at `address`, out of the live map (dropping it

@@ -121,7 +121,7 @@ fn sim_end_capture(stream: usize) -> PyResult<SimGraphObject> {
 
 /// A simulated CUDA graph: destroying it runs its user objects.
 #[pyclass(frozen, name = "SimGraph", module = "gpuptr._testing")]
-struct SimGraphObject(std::sync::Mutex<Option<crate::driver::SimGraph>>);
+struct SimGraphObject(std::sync::Mutex<Option<crate::SimGraph>>);
 
 #[pymethods]
 impl SimGraphObject {

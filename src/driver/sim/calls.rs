@@ -322,7 +322,9 @@ impl Driver for SimDriver {
         let _ = context;
         let st = self.lock();
         // The graph handle is the capture's id: one graph per capture.
-        Ok(st.captures.get(&stream).map(|c| (c.id, c.id as RawGraph)))
+        // As the driver: an invalidated capture is not active.
+        let c = st.captures.get(&stream).filter(|c| !c.invalidated);
+        Ok(c.map(|c| (c.id, c.id as RawGraph)))
     }
 
     unsafe fn graph_on_destroy(

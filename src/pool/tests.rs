@@ -118,3 +118,36 @@ fn a_miss_waits_for_the_helpers_growth_of_its_class_then_takes_from_it() {
     assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
     assert_eq!(sim.live_bytes(), 0);
 }
+
+/// A pause in growth ahead (the helper found a fence had made the stock up,
+/// as on an idle GPU) ends at the next miss: once the GPU is busy and the
+/// stock runs out, the pool asks the helper again instead of growing on the
+/// allocating thread for the rest of the pause.
+#[test]
+fn a_miss_ends_the_pause_in_growth_ahead() {
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let config = PoolConfig {
+        fence_pace: Duration::ZERO,
+        shards: 1,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(config, sim.clone());
+    // A busy GPU: queued work holds every block freed from now on.
+    let first = pool.alloc(ctx, 1 << 20, None, 0, Client::Direct).unwrap();
+    sim.queue_write(0x99, first.address, &[1; 4]).unwrap();
+    pool.release(ctx, first, 1 << 20, None, Client::Direct, || true);
+    // The pause an idle GPU earned.
+    lock(&pool.shards[0].0).ahead_cooldown = super::ahead::AHEAD_COOLDOWN;
+    let mut asked = false;
+    for _ in 0..64 {
+        let b = pool.alloc(ctx, 1 << 20, None, 0, Client::Direct).unwrap();
+        asked |= b.ahead;
+        pool.release(ctx, b, 1 << 20, None, Client::Direct, || true);
+        if asked {
+            break;
+        }
+    }
+    assert!(asked, "no growth ahead asked for within 64 busy hand-outs");
+    sim.complete(None);
+}

@@ -4,10 +4,14 @@
 //! |---|---|---|
 //! | `GPUPTR_DRIVER` | [`Runtime::global`](crate::Runtime::global) | `auto` (default), `cuda` or `sim` |
 //! | `GPUPTR_SIM_DEVICES` | the simulator | its device count (default 1) |
-//! | `GPUPTR_SIM_MEMORY` | the simulator | bytes per device (default 1 GiB) |
-//! | `GPUPTR_POOL` | the global runtime | `0` or `off`: no caching pool |
-//! | `GPUPTR_POOL_AHEAD` | the global runtime | bytes grown ahead per class ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
-//! | `GPUPTR_TRACK` | the global runtime | `1` or `on`: the leak report from the start |
+//! | `GPUPTR_SIM_MEMORY` | the simulator | a size per device (default 1 GiB) |
+//! | `GPUPTR_POOL` | the global runtime | a switch: off (`0`, `off`, `false`, `no`) means no caching pool |
+//! | `GPUPTR_POOL_AHEAD` | the global runtime | a size grown ahead per class ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
+//! | `GPUPTR_TRACK` | the global runtime | a switch: on (`1`, `on`, `true`, `yes`) means the leak report from the start |
+//!
+//! Sizes are read by [`crate::sizes::parse`] (`"1GiB"`, `"512M"`,
+//! `1073741824`); switches by [`crate::sizes::switch`]. A bad value is an
+//! error that names the variable, never a silent default.
 //!
 //! The Python package reads its own (`GPUPTR_LOG`, the CLI's choices) in
 //! Python; nothing in the crate reads the environment but this file.
@@ -43,12 +47,24 @@ pub(crate) fn usize_or(name: &str, default: usize) -> Result<usize> {
     }
 }
 
-/// Whether `name` is `1` or `on`.
-pub(crate) fn on(name: &str) -> bool {
-    matches!(text(name).as_str(), "1" | "on")
+/// A size in bytes from `name` (`default` when unset or blank), as
+/// [`crate::sizes::parse`] reads it; a share of the device is refused here
+/// (these sizes are not per device).
+pub(crate) fn size_or(name: &str, default: usize) -> Result<usize> {
+    let v = text(name);
+    if v.trim().is_empty() {
+        return Ok(default);
+    }
+    match crate::sizes::parse(&v, name)? {
+        crate::sizes::Size::Bytes(n) => Ok(n),
+        crate::sizes::Size::Share(_) => Err(Error::InvalidArgument(format!(
+            "{name}={v:?}: give a size in bytes (\"1GiB\", \"512M\"), not a share of the device"
+        ))),
+    }
 }
 
-/// Whether `name` is `0` or `off`.
-pub(crate) fn off(name: &str) -> bool {
-    matches!(text(name).as_str(), "0" | "off")
+/// A switch from `name` (`default` when unset or blank), as
+/// [`crate::sizes::switch`] reads it.
+pub(crate) fn switch_or(name: &str, default: bool) -> Result<bool> {
+    Ok(crate::sizes::switch(&text(name), name)?.unwrap_or(default))
 }

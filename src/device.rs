@@ -329,6 +329,23 @@ impl DeviceState {
         let Some(pool) = &self.pool else {
             return Ok(0);
         };
+        // More than the device has free would take all of it and still
+        // fall short: refused whole, naming what there is.
+        // SAFETY: `ctx` is retained.
+        if let Ok((free, total)) = unsafe { self.driver().mem_get_info(ctx.raw()) } {
+            if bytes > free {
+                use crate::error::bytes as human;
+                return Err(Error::OutOfMemory {
+                    device: self.device,
+                    requested: bytes,
+                    detail: format!(
+                        " for a reservation; the device has {} free of {} (reserve less, or a share such as \"80%\" of what is free)",
+                        human(free),
+                        human(total)
+                    ),
+                });
+            }
+        }
         let (made, r) = pool.reserve(ctx.raw(), size, bytes);
         for a in &made {
             self.register(ctx, a);

@@ -37,6 +37,7 @@ mod sync;
 // The vocabulary shared by every room above.
 mod layout;
 mod lifetime;
+pub mod sizes;
 mod stats;
 
 // The services a device holds, and the pool.

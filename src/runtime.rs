@@ -244,12 +244,12 @@ impl Runtime {
         GLOBAL
             .get_or_init(|| {
                 use crate::config;
-                let pool = if config::off(config::POOL) {
+                let pool = if !config::switch_or(config::POOL, true)? {
                     None
                 } else {
                     Some(PoolConfig {
                         // Bytes; 0 turns growth ahead of demand off.
-                        ahead_bytes: config::usize_or(
+                        ahead_bytes: config::size_or(
                             config::POOL_AHEAD,
                             PoolConfig::default().ahead_bytes,
                         )?,
@@ -257,7 +257,7 @@ impl Runtime {
                     })
                 };
                 let rt = Runtime::with_pool(driver::open(DriverChoice::from_env()?)?, pool)?;
-                if config::on(config::TRACK) {
+                if config::switch_or(config::TRACK, false)? {
                     rt.set_tracking(true);
                 }
                 Ok(rt)

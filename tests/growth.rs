@@ -113,14 +113,21 @@ fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
     // The allocating thread made no driver call (the pool's helper may
     // have grown ahead meanwhile: frees are held back).
     assert_eq!(rt.stats()[0].pool_misses, misses, "no driver call");
-    // A device too small for the whole reservation keeps what it got.
-    let (_, small) = sim_pooled(1, 10 << 20);
-    let got = small
+    // A reservation past what the device has free is refused whole, as
+    // RMM's initial pool is, naming what is free, and takes nothing (it
+    // used to take the whole device and still fall short).
+    let (small_drv, small) = sim_pooled(1, 10 << 20);
+    let err = small
         .context(0)
         .unwrap()
         .reserve(4 << 20, 64 << 20)
-        .unwrap();
-    assert!(got > 0 && got <= 10 << 20, "{got}");
+        .unwrap_err();
+    assert!(matches!(err, gpuptr::Error::OutOfMemory { requested, .. } if requested == 64 << 20));
+    assert!(
+        err.to_string().contains("the device has 10.00 MiB free"),
+        "{err}"
+    );
+    assert_eq!(small_drv.live_bytes(), 0);
     small.trim().unwrap();
     rt.trim().unwrap();
     assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));

@@ -177,7 +177,7 @@ def test_reserve_fills_the_pool_ahead_of_demand_and_trim_gives_it_back(no_leaks)
         ({"nbytes": -1}, gpuptr.InvalidArgumentError),
         ({"nbytes": 1 << 20, "block_size": 0}, gpuptr.InvalidArgumentError),
         ({"nbytes": 1 << 20, "block_size": True}, TypeError),
-        ({"nbytes": 1.5}, TypeError),
+        ({"nbytes": 1.5}, gpuptr.InvalidArgumentError),  # a float is a share of the device, in (0, 1]
         ({"nbytes": 1 << 20, "device": 99}, gpuptr.InvalidArgumentError),
     ],
 )

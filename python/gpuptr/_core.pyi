@@ -1,7 +1,7 @@
 """Type stubs for gpuptr's native module."""
 
 import ctypes
-from typing import Any, Callable, Optional, TypeVar, Union, final, overload
+from typing import Any, Callable, Optional, Self, TypeVar, Union, final, overload
 
 from gpuptr._types import ClassStats, DeviceStats, DriverInfo, Outstanding
 
@@ -149,6 +149,16 @@ class MemoryPointer:
     @property
     def size(self) -> int:
         """Size in bytes."""
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes (CuPy's and numpy's name; the same as ``size``)."""
+    def __enter__(self) -> Self:
+        """``with gpuptr.alloc(n) as m:``: the memory itself, freed when the
+        block ends (as ``free()``; a view frees nothing), like cuda.core's
+        ``Buffer`` and files.
+        """
+    def __exit__(self, *_exc: object) -> bool:
+        """Free the memory (as ``free()``); exceptions from the block pass on."""
     @property
     def _cuda_memsize_(self) -> int:
         """Size in bytes (numba's `device_memory_size` reads this)."""
@@ -461,13 +471,15 @@ def flush_pool(device: Optional[int] = None) -> bool:
     with a context) has passed its fence and is ready for reuse; the
     allocator itself never waits. ``False`` if a fence failed.
     """
-def reserve(nbytes: int, block_size: Optional[int] = None, device: Optional[int] = None) -> int:
+def reserve(nbytes: Union[int, float, str], block_size: Union[int, str, None] = None, device: Optional[int] = None) -> int:
     """Fill the pool ahead of demand with about ``nbytes`` of ready blocks of
     ``block_size`` bytes (default 1 MiB; as RMM's initial pool size), on ``device`` (default:
     the current one). Allocations of that size then make no driver call
     until the blocks are used, also while a busy GPU holds freed blocks back.
-    Returns the bytes reserved (fewer if the device ran out part way);
-    ``trim()`` gives them back.
+    ``nbytes`` is an int, a size (``"2GiB"``) or a share of what the device
+    has free (``0.5``, ``"50%"``). More than the device has free raises
+    ``OutOfMemoryError`` and reserves nothing. Returns the bytes reserved
+    (fewer if the pool limit stops it part way); ``trim()`` gives them back.
     """
 def pool_classes(device: int) -> list[ClassStats]:
     """The pool of ``device`` by size class: a list of dicts with ``class``
@@ -539,12 +551,14 @@ class IpcHandle:
 
 def open_ipc(handle: IpcHandle) -> MemoryPointer:
     """``handle.open()``: the memory an ``IpcHandle`` names."""
-def set_pool_limit(nbytes: Optional[int], device: Optional[int] = None) -> None:
+def set_pool_limit(nbytes: Union[int, float, str, None], device: Optional[int] = None) -> None:
     """Cap the bytes the pool of ``device`` (default: every device) holds from
     the driver at ``nbytes`` (None: no cap, the default), as RMM's maximum
-    pool size. Past it an allocation reuses and returns the cache first, then
-    raises ``OutOfMemoryError``. ``stats()`` shows ``pool_bytes`` and
-    ``pool_limit``.
+    pool size. ``nbytes`` is an int of bytes, a size (``"40GB"``,
+    ``"40GiB"``, ``"512M"``), or a share of each device's memory (``0.8``,
+    ``"80%"``). Past it an allocation reuses and returns the cache first,
+    then raises ``OutOfMemoryError``, whose message names the limit.
+    ``stats()`` shows ``pool_bytes`` and ``pool_limit``.
     """
 def track(enabled: bool = True) -> None:
     """Turn the leak report on (or off): while on, every allocation gpuptr

@@ -58,3 +58,17 @@ class InstallError(GpuptrError, RuntimeError):
     """A library's allocator could not be put on gpuptr's pool: for example
     PyTorch after its first CUDA allocation, or numba after it created a
     context with its own memory manager. The message says why."""
+
+
+# Tracebacks and reprs name the public module, where users import them.
+for _cls in (
+    GpuptrError,
+    NoDriverError,
+    CudaError,
+    OutOfMemoryError,
+    InvalidPointerError,
+    InvalidArgumentError,
+    InstallError,
+):
+    _cls.__module__ = "gpuptr"
+del _cls

@@ -42,7 +42,11 @@ def _torch(stream_ordered: bool) -> None:
 
 _PARTS: Dict[str, Callable[[bool], None]] = {"numba": _numba, "cupy": _cupy, "torch": _torch}
 # The module each part needs, as pip names it in the message.
-_NEEDS = {"numba": ("numba.cuda", "numba-cuda"), "cupy": ("cupy", "cupy-cuda12x or cupy-cuda13x"), "torch": ("torch", "torch")}
+_NEEDS = {
+    "numba": ("numba.cuda", '"gpuptr[numba]" (numba-cuda)'),
+    "cupy": ("cupy", "cupy-cuda13x (or cupy-cuda12x)"),
+    "torch": ("torch", "torch"),
+}
 
 
 def install(

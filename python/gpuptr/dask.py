@@ -23,18 +23,24 @@ then raises ``gpuptr.InstallError``, reported by ``register_plugin``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
-from distributed import WorkerPlugin
+try:
+    from distributed import WorkerPlugin
+except ImportError as _e:
+    raise ImportError(f'gpuptr.dask needs distributed: pip install "gpuptr[dask]" ({_e})', name=_e.name) from _e
 
 __all__ = ["GpuptrPlugin", "worker_reports", "worker_stats"]
 
 
 class GpuptrPlugin(WorkerPlugin):  # type: ignore[misc]  # distributed ships no types
     """Set up gpuptr in each worker: ``gpuptr.install(numba, cupy, torch,
-    stream_ordered=...)``, then the pool cap (``pool_limit`` bytes per
-    device, as RMM's maximum pool size) and a reservation of ``reserve``
-    bytes in blocks of ``block_size`` (as RMM's initial pool size). What
+    stream_ordered=...)``, then the pool cap (``pool_limit`` per device, as
+    RMM's maximum pool size) and a reservation of ``reserve`` in blocks of
+    ``block_size`` (as RMM's initial pool size). Sizes are written as
+    dask-cuda's ``rmm_pool_size`` is: an int of bytes, ``"40GB"``,
+    ``"40GiB"``, or a share of the device (``0.8``, ``"80%"``); a bad one
+    raises ``InvalidArgumentError`` naming it when the worker starts. What
     ``install`` reported is kept in the worker as ``worker.gpuptr_report``."""
 
     name = "gpuptr"
@@ -46,9 +52,9 @@ class GpuptrPlugin(WorkerPlugin):  # type: ignore[misc]  # distributed ships no 
         cupy: bool = True,
         torch: bool = True,
         stream_ordered: bool = False,
-        pool_limit: Optional[int] = None,
-        reserve: int = 0,
-        block_size: int = 1 << 20,
+        pool_limit: Union[int, float, str, None] = None,
+        reserve: Union[int, float, str] = 0,
+        block_size: Union[int, str] = 1 << 20,
     ) -> None:
         self.numba, self.cupy, self.torch = numba, cupy, torch
         self.stream_ordered = stream_ordered

@@ -17,12 +17,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional
 
-from numba.cuda.cudadrv.driver import (
-    BaseCUDAMemoryManager,
-    CudaAPIError,
-    GetIpcHandleMixin,
-    MemoryInfo,
-)
+try:
+    from numba.cuda.cudadrv.driver import (
+        BaseCUDAMemoryManager,
+        CudaAPIError,
+        GetIpcHandleMixin,
+        MemoryInfo,
+    )
+except ImportError as _e:  # numba-cuda (or what it needs) is missing
+    raise ImportError(
+        f'gpuptr.numba needs numba-cuda: pip install "gpuptr[numba]" ({_e})', name=_e.name
+    ) from _e
 
 import gpuptr as _gpuptr
 from gpuptr import _core

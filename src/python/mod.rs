@@ -12,6 +12,7 @@ mod ipc;
 mod logging;
 mod pointer;
 mod py_context;
+mod sizes;
 mod testing;
 mod track;
 
@@ -290,9 +291,11 @@ fn is_capturing(device: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
 
 /// Cap the bytes the pool of ``device`` (default: every device) holds from
 /// the driver at ``nbytes`` (None: no cap, the default), as RMM's maximum
-/// pool size. Past it an allocation reuses and returns the cache first, then
-/// raises ``OutOfMemoryError``. ``stats()`` shows ``pool_bytes`` and
-/// ``pool_limit``.
+/// pool size. ``nbytes`` is an int of bytes, a size (``"40GB"``,
+/// ``"40GiB"``, ``"512M"``), or a share of each device's memory (``0.8``,
+/// ``"80%"``). Past it an allocation reuses and returns the cache first,
+/// then raises ``OutOfMemoryError``, whose message names the limit.
+/// ``stats()`` shows ``pool_bytes`` and ``pool_limit``.
 #[pyfunction]
 #[pyo3(signature = (nbytes, device=None))]
 fn set_pool_limit(
@@ -300,17 +303,21 @@ fn set_pool_limit(
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let limit = match nbytes.filter(|n| !n.is_none()) {
-        Some(n) => Some(size_arg(int_arg(n, "nbytes")?)?),
+        Some(n) => Some(sizes::size_of(n, "nbytes")?),
         None => None,
     };
     let rt = runtime()?;
-    match optional_device(device)? {
-        Some(d) => rt.set_pool_limit(d, limit)?,
-        None => {
-            for d in 0..rt.device_count() {
-                rt.set_pool_limit(d, limit)?;
-            }
-        }
+    let devices = match optional_device(device)? {
+        Some(d) => d..d + 1,
+        None => 0..rt.device_count(),
+    };
+    for d in devices {
+        // A share is of each device's own memory.
+        let bytes = match limit {
+            Some(l) => Some(l.bytes_of(rt.device_total_memory(d)?)),
+            None => None,
+        };
+        rt.set_pool_limit(d, bytes)?;
     }
     Ok(())
 }
@@ -319,8 +326,10 @@ fn set_pool_limit(
 /// ``block_size`` bytes (default 1 MiB; as RMM's initial pool size), on ``device`` (default:
 /// the current one). Allocations of that size then make no driver call
 /// until the blocks are used, also while a busy GPU holds freed blocks back.
-/// Returns the bytes reserved (fewer if the device ran out part way);
-/// ``trim()`` gives them back.
+/// ``nbytes`` is an int, a size (``"2GiB"``) or a share of what the device
+/// has free (``0.5``, ``"50%"``). More than the device has free raises
+/// ``OutOfMemoryError`` and reserves nothing. Returns the bytes reserved
+/// (fewer if the pool limit stops it part way); ``trim()`` gives them back.
 #[pyfunction]
 #[pyo3(signature = (nbytes, block_size=None, device=None))]
 fn reserve(
@@ -330,9 +339,16 @@ fn reserve(
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<usize> {
     let _log = logging::Deliver(py);
-    let bytes = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let wanted = sizes::size_of(nbytes, "nbytes")?;
     let size = match block_size.filter(|b| !b.is_none()) {
-        Some(b) => size_arg(int_arg(b, "block_size")?)?,
+        Some(b) => match sizes::size_of(b, "block_size")? {
+            crate::sizes::Size::Bytes(n) => n,
+            crate::sizes::Size::Share(_) => {
+                return Err(
+                    Error::InvalidArgument("block_size must be bytes, not a share".into()).into(),
+                )
+            }
+        },
         None => 1 << 20,
     };
     if size == 0 {
@@ -341,6 +357,11 @@ fn reserve(
     // Held by the runtime: the reservation lives with the context, which
     // would otherwise end with this call and give the blocks back.
     let ctx = runtime()?.held_context(device_context(device)?.device())?;
+    // A share of a reservation is of what the device has free now.
+    let bytes = match wanted {
+        crate::sizes::Size::Bytes(n) => n,
+        share => share.bytes_of(ctx.memory_info()?.0),
+    };
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }
 

@@ -233,6 +233,26 @@ impl PyMemoryPointer {
         self.view.size()
     }
 
+    /// Size in bytes (CuPy's and numpy's name; the same as ``size``).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.view.size()
+    }
+
+    /// ``with gpuptr.alloc(n) as m:``: the memory itself, freed when the
+    /// block ends (as ``free()``; a view frees nothing), like cuda.core's
+    /// ``Buffer`` and files.
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Free the memory (as ``free()``); exceptions from the block pass on.
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.free(py, None)?;
+        Ok(false)
+    }
+
     /// Size in bytes (numba's `device_memory_size` reads this).
     #[getter]
     fn _cuda_memsize_(&self) -> usize {

@@ -77,7 +77,7 @@ impl SimConfig {
     /// Read `GPUPTR_SIM_DEVICES` (default 1) and `GPUPTR_SIM_MEMORY` (bytes,
     /// default 1 GiB).
     pub fn from_env() -> Result<Self> {
-        use crate::config::{usize_or as read, SIM_DEVICES, SIM_MEMORY};
+        use crate::config::{size_or, usize_or as read, SIM_DEVICES, SIM_MEMORY};
         let d = SimConfig::default();
         let devices = read(SIM_DEVICES, d.devices)?;
         if devices > MAX_DEVICES {
@@ -87,7 +87,7 @@ impl SimConfig {
         }
         Ok(SimConfig {
             devices,
-            memory_per_device: read(SIM_MEMORY, d.memory_per_device)?,
+            memory_per_device: size_or(SIM_MEMORY, d.memory_per_device)?,
             version: d.version,
         })
     }

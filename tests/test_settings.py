@@ -1,0 +1,157 @@
+"""Sizes and switches in settings and arguments, install hints for missing
+extras, and the memory as a context manager (issue: a newcomer's first
+hour, items 14-17)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gpuptr
+
+DRIVER = gpuptr.driver_info()["driver"]
+sim = pytest.mark.skipif(DRIVER != "sim", reason="the simulator's device size is known")
+
+
+def _child(code, **env):
+    e = dict(os.environ, GPUPTR_DRIVER="sim")
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def no_limit():
+    yield
+    gpuptr.set_pool_limit(None)
+
+
+@sim
+def test_pool_limits_take_every_size_users_write(no_limit):
+    total = gpuptr.context(0).get_memory_info()[1]
+    for given, bytes_ in [
+        (1 << 29, 1 << 29),
+        ("512MiB", 512 << 20),
+        ("500M", 500_000_000),
+        ("0.5GB", 500_000_000),
+        (0.25, total // 4),
+        ("25%", total // 4),
+        ("1.0", total),
+    ]:
+        gpuptr.set_pool_limit(given, device=0)
+        assert gpuptr.stats()[0]["pool_limit"] == bytes_, given
+    gpuptr.set_pool_limit(None)
+    assert gpuptr.stats()[0]["pool_limit"] is None
+
+
+@sim
+@pytest.mark.parametrize("bad", ["banana", "40XB", "0%", "120%", 1.5, 0.0, -1.0, "-5"])
+def test_a_bad_size_names_the_argument(bad, no_limit):
+    with pytest.raises(gpuptr.InvalidArgumentError, match="nbytes"):
+        gpuptr.set_pool_limit(bad)
+    with pytest.raises(gpuptr.InvalidArgumentError, match="nbytes"):
+        gpuptr.reserve(bad)
+
+
+def test_a_bool_is_not_a_size():
+    with pytest.raises(TypeError):
+        gpuptr.set_pool_limit(True)
+
+
+@sim
+def test_a_reservation_past_the_free_memory_is_refused_whole():
+    free0, total = gpuptr.context(0).get_memory_info()
+    held0 = gpuptr.stats()[0]["pool_bytes"]
+    with pytest.raises(gpuptr.OutOfMemoryError, match="free of") as ei:
+        gpuptr.reserve(2 * total)
+    assert isinstance(ei.value, MemoryError)
+    assert gpuptr.stats()[0]["pool_bytes"] == held0, "nothing was taken"
+    got = gpuptr.reserve("10%", block_size="1MiB")
+    assert 0 < got <= free0 // 10 + (1 << 20)
+    gpuptr.trim()
+
+
+def test_settings_from_the_environment():
+    r = _child(
+        """
+        import gpuptr
+        print(gpuptr.context(0).get_memory_info()[1], gpuptr.tracking())
+        """,
+        GPUPTR_SIM_MEMORY="1G",
+        GPUPTR_TRACK="yes",
+        GPUPTR_POOL_AHEAD="32MiB",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(10**9), "True"]
+
+
+@pytest.mark.parametrize(
+    "name,value", [("GPUPTR_POOL", "banana"), ("GPUPTR_TRACK", "maybe"), ("GPUPTR_SIM_MEMORY", "lots"), ("GPUPTR_POOL_AHEAD", "50%")]
+)
+def test_a_bad_setting_is_an_error_that_names_it(name, value):
+    r = _child(
+        """
+        import gpuptr
+        try:
+            gpuptr.alloc(16)
+        except gpuptr.InvalidArgumentError as e:
+            print("refused:", e)
+        """,
+        **{name: value},
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused:") and name in r.stdout, r.stdout
+
+
+_BLOCK = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == {mod!r} or name.startswith({mod!r} + "."):
+            raise ImportError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+@pytest.mark.parametrize("module,missing,extra", [("gpuptr.numba", "numba", "gpuptr[numba]"), ("gpuptr.dask", "distributed", "gpuptr[dask]")])
+def test_a_missing_extra_says_which_to_install(module, missing, extra):
+    r = _child(_BLOCK.format(mod=missing) + f"import {module}\n")
+    assert r.returncode != 0
+    assert f'pip install "{extra}"' in r.stderr, r.stderr[-800:]
+
+
+def test_install_names_the_extra_for_numba():
+    r = _child(_BLOCK.format(mod="numba") + "import gpuptr\nprint(gpuptr.install(cupy=False, torch=False)['numba'])\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("skipped:") and 'pip install "gpuptr[numba]"' in r.stdout, r.stdout
+
+
+def test_errors_are_named_where_users_import_them():
+    for cls in (gpuptr.GpuptrError, gpuptr.NoDriverError, gpuptr.OutOfMemoryError, gpuptr.InvalidPointerError):
+        assert cls.__module__ == "gpuptr"
+        assert getattr(gpuptr, cls.__name__) is cls
+    import pickle
+
+    e = pickle.loads(pickle.dumps(gpuptr.InvalidPointerError("x")))
+    assert type(e) is gpuptr.InvalidPointerError
+
+
+def test_memory_is_a_context_manager_that_frees_it():
+    with gpuptr.alloc(4096) as m:
+        assert m.nbytes == m.size == 4096
+        m.memset(1)
+    with pytest.raises(gpuptr.InvalidPointerError):
+        m.memset(0)
+    # An exception in the block passes on, and the memory is freed still.
+    with pytest.raises(KeyError):
+        with gpuptr.alloc(64) as n:
+            raise KeyError("boom")
+    with pytest.raises(gpuptr.InvalidPointerError):
+        n.memset(0)
+    # A view frees nothing: its allocation is someone else's.
+    owner = gpuptr.alloc(256)
+    with owner.view(0, 128) as v:
+        assert v.nbytes == 128
+    owner.memset(2)
+    owner.free()

@@ -129,3 +129,117 @@ def test_bench_exits_non_zero_when_it_measured_nothing(monkeypatch, capsys):
     assert bench.main(["--quick"]) == 1
     assert "no row could be measured" in capsys.readouterr().err
 
+
+
+# --- issue 28: a newcomer's first hour ---------------------------------------------
+
+import io  # noqa: E402
+import itertools  # noqa: E402
+import re  # noqa: E402
+import select  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gpuptr import bench, check, cli  # noqa: E402
+
+NO_LIBCUDA = not gpuptr.probe_cuda()[0]
+
+
+def _run_env(*args, timeout=900, cwd=None, **env):
+    """``_run`` with these variables set (None: unset)."""
+    e = dict(os.environ)
+    for k, v in env.items():
+        if v is None:
+            e.pop(k, None)
+        else:
+            e[k] = v
+    return subprocess.run(
+        [sys.executable, "-m", "gpuptr", *args], env=e, capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+def _cli_in_child(code, *args):
+    """``cli.main(args)`` in a child process, after ``code``."""
+    script = f"import sys\n{code}\nfrom gpuptr.cli import main\nraise SystemExit(main({list(args)!r}))\n"
+    return subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True,
+                          timeout=900)
+
+
+# 11. no driver, or a bad choice of one
+
+
+def test_check_stops_after_a_failing_driver_row(monkeypatch):
+    ran = []
+
+    def no_driver():
+        raise gpuptr.NoDriverError("no CUDA driver: libcuda was not found")
+
+    monkeypatch.setattr(check, "CHECKS", [("driver", no_driver), ("contexts", lambda: ran.append(1) or "ok"),
+                                          ("alloc", lambda: ran.append(2) or "ok")])
+    out = io.StringIO()
+    assert check.run(out=out) == 1
+    assert ran == []
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("driver") and "FAIL" in lines[0]
+    assert out.getvalue().count("libcuda was not found") == 1
+    assert lines[-1] == "0 passed, 1 failed, 0 skipped, 2 not run"
+    out = io.StringIO()
+    check.run(out=out, as_json=True)
+    report = json.loads(out.getvalue())
+    assert report["not_run"] == ["contexts", "alloc"] and report["failed"] == 1
+
+
+@pytest.mark.skipif(not NO_LIBCUDA, reason="libcuda is present on this machine")
+def test_check_on_cuda_without_a_driver_reports_it_once():
+    out = _run_env("check", GPUPTR_DRIVER="cuda")
+    assert out.returncode == 1
+    assert out.stdout.count("NoDriverError") == 1, out.stdout
+    assert out.stdout.splitlines()[-1].endswith("12 not run")
+
+
+# 12. check on a terminal
+
+
+def _on_a_terminal(*args, timeout=900):
+    """What a terminal shows for ``python -m gpuptr ARGS`` (stdout and
+    stderr both on it), and the exit status."""
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "gpuptr", *args], stdin=slave, stdout=slave, stderr=slave,
+                         env=dict(os.environ))
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if p.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    rc = p.wait(timeout=60)
+    return b"".join(chunks).decode(errors="replace").replace("\r\n", "\n"), rc
+
+
+def test_check_on_a_terminal_prints_each_check_once():
+    text, rc = _on_a_terminal("check")
+    assert rc == 0, text
+    assert "running:" not in text
+    lines = text.splitlines()
+    for name, _ in check.CHECKS:
+        # (A library's warning printed while its check runs may split the row.)
+        rows = [line for line in lines if re.match(rf"{re.escape(name)}\s{{2,}}\S", line)]
+        assert len(rows) == 1, (name, text)
+    assert re.search(r"^driver\s+pass\s.*\(\d+\.\d s\)$", text, re.M), "a row's time follows it"
+    assert "0 failed" in lines[-1]

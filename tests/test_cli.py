@@ -166,6 +166,73 @@ def _cli_in_child(code, *args):
                           timeout=900)
 
 
+# 9. the table
+
+
+def test_bench_table_says_when_it_ran_on_the_simulator():
+    out = _run("bench", "--quick", "--only", "tracking")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    if gpuptr.driver_info()["driver"] == "sim":
+        assert "simulator" in first and "not GPU measurements" in first
+    else:
+        assert "simulator" not in out.stdout
+
+
+def _row(name, baseline, ns=None, skipped=None):
+    measured = skipped is None
+    return {"row": name, "baseline": baseline, "gpuptr_ns": ns if measured else None,
+            "baseline_ns": 2 * ns if measured else None, "ratio": 2.0 if measured else None,
+            "skipped": skipped, "extra": {}, "gpuptr_runs": [], "baseline_runs": []}
+
+
+def test_bench_table_columns_align_with_long_names():
+    long_name = "a row whose name is much longer than forty characters, as graph rows are"
+    report = {"meta": {"driver": "cuda"}, "rows": [
+        _row("alloc+free 1 MiB", "cupy.cuda.alloc (CuPy pool)", 512.0),
+        _row(long_name, "a baseline whose name is also longer than the old column of forty-four", 123456.0),
+        _row("short", "b", skipped="RuntimeError: needs the GPU"),
+    ]}
+    lines = bench.format_table(report).split("\n\n")[0].splitlines()
+    assert len(lines) == 4
+    assert len({len(line) for line in lines}) == 1, "the last column (right-aligned) ends at one place"
+    # The baseline names start under their heading; the times end at one place.
+    col = lines[0].index("baseline")
+    for line, name in zip(lines[1:], ("cupy.cuda.alloc", "a baseline", "b ")):
+        assert line[col:].startswith(name), (line, name)
+    assert lines[1].index("512 ns") + len("512 ns") == lines[2].index("123456 ns") + len("123456 ns")
+
+
+def test_bench_table_marks_skipped_rows_and_lists_the_reasons_below():
+    report = {"meta": {}, "rows": [
+        _row("r1", "b1", skipped="RuntimeError: needs the GPU"),
+        _row("r2", "b2", 100.0),
+        _row("r3", "b3", skipped="ModuleNotFoundError: No module named 'cupy'"),
+        _row("r4", "b4", skipped="RuntimeError: needs the GPU"),
+    ]}
+    table, _, footer = bench.format_table(report).partition("\n\n")
+    assert "(RuntimeError" not in table and "needs the GPU" not in table
+    assert [line.split()[-1] for line in table.splitlines()[1:]] == ["[1]", "2.00x", "[2]", "[1]"]
+    assert footer.splitlines() == [
+        "skipped:",
+        "  [1] RuntimeError: needs the GPU (2 rows)",
+        "  [2] ModuleNotFoundError: No module named 'cupy' (1 row)",
+    ]
+
+
+def test_bench_row_interleaves_the_runs_of_gpuptr_and_the_baseline():
+    b = bench.Bench(quick=True, out=io.StringIO())
+    b.n, b.repeat = 10, 4
+    calls = []
+    b.row("r", "b", lambda: (lambda: calls.append("gpuptr"), lambda: calls.append("baseline")))
+    assert calls[:20] == ["gpuptr"] * 10 + ["baseline"] * 10, "a warm-up of each"
+    runs = [side for side, _ in itertools.groupby(calls[20:])]
+    assert len(runs) >= b.repeat, f"the sides' runs alternate, not all of one then the other: {runs}"
+    assert calls.count("gpuptr") == calls.count("baseline")
+    (r,) = b.results
+    assert len(r.gpuptr_runs) == len(r.baseline_runs) == b.repeat
+
+
 # 11. no driver, or a bad choice of one
 
 

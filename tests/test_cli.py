@@ -166,6 +166,45 @@ def _cli_in_child(code, *args):
                           timeout=900)
 
 
+# 7. bench's files and errors
+
+
+def test_bench_plot_without_matplotlib_says_how_to_install_it_before_measuring(tmp_path):
+    out = _cli_in_child("sys.modules['matplotlib'] = None  # as if not installed",
+                        "bench", "--quick", "--plot", str(tmp_path / "r.png"))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert 'pip install "gpuptr[plot]"' in out.stderr
+    assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_bench_json_into_a_missing_directory_fails_before_measuring(tmp_path):
+    path = tmp_path / "no such dir" / "b.json"
+    out = _run("bench", "--quick", "--json", str(path))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"the directory {path.parent} does not exist" in out.stderr
+    assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_errors_go_through_the_clis_error_handling(monkeypatch, capsys):
+    def fails(quick=False, out=None, only=None):
+        raise gpuptr.InvalidArgumentError("the bench could not start")
+
+    monkeypatch.setattr(bench, "run", fails)
+    assert cli.main(["bench", "--quick"]) == 1
+    assert "error: InvalidArgumentError: the bench could not start" in capsys.readouterr().err
+
+
+# 8. --only that matches nothing
+
+
+def test_bench_only_that_matches_no_row_says_so():
+    out = _run("bench", "--quick", "--only", "zzz")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no row matches 'zzz'" in out.stderr
+    assert "no row could be measured" not in out.stderr and "measuring:" not in out.stderr
+
+
 # 9. the table
 
 
@@ -233,7 +272,62 @@ def test_bench_row_interleaves_the_runs_of_gpuptr_and_the_baseline():
     assert len(r.gpuptr_runs) == len(r.baseline_runs) == b.repeat
 
 
+# 10. help and usage
+
+
+def test_bench_help_neither_probes_the_driver_nor_prints_notes():
+    probe = "import gpuptr\ndef probe():\n    raise AssertionError('probed the driver')\ngpuptr.probe_cuda = probe"
+    out = subprocess.run(
+        [sys.executable, "-c", f"{probe}\nfrom gpuptr.cli import main\nraise SystemExit(main(['bench', '--help']))"],
+        env={k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "usage: gpuptr bench" in out.stdout and "--only" in out.stdout
+    assert out.stderr == ""
+
+
+def test_a_commands_bad_option_prints_that_commands_usage():
+    out = _run("info", "--bogus")
+    assert out.returncode == 2
+    assert "usage: gpuptr info" in out.stderr and "unrecognized arguments: --bogus" in out.stderr
+
+
+def test_short_version_flag():
+    for flag in ("-V", "--version"):
+        out = _run(flag)
+        assert out.returncode == 0 and out.stdout.strip() == f"gpuptr {gpuptr.__version__}", flag
+
+
+def test_no_command_is_an_error_that_shows_the_commands():
+    out = _run()
+    assert out.returncode == 2
+    assert "error: no command given" in out.stderr and "usage: gpuptr" in out.stderr
+    for command in ("check", "info", "bench"):
+        assert re.search(rf"^\s+{command}\s+\S", out.stderr, re.M), command
+
+
 # 11. no driver, or a bad choice of one
+
+
+def test_the_fallback_note_does_not_contradict_itself(monkeypatch):
+    detail = ("no CUDA driver: libcuda was not found; install the NVIDIA driver (libcuda.so.1 must be on the "
+              "loader path), or set GPUPTR_DRIVER=sim to run on gpuptr's simulator")
+    monkeypatch.setattr(gpuptr, "probe_cuda", lambda: (False, detail))
+    monkeypatch.setenv("GPUPTR_DRIVER", "auto")
+    monkeypatch.delenv("GPUPTR_DRIVER")  # restored afterwards
+    note = io.StringIO()
+    cli._choose_driver(note)
+    text = note.getvalue()
+    assert "libcuda was not found" in text and "running on gpuptr's simulator" in text
+    assert "or set GPUPTR_DRIVER=sim" not in text
+    assert os.environ["GPUPTR_DRIVER"] == "sim"
+
+
+@pytest.mark.skipif(not NO_LIBCUDA, reason="libcuda is present on this machine")
+def test_the_fallback_note_as_a_user_sees_it():
+    out = _run_env("info", GPUPTR_DRIVER=None)
+    assert out.returncode == 0, out.stderr
+    assert "running on gpuptr's simulator" in out.stderr and "or set GPUPTR_DRIVER=sim" not in out.stderr
 
 
 def test_check_stops_after_a_failing_driver_row(monkeypatch):
@@ -263,6 +357,15 @@ def test_check_on_cuda_without_a_driver_reports_it_once():
     assert out.returncode == 1
     assert out.stdout.count("NoDriverError") == 1, out.stdout
     assert out.stdout.splitlines()[-1].endswith("12 not run")
+
+
+def test_a_bad_driver_name_is_a_configuration_error():
+    for command in ("info", "check", "bench"):
+        out = _run_env(command, GPUPTR_DRIVER="bogus")
+        assert out.returncode == 2, (command, out.stdout, out.stderr)
+        assert "GPUPTR_DRIVER='bogus' is not a driver" in out.stderr and "auto, cuda or sim" in out.stderr
+        assert "no CUDA driver" not in out.stderr and "NoDriverError" not in out.stderr
+        assert out.stdout == ""
 
 
 # 12. check on a terminal

@@ -7,9 +7,10 @@
   and each device with its memory.
 - ``python -m gpuptr bench``: gpuptr against numba, CuPy and cuda.bindings.
 
-With no ``GPUPTR_DRIVER`` set and no usable CUDA driver, they run on the
-simulator and say so. Notes go to stderr; ``--json`` puts the result on
-stdout as JSON.
+With ``GPUPTR_DRIVER`` unset (or ``auto``) and no usable CUDA driver, they
+run on the simulator and say so. Notes go to stderr; ``--json`` puts the
+result on stdout as JSON. Usage errors, a bad ``GPUPTR_DRIVER`` among them,
+exit with status 2.
 """
 
 from __future__ import annotations
@@ -18,26 +19,52 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Sequence, TextIO
+from typing import Any, Dict, Sequence, TextIO, Tuple
 
 _DESCRIPTION = "gpuptr: refcounted CUDA contexts and device pointers, and a caching pool for numba."
 _EPILOG = (
-    "With no GPUPTR_DRIVER set and no usable CUDA driver, the commands run on "
+    "With GPUPTR_DRIVER unset (or auto) and no usable CUDA driver, the commands run on "
     "gpuptr's simulator and say so on stderr. Run 'gpuptr COMMAND --help' for a command's options."
 )
+_DRIVERS = ("auto", "cuda", "sim")
+
+
+class UsageError(Exception):
+    """A command line or setting that cannot work (exit status 2)."""
+
+
+def _driver_setting() -> str:
+    """``GPUPTR_DRIVER`` as the library reads it ('' when unset); a name
+    that is no driver is a configuration error, not a missing driver."""
+    raw = os.environ.get("GPUPTR_DRIVER", "")
+    choice = raw.strip().lower()
+    if choice and choice not in _DRIVERS:
+        raise UsageError(f"GPUPTR_DRIVER={raw!r} is not a driver: set it to auto, cuda or sim, or unset it")
+    return choice
+
+
+def _no_driver_reason(detail: str) -> str:
+    """The reason in a no-driver message, without its advice (which ends
+    in 'or set GPUPTR_DRIVER=sim', what the fallback is about to do)."""
+    reason = detail.split("; install the NVIDIA driver")[0].strip()
+    return reason.removeprefix("no CUDA driver:").strip() or detail
 
 
 def _choose_driver(out: TextIO) -> None:
     """Fall back to the simulator when the user did not pick a driver and
     libcuda cannot be used here. Must run before the first GPU call."""
-    if os.environ.get("GPUPTR_DRIVER", "").strip():
+    if _driver_setting() not in ("", "auto"):
         return
     from gpuptr import probe_cuda
 
     ok, detail = probe_cuda()
     if not ok:
-        print(f"note: {detail}", file=out)
-        print("note: running on gpuptr's simulator (GPUPTR_DRIVER=sim)", file=out)
+        print(f"note: no usable CUDA driver here ({_no_driver_reason(str(detail))})", file=out)
+        print(
+            "note: running on gpuptr's simulator instead; install the NVIDIA driver to use a GPU "
+            "(GPUPTR_DRIVER=sim picks the simulator without these notes)",
+            file=out,
+        )
         os.environ["GPUPTR_DRIVER"] = "sim"
 
 
@@ -82,26 +109,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if run(as_json=args.json) else 0
 
 
-def cmd_bench(argv: Sequence[str]) -> int:
-    """Run the side-by-side benchmark (see gpuptr.bench) with its own options."""
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the side-by-side benchmark (see gpuptr.bench); its arguments are
+    checked before the driver is chosen and anything is measured."""
+    from gpuptr import bench
+
+    problem = bench.check_arguments(args)
+    if problem:
+        raise UsageError(problem)
     _choose_driver(sys.stderr)
-    from gpuptr.bench import main as bench_main
-
-    return bench_main(list(argv))
+    return bench.run_command(args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # bench parses its own options (--quick, --json, --plot).
-        return cmd_bench(argv[1:])
+def _parser() -> Tuple[argparse.ArgumentParser, Dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each command's own."""
     import gpuptr
+    from gpuptr import bench
 
     parser = argparse.ArgumentParser(prog="gpuptr", description=_DESCRIPTION, epilog=_EPILOG)
-    parser.add_argument("--version", action="version", version=f"gpuptr {gpuptr.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser(
+    parser.add_argument("-V", "--version", action="version", version=f"gpuptr {gpuptr.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands: Dict[str, argparse.ArgumentParser] = {}
+    p = commands["check"] = sub.add_parser(
         "check",
         help="exercise the whole stack and print a pass/fail table",
         description="Exercise the whole stack (driver, contexts, alloc, views, pool, host memory, numba plugin, "
@@ -109,25 +138,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser(
+    p = commands["info"] = sub.add_parser(
         "info",
         help="show the driver, the devices and the pool",
         description="Show the driver in use, its version, and each device with its memory.",
     )
     p.add_argument("--json", action="store_true", help="print it as JSON on stdout")
     p.set_defaults(func=cmd_info)
-    sub.add_parser(
+    p = commands["bench"] = sub.add_parser(
         "bench",
-        help="time gpuptr against numba, CuPy, torch, RMM and cuda.bindings (see 'gpuptr bench --help')",
+        help="time gpuptr against numba, CuPy, torch, RMM and cuda.bindings",
+        description=bench.DESCRIPTION,
     )
-    args = parser.parse_args(argv)
+    bench.add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    return parser, commands
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.print_help(sys.stderr)
+        print(f"\ngpuptr: error: no command given; choose one of {', '.join(commands)}", file=sys.stderr)
+        return 2
+    if extra:
+        # The command's own usage, not the top level's.
+        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    from gpuptr import GpuptrError
+
     try:
+        _driver_setting()
         rc: int = args.func(args)
         return rc
-    except Exception as e:  # the CLI reports, it does not trace back
-        from gpuptr import GpuptrError
-
-        if isinstance(e, GpuptrError):
-            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        raise
+    except UsageError as e:
+        print(f"gpuptr {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except GpuptrError as e:  # the CLI reports, it does not trace back
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

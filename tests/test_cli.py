@@ -413,3 +413,30 @@ def test_check_on_a_terminal_prints_each_check_once():
         assert len(rows) == 1, (name, text)
     assert re.search(r"^driver\s+pass\s.*\(\d+\.\d s\)$", text, re.M), "a row's time follows it"
     assert "0 failed" in lines[-1]
+
+
+# 13. info
+
+
+def test_info_shows_readable_sizes_the_pool_per_process_and_library_versions():
+    from importlib import metadata
+
+    out = _run("info")
+    assert out.returncode == 0, out.stderr
+    assert not re.search(r"\b\d{4,} B\b", out.stdout), "sizes in KiB, MiB, GiB"
+    assert "GiB total" in out.stdout or "MiB total" in out.stdout
+    assert "per process" in out.stdout and "0 B live" not in out.stdout
+    versions = cli.library_versions()
+    assert list(versions) == ["numba-cuda", "CuPy", "torch", "cuda-bindings", "cuda-core"]
+    for name, version in versions.items():
+        line = re.search(rf"^\s+{re.escape(name)}\s+(.+)$", out.stdout, re.M)
+        assert line, (name, out.stdout)
+        assert line.group(1) == (version or "not installed")
+    for name, dist in (("numba-cuda", "numba-cuda"), ("torch", "torch"), ("cuda-bindings", "cuda-bindings")):
+        try:
+            installed = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        assert versions[name] == installed, name
+    report = json.loads(_run("info", "--json").stdout)
+    assert report["libraries"] == versions

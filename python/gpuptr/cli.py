@@ -4,7 +4,8 @@
   alloc, views, pool, host memory, numba plugin, CAI import, IPC) and print
   a pass/fail table; non-zero exit on any failure.
 - ``python -m gpuptr info``: the driver in use (cuda or sim), its version,
-  and each device with its memory.
+  each device with its memory, and the versions of the libraries gpuptr
+  plugs into.
 - ``python -m gpuptr bench``: gpuptr against numba, CuPy and cuda.bindings.
 
 With ``GPUPTR_DRIVER`` unset (or ``auto``) and no usable CUDA driver, they
@@ -19,7 +20,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, Sequence, TextIO, Tuple
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 _DESCRIPTION = "gpuptr: refcounted CUDA contexts and device pointers, and a caching pool for numba."
 _EPILOG = (
@@ -27,6 +28,15 @@ _EPILOG = (
     "gpuptr's simulator and say so on stderr. Run 'gpuptr COMMAND --help' for a command's options."
 )
 _DRIVERS = ("auto", "cuda", "sim")
+#: The libraries ``info`` reports: (name shown, module, distributions that
+#: may provide it; CuPy's also found through the module's own).
+_LIBRARIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
+    ("numba-cuda", "numba.cuda", ("numba-cuda",)),
+    ("CuPy", "cupy", ("cupy", "cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x")),
+    ("torch", "torch", ("torch",)),
+    ("cuda-bindings", "cuda.bindings", ("cuda-bindings",)),
+    ("cuda-core", "cuda.core", ("cuda-core",)),
+)
 
 
 class UsageError(Exception):
@@ -68,36 +78,83 @@ def _choose_driver(out: TextIO) -> None:
         os.environ["GPUPTR_DRIVER"] = "sim"
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
+def _size(n: int) -> str:
+    from gpuptr._summary import _size as size
+
+    return size(n)
+
+
+def library_versions() -> Dict[str, Optional[str]]:
+    """The version of each library ``info`` reports, or None where it cannot
+    be imported (read from the installed metadata: nothing is imported but
+    the parent package of a dotted name)."""
+    from importlib import metadata, util
+
+    found: Dict[str, Optional[str]] = {}
+    for name, module, dists in _LIBRARIES:
+        try:
+            importable = util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            importable = False
+        version = None
+        if importable:
+            top = module.split(".")[0]
+            candidates = list(dists) + [d for d in metadata.packages_distributions().get(top, []) if d not in dists]
+            for dist in candidates:
+                try:
+                    version = metadata.version(dist)
+                    break
+                except metadata.PackageNotFoundError:
+                    continue
+            else:
+                version = "?"
+        found[name] = version
+    return found
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """Print the driver and devices."""
+    """Print the driver, the devices and the libraries gpuptr plugs into."""
+    import platform
+
     import gpuptr
 
     _choose_driver(sys.stderr)
     info = gpuptr.driver_info()
     stats = {s["device"]: s for s in gpuptr.stats()}
-    devices: list[dict[str, Any]] = []
+    devices: List[Dict[str, Any]] = []
     for dev in gpuptr.devices():
         free, total = gpuptr.context(dev.id).get_memory_info()
         devices.append({"id": dev.id, "name": dev.name, "total_bytes": total, "free_bytes": free})
+    libraries = library_versions()
     if args.json:
-        report = {"gpuptr": gpuptr.__version__, "driver": dict(info), "devices": devices, "stats": list(stats.values())}
+        report = {
+            "gpuptr": gpuptr.__version__,
+            "python": platform.python_version(),
+            "driver": dict(info),
+            "devices": devices,
+            "stats": list(stats.values()),
+            "libraries": libraries,
+        }
         print(json.dumps(report, indent=2))
         return 0
-    print(f"gpuptr {gpuptr.__version__}")
+    print(f"gpuptr {gpuptr.__version__} (Python {platform.python_version()})")
     print(f"driver: {info['driver']} (CUDA {info['version_string']}, version {info['version']})")
     print(f"devices: {info['device_count']}")
     for d in devices:
-        print(f"  [{d['id']}] {d['name']}: {_gib(d['total_bytes'])} total, {_gib(d['free_bytes'])} free")
-        s = stats[d["id"]]
+        print(f"  [{d['id']}] {d['name']}: {_size(d['total_bytes'])} total, {_size(d['free_bytes'])} free")
+    used = [s for s in stats.values() if s["live_count"] or s["cached_bytes"] or s["peak_bytes"]]
+    if not used:
+        print("pool: per process, so this command's own is empty; gpuptr.memory_summary() in your program shows its pool")
+    for s in used:
         print(
-            f"      this process's pool: {s['live_bytes']} B live in {s['live_count']} allocations,"
-            f" {s['cached_bytes']} B cached ({s['pending_bytes']} B waiting for a fence),"
-            f" peak {s['peak_bytes']} B"
+            f"pool of device {s['device']} (this process): {_size(s['live_bytes'])} live in {s['live_count']}"
+            f" allocations, {_size(s['cached_bytes'])} cached ({_size(s['pending_bytes'])} waiting for a fence),"
+            f" peak {_size(s['peak_bytes'])}"
         )
+    print("libraries:")
+    width = max(len(name) for name in libraries)
+    for name, version in libraries.items():
+        print(f"  {name:<{width}}  {version or 'not installed'}")
     return 0
 
 
@@ -140,8 +197,9 @@ def _parser() -> Tuple[argparse.ArgumentParser, Dict[str, argparse.ArgumentParse
     p.set_defaults(func=cmd_check)
     p = commands["info"] = sub.add_parser(
         "info",
-        help="show the driver, the devices and the pool",
-        description="Show the driver in use, its version, and each device with its memory.",
+        help="show the driver, the devices and the libraries gpuptr plugs into",
+        description="Show the driver in use, its version, each device with its memory, and the versions of "
+        "numba-cuda, CuPy, torch, cuda-bindings and cuda-core where they are installed.",
     )
     p.add_argument("--json", action="store_true", help="print it as JSON on stdout")
     p.set_defaults(func=cmd_info)

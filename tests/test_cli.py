@@ -129,3 +129,314 @@ def test_bench_exits_non_zero_when_it_measured_nothing(monkeypatch, capsys):
     assert bench.main(["--quick"]) == 1
     assert "no row could be measured" in capsys.readouterr().err
 
+
+
+# --- issue 28: a newcomer's first hour ---------------------------------------------
+
+import io  # noqa: E402
+import itertools  # noqa: E402
+import re  # noqa: E402
+import select  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gpuptr import bench, check, cli  # noqa: E402
+
+NO_LIBCUDA = not gpuptr.probe_cuda()[0]
+
+
+def _run_env(*args, timeout=900, cwd=None, **env):
+    """``_run`` with these variables set (None: unset)."""
+    e = dict(os.environ)
+    for k, v in env.items():
+        if v is None:
+            e.pop(k, None)
+        else:
+            e[k] = v
+    return subprocess.run(
+        [sys.executable, "-m", "gpuptr", *args], env=e, capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+def _cli_in_child(code, *args):
+    """``cli.main(args)`` in a child process, after ``code``."""
+    script = f"import sys\n{code}\nfrom gpuptr.cli import main\nraise SystemExit(main({list(args)!r}))\n"
+    return subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True,
+                          timeout=900)
+
+
+# 7. bench's files and errors
+
+
+def test_bench_plot_without_matplotlib_says_how_to_install_it_before_measuring(tmp_path):
+    out = _cli_in_child("sys.modules['matplotlib'] = None  # as if not installed",
+                        "bench", "--quick", "--plot", str(tmp_path / "r.png"))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert 'pip install "gpuptr[plot]"' in out.stderr
+    assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_bench_json_into_a_missing_directory_fails_before_measuring(tmp_path):
+    path = tmp_path / "no such dir" / "b.json"
+    out = _run("bench", "--quick", "--json", str(path))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"the directory {path.parent} does not exist" in out.stderr
+    assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_errors_go_through_the_clis_error_handling(monkeypatch, capsys):
+    def fails(quick=False, out=None, only=None):
+        raise gpuptr.InvalidArgumentError("the bench could not start")
+
+    monkeypatch.setattr(bench, "run", fails)
+    assert cli.main(["bench", "--quick"]) == 1
+    assert "error: InvalidArgumentError: the bench could not start" in capsys.readouterr().err
+
+
+# 8. --only that matches nothing
+
+
+def test_bench_only_that_matches_no_row_says_so():
+    out = _run("bench", "--quick", "--only", "zzz")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no row matches 'zzz'" in out.stderr
+    assert "no row could be measured" not in out.stderr and "measuring:" not in out.stderr
+
+
+# 9. the table
+
+
+def test_bench_table_says_when_it_ran_on_the_simulator():
+    out = _run("bench", "--quick", "--only", "tracking")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    if gpuptr.driver_info()["driver"] == "sim":
+        assert "simulator" in first and "not GPU measurements" in first
+    else:
+        assert "simulator" not in out.stdout
+
+
+def _row(name, baseline, ns=None, skipped=None):
+    measured = skipped is None
+    return {"row": name, "baseline": baseline, "gpuptr_ns": ns if measured else None,
+            "baseline_ns": 2 * ns if measured else None, "ratio": 2.0 if measured else None,
+            "skipped": skipped, "extra": {}, "gpuptr_runs": [], "baseline_runs": []}
+
+
+def test_bench_table_columns_align_with_long_names():
+    long_name = "a row whose name is much longer than forty characters, as graph rows are"
+    report = {"meta": {"driver": "cuda"}, "rows": [
+        _row("alloc+free 1 MiB", "cupy.cuda.alloc (CuPy pool)", 512.0),
+        _row(long_name, "a baseline whose name is also longer than the old column of forty-four", 123456.0),
+        _row("short", "b", skipped="RuntimeError: needs the GPU"),
+    ]}
+    lines = bench.format_table(report).split("\n\n")[0].splitlines()
+    assert len(lines) == 4
+    assert len({len(line) for line in lines}) == 1, "the last column (right-aligned) ends at one place"
+    # The baseline names start under their heading; the times end at one place.
+    col = lines[0].index("baseline")
+    for line, name in zip(lines[1:], ("cupy.cuda.alloc", "a baseline", "b ")):
+        assert line[col:].startswith(name), (line, name)
+    assert lines[1].index("512 ns") + len("512 ns") == lines[2].index("123456 ns") + len("123456 ns")
+
+
+def test_bench_table_marks_skipped_rows_and_lists_the_reasons_below():
+    report = {"meta": {}, "rows": [
+        _row("r1", "b1", skipped="RuntimeError: needs the GPU"),
+        _row("r2", "b2", 100.0),
+        _row("r3", "b3", skipped="ModuleNotFoundError: No module named 'cupy'"),
+        _row("r4", "b4", skipped="RuntimeError: needs the GPU"),
+    ]}
+    table, _, footer = bench.format_table(report).partition("\n\n")
+    assert "(RuntimeError" not in table and "needs the GPU" not in table
+    assert [line.split()[-1] for line in table.splitlines()[1:]] == ["[1]", "2.00x", "[2]", "[1]"]
+    assert footer.splitlines() == [
+        "skipped:",
+        "  [1] RuntimeError: needs the GPU (2 rows)",
+        "  [2] ModuleNotFoundError: No module named 'cupy' (1 row)",
+    ]
+
+
+def test_bench_row_interleaves_the_runs_of_gpuptr_and_the_baseline():
+    b = bench.Bench(quick=True, out=io.StringIO())
+    b.n, b.repeat = 10, 4
+    calls = []
+    b.row("r", "b", lambda: (lambda: calls.append("gpuptr"), lambda: calls.append("baseline")))
+    assert calls[:20] == ["gpuptr"] * 10 + ["baseline"] * 10, "a warm-up of each"
+    runs = [side for side, _ in itertools.groupby(calls[20:])]
+    assert len(runs) >= b.repeat, f"the sides' runs alternate, not all of one then the other: {runs}"
+    assert calls.count("gpuptr") == calls.count("baseline")
+    (r,) = b.results
+    assert len(r.gpuptr_runs) == len(r.baseline_runs) == b.repeat
+
+
+# 10. help and usage
+
+
+def test_bench_help_neither_probes_the_driver_nor_prints_notes():
+    probe = "import gpuptr\ndef probe():\n    raise AssertionError('probed the driver')\ngpuptr.probe_cuda = probe"
+    out = subprocess.run(
+        [sys.executable, "-c", f"{probe}\nfrom gpuptr.cli import main\nraise SystemExit(main(['bench', '--help']))"],
+        env={k: v for k, v in os.environ.items() if k != "GPUPTR_DRIVER"}, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "usage: gpuptr bench" in out.stdout and "--only" in out.stdout
+    assert out.stderr == ""
+
+
+def test_a_commands_bad_option_prints_that_commands_usage():
+    out = _run("info", "--bogus")
+    assert out.returncode == 2
+    assert "usage: gpuptr info" in out.stderr and "unrecognized arguments: --bogus" in out.stderr
+
+
+def test_short_version_flag():
+    for flag in ("-V", "--version"):
+        out = _run(flag)
+        assert out.returncode == 0 and out.stdout.strip() == f"gpuptr {gpuptr.__version__}", flag
+
+
+def test_no_command_is_an_error_that_shows_the_commands():
+    out = _run()
+    assert out.returncode == 2
+    assert "error: no command given" in out.stderr and "usage: gpuptr" in out.stderr
+    for command in ("check", "info", "bench"):
+        assert re.search(rf"^\s+{command}\s+\S", out.stderr, re.M), command
+
+
+# 11. no driver, or a bad choice of one
+
+
+def test_the_fallback_note_does_not_contradict_itself(monkeypatch):
+    detail = ("no CUDA driver: libcuda was not found; install the NVIDIA driver (libcuda.so.1 must be on the "
+              "loader path), or set GPUPTR_DRIVER=sim to run on gpuptr's simulator")
+    monkeypatch.setattr(gpuptr, "probe_cuda", lambda: (False, detail))
+    monkeypatch.setenv("GPUPTR_DRIVER", "auto")
+    monkeypatch.delenv("GPUPTR_DRIVER")  # restored afterwards
+    note = io.StringIO()
+    cli._choose_driver(note)
+    text = note.getvalue()
+    assert "libcuda was not found" in text and "running on gpuptr's simulator" in text
+    assert "or set GPUPTR_DRIVER=sim" not in text
+    assert os.environ["GPUPTR_DRIVER"] == "sim"
+
+
+@pytest.mark.skipif(not NO_LIBCUDA, reason="libcuda is present on this machine")
+def test_the_fallback_note_as_a_user_sees_it():
+    out = _run_env("info", GPUPTR_DRIVER=None)
+    assert out.returncode == 0, out.stderr
+    assert "running on gpuptr's simulator" in out.stderr and "or set GPUPTR_DRIVER=sim" not in out.stderr
+
+
+def test_check_stops_after_a_failing_driver_row(monkeypatch):
+    ran = []
+
+    def no_driver():
+        raise gpuptr.NoDriverError("no CUDA driver: libcuda was not found")
+
+    monkeypatch.setattr(check, "CHECKS", [("driver", no_driver), ("contexts", lambda: ran.append(1) or "ok"),
+                                          ("alloc", lambda: ran.append(2) or "ok")])
+    out = io.StringIO()
+    assert check.run(out=out) == 1
+    assert ran == []
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("driver") and "FAIL" in lines[0]
+    assert out.getvalue().count("libcuda was not found") == 1
+    assert lines[-1] == "0 passed, 1 failed, 0 skipped, 2 not run"
+    out = io.StringIO()
+    check.run(out=out, as_json=True)
+    report = json.loads(out.getvalue())
+    assert report["not_run"] == ["contexts", "alloc"] and report["failed"] == 1
+
+
+@pytest.mark.skipif(not NO_LIBCUDA, reason="libcuda is present on this machine")
+def test_check_on_cuda_without_a_driver_reports_it_once():
+    out = _run_env("check", GPUPTR_DRIVER="cuda")
+    assert out.returncode == 1
+    assert out.stdout.count("NoDriverError") == 1, out.stdout
+    assert out.stdout.splitlines()[-1].endswith("12 not run")
+
+
+def test_a_bad_driver_name_is_a_configuration_error():
+    for command in ("info", "check", "bench"):
+        out = _run_env(command, GPUPTR_DRIVER="bogus")
+        assert out.returncode == 2, (command, out.stdout, out.stderr)
+        assert "GPUPTR_DRIVER='bogus' is not a driver" in out.stderr and "auto, cuda or sim" in out.stderr
+        assert "no CUDA driver" not in out.stderr and "NoDriverError" not in out.stderr
+        assert out.stdout == ""
+
+
+# 12. check on a terminal
+
+
+def _on_a_terminal(*args, timeout=900):
+    """What a terminal shows for ``python -m gpuptr ARGS`` (stdout and
+    stderr both on it), and the exit status."""
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "gpuptr", *args], stdin=slave, stdout=slave, stderr=slave,
+                         env=dict(os.environ))
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if p.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    rc = p.wait(timeout=60)
+    return b"".join(chunks).decode(errors="replace").replace("\r\n", "\n"), rc
+
+
+def test_check_on_a_terminal_prints_each_check_once():
+    text, rc = _on_a_terminal("check")
+    assert rc == 0, text
+    assert "running:" not in text
+    lines = text.splitlines()
+    for name, _ in check.CHECKS:
+        # (A library's warning printed while its check runs may split the row.)
+        rows = [line for line in lines if re.match(rf"{re.escape(name)}\s{{2,}}\S", line)]
+        assert len(rows) == 1, (name, text)
+    assert re.search(r"^driver\s+pass\s.*\(\d+\.\d s\)$", text, re.M), "a row's time follows it"
+    assert "0 failed" in lines[-1]
+
+
+# 13. info
+
+
+def test_info_shows_readable_sizes_the_pool_per_process_and_library_versions():
+    from importlib import metadata
+
+    out = _run("info")
+    assert out.returncode == 0, out.stderr
+    assert not re.search(r"\b\d{4,} B\b", out.stdout), "sizes in KiB, MiB, GiB"
+    assert "GiB total" in out.stdout or "MiB total" in out.stdout
+    assert "per process" in out.stdout and "0 B live" not in out.stdout
+    versions = cli.library_versions()
+    assert list(versions) == ["numba-cuda", "CuPy", "torch", "cuda-bindings", "cuda-core"]
+    for name, version in versions.items():
+        line = re.search(rf"^\s+{re.escape(name)}\s+(.+)$", out.stdout, re.M)
+        assert line, (name, out.stdout)
+        assert line.group(1) == (version or "not installed")
+    for name, dist in (("numba-cuda", "numba-cuda"), ("torch", "torch"), ("cuda-bindings", "cuda-bindings")):
+        try:
+            installed = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        assert versions[name] == installed, name
+    report = json.loads(_run("info", "--json").stdout)
+    assert report["libraries"] == versions

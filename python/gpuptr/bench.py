@@ -1,15 +1,16 @@
 """``python -m gpuptr bench``: gpuptr against what users would otherwise
 use, measured side by side in one run on the same GPU.
 
-Each row times a gpuptr operation and a named baseline (best of N after a
-warm-up) and reports the ratio ``baseline / gpuptr`` (above 1: gpuptr is
-faster). A baseline whose library is missing is reported as skipped. Rows
+Each row times a gpuptr operation and a named baseline (best of N runs
+after a warm-up, the two sides' runs interleaved) and reports the ratio
+``baseline / gpuptr`` (above 1: gpuptr is faster). A baseline whose library is missing is reported as skipped. Rows
 about numba's memory manager run in child processes, because numba picks
 its manager once per process. Results print as a table and go to JSON.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -37,13 +38,36 @@ def runs_ns(fn: Callable[[], object], n: int, repeat: int) -> List[float]:
     (after a warm-up)."""
     for _ in range(min(n, 200)):
         fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(n):
+    return [_run_ns(fn, n) for _ in range(repeat)]
+
+
+def _run_ns(fn: Callable[[], object], n: int) -> float:
+    """Mean time per call, in ns, of one run of ``n`` calls."""
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e9
+
+
+def interleaved_runs_ns(
+    ours: Callable[[], object], theirs: Callable[[], object], n: int, repeat: int
+) -> Tuple[List[float], List[float]]:
+    """:func:`runs_ns` of two callables, their runs interleaved after a
+    warm-up of each: ours, theirs, then theirs, ours, and so on (so a drift
+    of the machine, its clock or other load, falls on both sides alike)."""
+    for fn in (ours, theirs):
+        for _ in range(min(n, 200)):
             fn()
-        out.append((time.perf_counter() - t) / n * 1e9)
-    return out
+    a: List[float] = []
+    b: List[float] = []
+    for i in range(repeat):
+        if i % 2 == 0:
+            a.append(_run_ns(ours, n))
+            b.append(_run_ns(theirs, n))
+        else:
+            b.append(_run_ns(theirs, n))
+            a.append(_run_ns(ours, n))
+    return a, b
 
 
 def best_ns(fn: Callable[[], object], n: int, repeat: int) -> float:
@@ -89,8 +113,7 @@ class Bench:
             self.results.append(Result(name, baseline, skipped=f"{type(e).__name__}: {e}"))
             return
         n = max(10, int(self.n * scale))
-        a_runs = runs_ns(ours, n, self.repeat)
-        b_runs = runs_ns(theirs, n, self.repeat)
+        a_runs, b_runs = interleaved_runs_ns(ours, theirs, n, self.repeat)
         a, b = min(a_runs), min(b_runs)
         self.results.append(
             Result(
@@ -395,13 +418,34 @@ def _observed(b: Bench, name: str, switch: Callable[[bool], None], alloc_pair: C
         return
     print(f"  measuring: {name} ...", file=b.out, flush=True)
     n = max(10, b.n // 4)
+
+    def switched_on() -> None:
+        # One run with the switch on; the pair runs it n times.
+        switch(True)
+        try:
+            on.append(_run_ns(alloc_pair, n))
+        finally:
+            switch(False)
+
+    # Runs with it on and off alternate, as in Bench.row.
+    on: List[float] = []
+    off: List[float] = []
     try:
         switch(True)
         try:
-            on = runs_ns(alloc_pair, n, b.repeat)
+            for _ in range(min(n, 200)):
+                alloc_pair()
         finally:
             switch(False)
-        off = runs_ns(alloc_pair, n, b.repeat)
+        for _ in range(min(n, 200)):
+            alloc_pair()
+        for i in range(b.repeat):
+            if i % 2 == 0:
+                switched_on()
+                off.append(_run_ns(alloc_pair, n))
+            else:
+                off.append(_run_ns(alloc_pair, n))
+                switched_on()
     except Exception as e:
         b.add(Result(name, "the same, off", skipped=f"{type(e).__name__}: {e}"))
         return
@@ -736,24 +780,64 @@ def _meta(info: DriverInfo, quick: bool) -> Dict[str, Any]:
     return meta
 
 
+_SIM_BANNER = (
+    "# on gpuptr's simulator (GPUPTR_DRIVER=sim): host-memory stand-ins for the GPU, not GPU measurements"
+)
+
+
+def _ns_cell(ns: float) -> str:
+    return f"{ns:.0f} ns"
+
+
+def _reason(skipped: str) -> str:
+    """A skipped row's reason, on one line and of a readable length."""
+    line = skipped.strip().splitlines()[0] if skipped.strip() else "skipped"
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
 def format_table(report: Dict[str, Any]) -> str:
-    lines = [f"{'row':40s} {'gpuptr':>10s}  {'baseline':44s} {'baseline':>10s} {'ratio':>7s}"]
-    for r in report["rows"]:
+    """The report as a table whose columns fit the longest entry. A skipped
+    row shows a numbered marker in the ratio column, and the reasons follow
+    the table, one per distinct reason. On the simulator the first line
+    says so."""
+    rows = report["rows"]
+    reasons: List[str] = []
+    cells: List[Tuple[str, str, str, str, str]] = []
+    for r in rows:
         if r["skipped"]:
-            lines.append(f"{r['row']:40s} {'-':>10s}  {r['baseline']:44s} {'skipped':>10s}   ({r['skipped'][:60]})")
-            continue
-        lines.append(
-            f"{r['row']:40s} {r['gpuptr_ns']:8.0f}ns  {r['baseline']:44s} {r['baseline_ns']:8.0f}ns {r['ratio']:6.1f}x"
-        )
+            reason = _reason(r["skipped"])
+            if reason not in reasons:
+                reasons.append(reason)
+            cells.append((r["row"], "-", r["baseline"], "-", f"skipped [{reasons.index(reason) + 1}]"))
+        else:
+            cells.append(
+                (r["row"], _ns_cell(r["gpuptr_ns"]), r["baseline"], _ns_cell(r["baseline_ns"]), f"{r['ratio']:.2f}x")
+            )
+    header = ("row", "gpuptr", "baseline", "baseline", "ratio")
+    w = [max(len(c[i]) for c in [header, *cells]) for i in range(5)]
+
+    def line(c: Tuple[str, str, str, str, str]) -> str:
+        return f"{c[0]:<{w[0]}}  {c[1]:>{w[1]}}  {c[2]:<{w[2]}}  {c[3]:>{w[3]}}  {c[4]:>{w[4]}}"
+
+    lines = [_SIM_BANNER] if report.get("meta", {}).get("driver") == "sim" else []
+    lines.append(line(header))
+    for r, c in zip(rows, cells):
+        lines.append(line(c))
         e = r.get("extra") or {}
-        if "gpuptr" in e:
+        if not r["skipped"] and "gpuptr" in e:
             mine, other = e["gpuptr"], e["baseline"]
             lines.append(
-                f"{'':40s} median {mine['median_ns'] / 1e3:.1f} vs {other['median_ns'] / 1e3:.1f} us;"
+                f"{'':{w[0]}}  median {mine['median_ns'] / 1e3:.1f} vs {other['median_ns'] / 1e3:.1f} us;"
                 f" p99 {mine['p99_ns'] / 1e3:.1f} vs {other['p99_ns'] / 1e3:.1f} us;"
                 f" worst {mine['worst_ns'] / 1e3:.1f} vs {other['worst_ns'] / 1e3:.1f} us;"
                 f" kernel still running after the loop: {mine['busy']} / {other['busy']}"
             )
+    if reasons:
+        lines.append("")
+        lines.append("skipped:")
+        for i, reason in enumerate(reasons, 1):
+            count = sum(1 for r in rows if r["skipped"] and _reason(r["skipped"]) == reason)
+            lines.append(f"  [{i}] {reason} ({count} row{'s' if count != 1 else ''})")
     return "\n".join(lines)
 
 
@@ -809,35 +893,80 @@ def _fmt_ns(ns: float) -> str:
     return f"{ns:.0f} ns"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
+DESCRIPTION = (
+    "Time gpuptr against numba, CuPy, torch, RMM and cuda.bindings, side by side, and print "
+    "a table of ratios (a peer that is not installed, or needs a GPU, is skipped). Progress goes to stderr."
+)
 
-    ap = argparse.ArgumentParser(
-        prog="gpuptr bench",
-        description="Time gpuptr against numba, CuPy, torch, RMM and cuda.bindings, side by side, and print "
-        "a table of ratios (a peer that is not installed, or needs a GPU, is skipped). Progress goes to stderr.",
-    )
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The bench's options, on its own parser or the CLI's ``bench`` command."""
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--json", metavar="FILE", help="also write the JSON report to FILE ('-': stdout, instead of the table)")
-    ap.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
+    ap.add_argument("--plot", metavar="FILE.png", help='draw the ratios (needs matplotlib: pip install "gpuptr[plot]")')
     ap.add_argument("--only", metavar="TEXT", help="only the rows whose name or baseline contains TEXT (any case)")
-    args = ap.parse_args(argv)
+
+
+def check_arguments(args: argparse.Namespace) -> Optional[str]:
+    """What stops the arguments from working, found before anything is
+    measured (None: nothing): ``--plot`` without matplotlib, or a report
+    file in a directory that does not exist or cannot be written."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return '--plot needs matplotlib: pip install "gpuptr[plot]"'
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if not path or (flag == "--json" and path == "-"):
+            continue
+        parent = Path(path).parent
+        if not parent.is_dir():
+            return f"{flag} {path}: the directory {parent} does not exist"
+        if not os.access(parent, os.W_OK):
+            return f"{flag} {path}: the directory {parent} cannot be written"
+    return None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the bench for parsed (and checked) arguments: the table (or the
+    JSON) on stdout, the files asked for; the exit status."""
     report = run(quick=args.quick, only=args.only)
+    if args.only and not report["rows"]:
+        print(f"error: no row matches {args.only!r} (--only picks the rows whose name or baseline contains it,"
+              " in any case; e.g. alloc, launch, context, graph)", file=sys.stderr)
+        return 1
     if args.json == "-":
         print(json.dumps(report, indent=2))
     else:
         print(format_table(report))
-    if args.json and args.json != "-":
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"note: wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        plot(report, args.plot)
-        print(f"note: wrote {args.plot}", file=sys.stderr)
+    try:
+        if args.json and args.json != "-":
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+            print(f"note: wrote {args.json}", file=sys.stderr)
+        if args.plot:
+            plot(report, args.plot)
+            print(f"note: wrote {args.plot}", file=sys.stderr)
+    except OSError as e:
+        print(f"error: could not write the report: {e}", file=sys.stderr)
+        return 1
     if not any(not r["skipped"] for r in report["rows"]):
         print("error: no row could be measured here", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m gpuptr.bench``: the bench on its own (the CLI's ``bench``
+    command also picks the driver first)."""
+    ap = argparse.ArgumentParser(prog="gpuptr bench", description=DESCRIPTION)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    problem = check_arguments(args)
+    if problem:
+        print(f"gpuptr bench: error: {problem}", file=sys.stderr)
+        return 2
+    return run_command(args)
 
 
 if __name__ == "__main__":

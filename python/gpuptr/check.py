@@ -64,7 +64,7 @@ def check_driver() -> str:
     import gpuptr
 
     info = gpuptr.driver_info()
-    where = "the CUDA driver" if info["driver"] == "cuda" else "gpuptr's simulator (no usable CUDA driver)"
+    where = "the CUDA driver" if info["driver"] == "cuda" else "gpuptr's simulator (GPUPTR_DRIVER=sim)"
     return f"{where}, CUDA {info['version_string']}, {info['device_count']} device(s)"
 
 
@@ -348,38 +348,71 @@ CHECKS: List[Tuple[str, Callable[[], str]]] = [
 ]
 
 
+def _failure(e: Exception) -> str:
+    where = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} at: {where.line}"
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def run(out: TextIO = sys.stdout, as_json: bool = False) -> int:
     """Run every check and print the table (or, with ``as_json``, a JSON
-    report); returns the number of failures. On a terminal, stderr shows
-    which check runs and how long each took."""
+    report); returns the number of failures. Each row is printed as its
+    check ends. On a terminal the row's name shows while its check runs,
+    and its time follows the row; with the table going elsewhere, stderr
+    shows the progress when it is a terminal. When the driver check fails,
+    the others (which all need a driver) are not run."""
     import json
     import time
 
     failures = 0
-    rows = []
-    progress = sys.stderr.isatty()
-    for name, fn in CHECKS:
+    rows: List[Tuple[str, str, str]] = []
+    not_run: List[str] = []
+    width = max(len(name) for name, _ in CHECKS)
+    live = not as_json and _isatty(out)
+    progress = not live and _isatty(sys.stderr)
+    for i, (name, fn) in enumerate(CHECKS):
         t0 = time.perf_counter()
-        if progress:
+        if live:
+            print(f"{name:<{width}}  ", end="", file=out, flush=True)
+        elif progress:
             print(f"  running: {name} ...", end="", file=sys.stderr, flush=True)
         try:
-            rows.append((name, PASS, fn()))
+            row = (name, PASS, fn())
         except Skip as s:
-            rows.append((name, SKIP, str(s)))
+            row = (name, SKIP, str(s))
         except Exception as e:
             failures += 1
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            detail = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} at: {where.line}"
-            rows.append((name, FAIL, detail))
-        if progress:
-            print(f" {rows[-1][1]} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+            row = (name, FAIL, _failure(e))
+        rows.append(row)
+        took = time.perf_counter() - t0
+        if live:
+            print(f"{row[1]:<4}  {row[2]}  ({took:.1f} s)", file=out, flush=True)
+        else:
+            if progress:
+                print(f" {row[1]} ({took:.1f} s)", file=sys.stderr, flush=True)
+            if not as_json:
+                print(f"{name:<{width}}  {row[1]:<4}  {row[2]}", file=out, flush=True)
+        if name == "driver" and row[1] == FAIL:
+            not_run = [n for n, _ in CHECKS[i + 1 :]]
+            break
     counts = {k: sum(r[1] == v for r in rows) for k, v in (("passed", PASS), ("failed", FAIL), ("skipped", SKIP))}
     if as_json:
-        report = {"checks": [{"name": n, "status": st, "detail": d} for n, st, d in rows], **counts}
+        report = {
+            "checks": [{"name": n, "status": st, "detail": d} for n, st, d in rows],
+            **counts,
+            "not_run": not_run,
+        }
         print(json.dumps(report, indent=2), file=out)
         return failures
-    width = max(len(r[0]) for r in rows)
-    for name, status, detail in rows:
-        print(f"{name:<{width}}  {status:<4}  {detail}", file=out)
-    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", file=out)
+    summary = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+    if not_run:
+        print(f"the other {len(not_run)} checks were not run: each needs a working driver", file=out)
+        summary += f", {len(not_run)} not run"
+    print(summary, file=out)
     return failures

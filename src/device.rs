@@ -189,6 +189,7 @@ impl DeviceState {
         let pool = self.pool.as_ref().expect("pooled device");
         let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
         if attempt.as_ref().is_err_and(Error::is_oom) {
+            self.counters.alloc_retries.fetch_add(1, Ordering::Relaxed);
             let _recovering = lock(&self.recovery);
             let (mut returned, mut rounds) = (0, 0);
             for round in 0..4 {
@@ -214,7 +215,10 @@ impl DeviceState {
             );
         }
         let block = attempt.map_err(|e| match e.is_oom() {
-            true => self.out_of_memory(ctx, size),
+            true => {
+                self.counters.ooms.fetch_add(1, Ordering::Relaxed);
+                self.out_of_memory(ctx, size)
+            }
             false => e,
         })?;
         if block.ahead {
@@ -581,6 +585,7 @@ impl DeviceState {
             &self.counters,
             pool.map(Pool::stats).unwrap_or_default(),
             pool.map_or(0, Pool::held_bytes),
+            pool.map_or(0, Pool::peak_held_bytes),
             pool.map(Pool::limit).filter(|l| *l != usize::MAX),
         )
     }

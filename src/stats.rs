@@ -57,6 +57,10 @@ pub(crate) struct DeviceCounters {
     pub live_count: AtomicUsize,
     pub peak_bytes: AtomicUsize,
     pub alloc_count: AtomicU64,
+    /// Allocations that failed as out of memory (after the pool's retry).
+    pub ooms: AtomicU64,
+    /// Allocations the pool retried after giving its cache back.
+    pub alloc_retries: AtomicU64,
     /// Live bytes, live count and allocations per client.
     clients: [[AtomicU64; 3]; 4],
 }
@@ -154,6 +158,17 @@ pub struct DeviceStats {
     pub pool_bytes: usize,
     /// The cap on `pool_bytes`, if one is set ([`Runtime::set_pool_limit`](crate::Runtime::set_pool_limit)).
     pub pool_limit: Option<usize>,
+    /// The most `pool_bytes` has been (PyTorch's `max_memory_reserved`).
+    pub peak_pool_bytes: usize,
+    /// Bytes held from the driver: the pool's, and live allocations that
+    /// bypass it (PyTorch's `memory_reserved`).
+    pub reserved_bytes: usize,
+    /// Allocations that failed as out of memory, after the pool gave its
+    /// cache back and retried (PyTorch's `num_ooms`).
+    pub num_ooms: u64,
+    /// Allocations the pool retried after giving its cache back to the
+    /// driver (PyTorch's `num_alloc_retries`).
+    pub num_alloc_retries: u64,
 }
 
 /// A snapshot of one pool's statistics.
@@ -205,6 +220,7 @@ impl DeviceStats {
         c: &DeviceCounters,
         p: PoolStats,
         pool_bytes: usize,
+        peak_pool_bytes: usize,
         pool_limit: Option<usize>,
     ) -> DeviceStats {
         DeviceStats {
@@ -226,6 +242,10 @@ impl DeviceStats {
             }),
             pool_bytes,
             pool_limit,
+            peak_pool_bytes,
+            reserved_bytes: pool_bytes + c.live_bytes.load(Ordering::Relaxed),
+            num_ooms: c.ooms.load(Ordering::Relaxed),
+            num_alloc_retries: c.alloc_retries.load(Ordering::Relaxed),
         }
     }
 }

@@ -155,3 +155,36 @@ def test_memory_is_a_context_manager_that_frees_it():
         assert v.nbytes == 128
     owner.memset(2)
     owner.free()
+
+
+@sim
+def test_the_one_number_helpers_follow_the_pool():
+    gpuptr.trim()
+    gpuptr.reset_peak_stats()
+    base = gpuptr.memory_allocated()
+    m = gpuptr.alloc(3 << 20)
+    assert gpuptr.memory_allocated() == base + (3 << 20) == gpuptr.memory_allocated(0)
+    assert gpuptr.max_memory_allocated() >= base + (3 << 20)
+    reserved = gpuptr.memory_reserved()
+    assert reserved >= gpuptr.memory_allocated() and reserved == gpuptr.stats()[0]["reserved_bytes"]
+    assert gpuptr.max_memory_reserved() >= gpuptr.stats()[0]["pool_bytes"]
+    m.free()
+    assert gpuptr.memory_allocated() == base
+    assert gpuptr.max_memory_allocated() >= base + (3 << 20), "the peak stays"
+    gpuptr.flush_pool()
+    gpuptr.trim()
+    gpuptr.reset_peak_stats()
+    assert gpuptr.max_memory_reserved() == gpuptr.stats()[0]["pool_bytes"]
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.memory_allocated(99)
+
+
+@sim
+def test_out_of_memory_and_retries_are_counted(no_limit):
+    s0 = gpuptr.stats()[0]
+    gpuptr.set_pool_limit(1 << 20, device=0)
+    with pytest.raises(gpuptr.OutOfMemoryError, match="its limit is 1.00 MiB"):
+        gpuptr.alloc(4 << 20)
+    s1 = gpuptr.stats()[0]
+    assert s1["num_ooms"] == s0["num_ooms"] + 1
+    assert s1["num_alloc_retries"] == s0["num_alloc_retries"] + 1

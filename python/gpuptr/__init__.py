@@ -69,6 +69,7 @@ from gpuptr._install import install
 from gpuptr._capture import capturing
 from gpuptr import _log  # noqa: F401,E402  (the core's records into logging)
 from gpuptr._summary import memory_summary
+from gpuptr._numbers import max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved
 from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, MemoryInfo, Outstanding
 from gpuptr.interop import ArrayView, as_array, from_cuda_array_interface, from_dlpack
 
@@ -115,6 +116,10 @@ __all__ = [
     "is_capturing",
     "install",
     "open_ipc",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
     "memory_summary",
     "probe_cuda",
     "register_host",

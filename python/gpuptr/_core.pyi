@@ -42,6 +42,7 @@ __all__ = [
     "is_capturing",
     "capture_started",
     "graph_kept_bytes",
+    "_current_device",
     "flush_pool",
     "reserve",
     "set_pool_limit",
@@ -458,6 +459,8 @@ def capture_started(stream: Any, device: Optional[int] = None) -> None:
     int or a stream object) of ``device``; ``InvalidArgumentError`` if it is
     not capturing.
     """
+def _current_device() -> int:
+    """The current device (``device=None`` in the functions that take one)."""
 def graph_kept_bytes(device: Optional[int] = None) -> int:
     """Bytes of ``device``'s pool (default: the current device) that CUDA
     graphs keep: freed, and reused once their graph is destroyed.

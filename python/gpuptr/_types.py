@@ -61,6 +61,16 @@ class DeviceStats(TypedDict):
     #: cap ``set_pool_limit()`` put on them (None: none).
     pool_bytes: int
     pool_limit: Optional[int]
+    #: The most ``pool_bytes`` has been since ``reset_peak_stats()``.
+    peak_pool_bytes: int
+    #: Bytes held from the driver: the pool's, and live allocations that
+    #: bypass it (``memory_reserved()``).
+    reserved_bytes: int
+    #: Allocations that failed as out of memory after the pool gave its
+    #: cache back and retried, and allocations it retried so (PyTorch's
+    #: ``num_ooms`` and ``num_alloc_retries``).
+    num_ooms: int
+    num_alloc_retries: int
 
 
 #: One size class of a device's pool (``_core.pool_classes``): the block

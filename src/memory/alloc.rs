@@ -261,8 +261,14 @@ impl DevicePointer {
         } else {
             // Relaxed: a capture under way on some thread neither refuses
             // this allocation nor is invalidated by it.
-            let address = crate::driver::relaxed(context.driver(), || allocate(context))
-                .map_err(|e| e.oom_on(context.device(), req.size))?;
+            let address =
+                crate::driver::relaxed(context.driver(), || allocate(context)).map_err(|e| {
+                    if e.is_oom() {
+                        let ooms = &context.state().counters().ooms;
+                        ooms.fetch_add(1, Ordering::Relaxed);
+                    }
+                    e.oom_on(context.device(), req.size)
+                })?;
             let services = context.services();
             let reg = services.registry.insert(address, req.size, context);
             (address, Some(reg))

@@ -67,6 +67,8 @@ pub(super) struct Held {
     pub(super) carved: FastMap<DevicePtr, DevicePtr>,
     /// Bytes of `allocations`.
     pub(super) bytes: usize,
+    /// The most `bytes` has been (since the last peak reset).
+    pub(super) peak: usize,
     /// Bytes of driver allocations and frees under way: the driver may hold
     /// them beyond `bytes`, so the limit counts them.
     pub(super) pending: usize,
@@ -79,6 +81,7 @@ impl Held {
 
     pub(super) fn record(&mut self, a: Allocation) {
         self.bytes += a.bytes();
+        self.peak = self.peak.max(self.bytes);
         self.allocations.insert(a.base, a);
         for p in a.block_addresses().skip(1) {
             self.carved.insert(p, a.base);
@@ -341,6 +344,12 @@ impl Pool {
     /// Bytes the pool holds from the driver (handed out or cached).
     pub(crate) fn held_bytes(&self) -> usize {
         lock(&self.held).bytes
+    }
+
+    /// The most bytes the pool has held from the driver since its last
+    /// peak reset.
+    pub(crate) fn peak_held_bytes(&self) -> usize {
+        lock(&self.held).peak
     }
 
     /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).

@@ -225,6 +225,10 @@ impl Pool {
 
     /// Forget the peaks: each shard's peak becomes its live bytes.
     pub(crate) fn reset_peak(&self) {
+        {
+            let mut held = lock(&self.held);
+            held.peak = held.bytes;
+        }
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);
             sh.peak_bytes = sh.live_bytes;

@@ -181,6 +181,10 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("clients", clients)?;
         d.set_item("pool_bytes", s.pool_bytes)?;
         d.set_item("pool_limit", s.pool_limit)?;
+        d.set_item("peak_pool_bytes", s.peak_pool_bytes)?;
+        d.set_item("reserved_bytes", s.reserved_bytes)?;
+        d.set_item("num_ooms", s.num_ooms)?;
+        d.set_item("num_alloc_retries", s.num_alloc_retries)?;
         list.append(d)?;
     }
     Ok(list)
@@ -269,6 +273,12 @@ fn capture_started(
     // every CUDA library's stream arguments require.
     py.detach(|| unsafe { rt.capture_started(d, s) })
         .map_err(Into::into)
+}
+
+/// The current device (``device=None`` in the functions that take one).
+#[pyfunction]
+fn _current_device() -> PyResult<usize> {
+    capture_device(None)
 }
 
 /// Bytes of ``device``'s pool (default: the current device) that CUDA
@@ -438,10 +448,10 @@ mod _core {
     // Contexts, allocation and the pool.
     #[pymodule_export]
     use super::{
-        alloc, begin_capture, capture_started, context, context_of, devices, driver_info,
-        end_capture, flush_pool, graph_kept_bytes, is_capturing, pool_classes, probe_cuda,
-        release_contexts, reserve, reset_context, reset_peak_stats, set_pool_limit, stats, trim,
-        wrap,
+        _current_device, alloc, begin_capture, capture_started, context, context_of, devices,
+        driver_info, end_capture, flush_pool, graph_kept_bytes, is_capturing, pool_classes,
+        probe_cuda, release_contexts, reserve, reset_context, reset_peak_stats, set_pool_limit,
+        stats, trim, wrap,
     };
 
     // Host and managed memory, IPC.

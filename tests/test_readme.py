@@ -104,3 +104,14 @@ def test_the_try_it_without_a_gpu_command_runs():
     argv = shlex.split(line.removeprefix("GPUPTR_DRIVER=sim "))
     out = subprocess.run([sys.executable, *argv[1:]], env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == repr(b"\x07" * 4), out.stdout + out.stderr
+
+
+def test_the_readme_is_a_pypi_page():
+    """It speaks to users: no relative links (they break on PyPI), no paths
+    outside the repository, and no notes of the team's working sessions."""
+    text = README.read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    links = re.findall(r"\]\(([^)]+)\)", prose)
+    assert all(link.startswith(("http://", "https://", "#")) for link in links), links
+    assert "../shared" not in text
+    assert not re.search(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth) sessions?\b", text)

@@ -129,7 +129,8 @@ impl Runtime {
     /// blocks allocated during it, on a stream that takes part in it or by
     /// this thread with no stream given, and blocks this thread frees
     /// during it, are reused only after the graph, and every executable
-    /// graph made from it, is destroyed (see [`crate::graph`]).
+    /// graph made from it, is destroyed (CUDA runs a user object the graph
+    /// owns then).
     /// `gpuptr.install()` calls it for CuPy's and PyTorch's captures. A
     /// capture nobody announced keeps nothing. `Err` if `stream` is not
     /// capturing.

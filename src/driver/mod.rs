@@ -421,7 +421,7 @@ pub trait Driver: Send + Sync + 'static {
     /// made from it are destroyed and their launches have finished. It may
     /// run on a thread of the driver's, and must make no CUDA call. On
     /// `Err` it either never runs or runs at once; the caller tells which
-    /// apart itself (see [`crate::graph`]).
+    /// apart itself (gpuptr arms the destructor only once this returns `Ok`).
     ///
     /// # Safety
     /// `graph` is a live graph of `context` (one [`Driver::stream_capture`]

@@ -111,7 +111,7 @@ impl Context {
     /// As [`Context::alloc_at`], made on `seen`, a stream the caller uses
     /// whether or not the allocation is ordered on it: during a CUDA-graph
     /// capture, the block belongs to the capture `seen` takes part in, and
-    /// is kept for the graph when freed (see [`crate::graph`]). PyTorch's
+    /// is kept for the graph when freed. PyTorch's
     /// allocator hook passes its current stream.
     ///
     /// # Safety

@@ -167,3 +167,19 @@ def test_defer_cleanup_is_a_context_manager(mm, no_leaks):
         mem = mm.memalloc(64)
         del mem
 
+
+
+def test_out_of_memory_is_numbas_own_error_and_gpuptrs(mm):
+    import pickle
+
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    with pytest.raises(CudaAPIError) as ei:
+        mm.memalloc(1 << 62)
+    e = ei.value
+    assert isinstance(e, plugin.OutOfMemoryError) and isinstance(e, gpuptr.OutOfMemoryError)
+    assert isinstance(e, MemoryError) and e.code == 2 and e.name == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert str(e).startswith("[2] out of memory on device 0") and "gpuptr's pool holds" in str(e)
+    # Crossing a process boundary (a Dask worker's error) keeps it whole.
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is plugin.OutOfMemoryError and back.code == 2 and str(back) == str(e)

@@ -134,7 +134,8 @@ def _oom_class(cupy: Any) -> Any:
 def _bind(cupy: Any) -> None:
     """Look up the CuPy functions gpuptr calls (once, not per call)."""
     global _get_device, _current_stream_ptr, OutOfMemoryError
-    if OutOfMemoryError is None:
+    if OutOfMemoryError is None and hasattr(getattr(cupy.cuda, "memory", None), "OutOfMemoryError"):
+        # A CuPy without it keeps gpuptr's own OutOfMemoryError.
         OutOfMemoryError = _oom_class(cupy)
         _core._cupy_set_oom_error(OutOfMemoryError)
     try:

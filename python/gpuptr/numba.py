@@ -67,6 +67,10 @@ class OutOfMemoryError(CudaAPIError, _gpuptr.OutOfMemoryError):  # type: ignore[
     def __str__(self) -> str:
         return f"[2] {self.msg}"
 
+    def __reduce__(self) -> Any:
+        # Pickled across processes (Dask workers) as what __init__ takes.
+        return (type(self), (self.msg,))
+
 
 class MemoryManager(GetIpcHandleMixin, BaseCUDAMemoryManager):  # type: ignore[misc]  # numba ships no types
     """numba-cuda External Memory Management plugin (interface version 1)

@@ -159,6 +159,15 @@ impl GraphMemory {
         drop(gone);
     }
 
+    /// Forget the captures listed as under way (their runtime is going):
+    /// their graphs keep what they have.
+    pub(crate) fn forget_captures(&self) {
+        let gone = std::mem::take(&mut *lock(&self.active));
+        self.active_n.store(0, Ordering::Release);
+        // Outside the lock: the last holder of a context may end it here.
+        drop(gone);
+    }
+
     /// Whether a capture that keeps memory is under way.
     #[inline]
     pub(crate) fn watching(&self) -> bool {

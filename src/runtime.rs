@@ -29,6 +29,21 @@ pub struct Runtime {
     ipc: Ipc,
 }
 
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // A device's destroyed graphs, and the captures it still lists,
+        // hold its context (and so the device) until they are given back:
+        // with no runtime left to give them back later, do it now.
+        if crate::fork::forked() {
+            return;
+        }
+        for d in &self.devices {
+            d.graphs().bury();
+            d.graphs().forget_captures();
+        }
+    }
+}
+
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runtime")

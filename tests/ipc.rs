@@ -305,3 +305,46 @@ fn test_an_export_after_a_reset_never_shares_a_stale_pointers_record() {
     assert_eq!((again.export, again.slot), (h.export, h.slot));
     assert!(rt.ipc_open(&h).is_ok());
 }
+
+/// The export number in `h`'s record of its exporter's liveness file (this
+/// process's, read as an importer would).
+fn record_number(h: &IpcHandle) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let path = format!("/dev/shm/gpuptr-ipc-{}-{:016x}", h.pid, h.process);
+    let file = std::fs::File::open(path).unwrap();
+    let mut word = [0u8; 8];
+    file.read_exact_at(&mut word, u64::from(h.slot) * 32)
+        .unwrap();
+    u64::from_le_bytes(word)
+}
+
+#[test]
+fn test_an_export_racing_a_free_never_leaves_a_live_record() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    for round in 0..200 {
+        let mem = ctx.alloc(4096).unwrap();
+        let handles = std::thread::scope(|s| {
+            let exporter = s.spawn(|| {
+                let mut out = Vec::new();
+                while let Ok(h) = rt.ipc_export(&mem.view_all().view(round % 64, None).unwrap()) {
+                    out.push(h);
+                }
+                out
+            });
+            for _ in 0..round % 7 * 50 {
+                std::hint::spin_loop();
+            }
+            mem.free().unwrap();
+            exporter.join().unwrap()
+        });
+        for h in handles {
+            assert_ne!(h.slot, u32::MAX);
+            assert_ne!(
+                record_number(&h),
+                h.export,
+                "round {round}: freed, still live"
+            );
+        }
+    }
+}

@@ -504,3 +504,12 @@ def test_a_handle_of_another_process_with_this_processes_pid_is_not_this_process
     h = craft(mem.ipc_handle(), process=new_token())
     with pytest.raises(gpuptr.InvalidPointerError, match="exited"):
         h.open()
+
+
+def test_a_handle_of_another_version_is_refused_by_its_bytes():
+    raw = bytearray(gpuptr.alloc(4096).ipc_handle().to_bytes())
+    assert raw[:8] == b"gpuptrI3"
+    for magic in (b"gpuptrI2", b"gpuptrI1"):
+        raw[:8] = magic
+        with pytest.raises(gpuptr.InvalidArgumentError):
+            gpuptr.IpcHandle.from_bytes(bytes(raw))

@@ -104,8 +104,13 @@ impl Exports {
         *e
     }
 
-    /// The allocation `key` was released: clear its record.
+    /// The allocation `key` was released: clear its record. In a forked
+    /// child, nothing: the record is the parent's (and a lock another
+    /// parent thread held at the fork would never be let go).
     pub(crate) fn forget(&self, key: ExportKey) {
+        if crate::fork::forked() {
+            return;
+        }
         let Some(e) = lock(&self.live).remove(&key) else {
             return;
         };
@@ -190,10 +195,14 @@ impl Liveness {
             .ok()?;
         let fd = file.as_raw_fd();
         // Locked while still empty: a sweeper passes over an empty file, and
-        // finds a full one locked.
+        // finds a full one locked. Never waiting: if another process locked
+        // it in between (anyone may open it to read), this process goes
+        // without a file rather than hang.
         // SAFETY: `fd` is this open file's; `flock` and `fchmod` touch
         // nothing else.
-        let ready = unsafe { libc::flock(fd, libc::LOCK_EX) == 0 && libc::fchmod(fd, MODE) == 0 };
+        let ready = unsafe {
+            libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) == 0 && libc::fchmod(fd, MODE) == 0
+        };
         if !ready || file.set_len(FILE_LEN).is_err() {
             let _ = std::fs::remove_file(&path);
             return None;

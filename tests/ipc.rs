@@ -5,7 +5,7 @@
 mod common;
 
 use common::{sim, sim_pooled};
-use gpuptr::{Error, IpcHandle};
+use gpuptr::{Driver, Error, IpcHandle};
 
 fn foreign(mut h: IpcHandle) -> IpcHandle {
     // As if another process had exported it, one without a liveness file
@@ -150,4 +150,201 @@ fn test_only_gpuptr_device_allocations_are_exported() {
         rt.ipc_export(&mem.view_all()),
         Err(Error::InvalidPointer(_))
     ));
+}
+
+// Issue 26: handles that no input can turn against their owner -------------
+
+#[test]
+fn test_a_handle_is_bounded_by_the_drivers_range_not_its_own_size() {
+    let (_drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.alloc(4096).unwrap();
+    let neighbour = ctx.alloc(4096).unwrap();
+    assert_eq!(neighbour.address(), mem.address() + 4096, "adjacent");
+    neighbour.view_all().memset(7, None).unwrap();
+    let h = foreign(rt.ipc_export(&mem.view_all()).unwrap());
+    assert!(rt.ipc_open(&h).is_ok(), "the handle as exported opens");
+    for (offset, size) in [(0, 8192), (4096, 16), (4000, 200), (1 << 62, 16)] {
+        let mut bad = h.clone();
+        bad.offset = offset;
+        bad.size = size;
+        let opened = rt.ipc_open(&bad);
+        assert!(
+            matches!(opened, Err(Error::InvalidPointer(_))),
+            "offset {offset} size {size}: {opened:?}"
+        );
+    }
+    assert_eq!(neighbour.view_all().to_vec().unwrap(), vec![7u8; 4096]);
+}
+
+#[test]
+fn test_a_handle_opened_in_its_exporter_is_bounded_by_the_exported_memory() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.alloc(4096).unwrap();
+    let h = rt.ipc_export(&mem.view_all()).unwrap();
+    for (offset, size) in [(h.offset, 8192), (h.offset + 4096, 16), (1 << 62, 16)] {
+        let mut bad = h.clone();
+        bad.offset = offset;
+        bad.size = size;
+        let opened = rt.ipc_open(&bad);
+        assert!(
+            matches!(opened, Err(Error::InvalidPointer(_))),
+            "offset {offset} size {size}: {opened:?}"
+        );
+    }
+}
+
+#[test]
+fn test_reexports_of_a_live_buffer_share_one_liveness_slot() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.alloc(4096).unwrap();
+    let first = rt.ipc_export(&mem.view_all()).unwrap();
+    assert_ne!(first.slot, u32::MAX, "the first export has a slot");
+    let mut last = first.clone();
+    for i in 0..70_000usize {
+        let v = mem.view_all().view(i % 4096, None).unwrap();
+        last = rt.ipc_export(&v).unwrap();
+    }
+    assert_eq!(
+        last.slot, first.slot,
+        "re-exports reuse the allocation's slot"
+    );
+    assert_eq!(last.export, first.export);
+    // Another live buffer still gets a slot of its own.
+    let other = ctx.alloc(4096).unwrap();
+    let h = rt.ipc_export(&other.view_all()).unwrap();
+    assert!(h.slot != u32::MAX && h.slot != first.slot);
+}
+
+#[test]
+fn test_the_cost_of_an_export_does_not_grow_with_the_exports_before_it() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.alloc(4096).unwrap();
+    let batch = || {
+        let t = std::time::Instant::now();
+        for _ in 0..1000 {
+            rt.ipc_export(&mem.view_all()).unwrap();
+        }
+        t.elapsed()
+    };
+    let first = (0..3).map(|_| batch()).min().unwrap();
+    for _ in 0..20 {
+        batch();
+    }
+    let later = (0..3).map(|_| batch()).min().unwrap();
+    assert!(
+        later < first * 4 + std::time::Duration::from_millis(20),
+        "1000 exports took {first:?} at first and {later:?} after 23,000"
+    );
+}
+
+#[test]
+fn test_an_empty_view_at_an_allocations_end_never_exports_the_neighbour() {
+    let (_drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.alloc(4096).unwrap();
+    let neighbour = ctx.alloc(4096).unwrap();
+    assert_eq!(neighbour.address(), mem.address() + 4096, "adjacent");
+    let of_mem = rt.ipc_export(&mem.view_all()).unwrap();
+    let of_neighbour = rt.ipc_export(&neighbour.view_all()).unwrap();
+    for start in [4096, 5000] {
+        let empty = mem.view_all().view(start, Some(start)).unwrap();
+        let h = match rt.ipc_export(&empty) {
+            Ok(h) => h,
+            Err(e) => {
+                assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+                continue;
+            }
+        };
+        assert_ne!(
+            h.handle, of_neighbour.handle,
+            "never the neighbour's handle"
+        );
+        assert_eq!((h.handle, h.size), (of_mem.handle, 0));
+        for h in [h.clone(), foreign(h)] {
+            let v = rt.ipc_open(&h).unwrap();
+            assert_eq!(v.size(), 0, "opens to nothing");
+            assert!(
+                std::sync::Arc::ptr_eq(v.parent(), &mem) || v.parent().address() == mem.address()
+            );
+        }
+    }
+}
+
+#[test]
+fn test_an_export_after_a_reset_never_shares_a_stale_pointers_record() {
+    let (drv, rt) = sim(1);
+    let ctx = rt.context(0).unwrap();
+    let old = ctx.alloc(4096).unwrap();
+    let old_handle = rt.ipc_export(&old.view_all()).unwrap();
+    rt.reset(0).unwrap();
+    // Simulate the driver reset that follows: the same address comes back.
+    // SAFETY: simulates the reset; `old` is stale and never used again.
+    unsafe { drv.mem_free(ctx.raw(), old.address()) }.unwrap();
+    let new = rt.context(0).unwrap().alloc(4096).unwrap();
+    assert_eq!(
+        new.address(),
+        old.address(),
+        "the simulator reuses the address"
+    );
+    let h = rt.ipc_export(&new.view_all()).unwrap();
+    assert_ne!(
+        h.export, old_handle.export,
+        "a new allocation, a new export"
+    );
+    assert!(rt.ipc_open(&h).is_ok());
+    assert!(matches!(
+        rt.ipc_open(&old_handle),
+        Err(Error::InvalidPointer(_))
+    ));
+    drop(old); // the stale pointer's release leaves the new one's record
+    let again = rt.ipc_export(&new.view_all()).unwrap();
+    assert_eq!((again.export, again.slot), (h.export, h.slot));
+    assert!(rt.ipc_open(&h).is_ok());
+}
+
+/// The export number in `h`'s record of its exporter's liveness file (this
+/// process's, read as an importer would).
+fn record_number(h: &IpcHandle) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let path = format!("/dev/shm/gpuptr-ipc-{}-{:016x}", h.pid, h.process);
+    let file = std::fs::File::open(path).unwrap();
+    let mut word = [0u8; 8];
+    file.read_exact_at(&mut word, u64::from(h.slot) * 32)
+        .unwrap();
+    u64::from_le_bytes(word)
+}
+
+#[test]
+fn test_an_export_racing_a_free_never_leaves_a_live_record() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    for round in 0..200 {
+        let mem = ctx.alloc(4096).unwrap();
+        let handles = std::thread::scope(|s| {
+            let exporter = s.spawn(|| {
+                let mut out = Vec::new();
+                while let Ok(h) = rt.ipc_export(&mem.view_all().view(round % 64, None).unwrap()) {
+                    out.push(h);
+                }
+                out
+            });
+            for _ in 0..round % 7 * 50 {
+                std::hint::spin_loop();
+            }
+            mem.free().unwrap();
+            exporter.join().unwrap()
+        });
+        for h in handles {
+            assert_ne!(h.slot, u32::MAX);
+            assert_ne!(
+                record_number(&h),
+                h.export,
+                "round {round}: freed, still live"
+            );
+        }
+    }
 }

@@ -220,7 +220,10 @@ class MemoryPointer:
     def ipc_handle(self) -> IpcHandle:
         """A picklable ``IpcHandle`` another process opens to use this memory
         (device memory gpuptr allocated; not managed, host or wrapped
-        memory, which raise ``InvalidArgumentError``).
+        memory, which raise ``InvalidArgumentError``, as pool memory does
+        when no liveness record is left: 65,536 allocations exported and
+        live at once, or no ``/dev/shm``). Every handle of one allocation
+        shares its record; an empty view's handle opens to an empty view.
         """
     def record_stream(self, stream: _Stream) -> None:
         """Declare that the memory is also used on ``stream`` (as torch's

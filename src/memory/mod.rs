@@ -109,7 +109,7 @@ pub struct DevicePointer {
     client: Client,
     /// Noted by the leak report (forgotten on release).
     tracked: bool,
-    /// Shared with another process (its IPC liveness slots are cleared on
+    /// Shared with another process (its IPC liveness record is cleared on
     /// release).
     exported: AtomicBool,
     keepalive: Mutex<Option<KeepAlive>>,
@@ -341,10 +341,15 @@ impl DevicePointer {
         self.free()
     }
 
-    /// Note that an IPC handle of this memory went out (its liveness slots
-    /// are cleared when it is released).
+    /// Note that an IPC handle of this memory went out (its liveness record
+    /// is cleared when it is released).
     pub(crate) fn mark_exported(&self) {
         self.exported.store(true, Ordering::Release);
+    }
+
+    /// What names this allocation among a runtime's IPC exports.
+    pub(crate) fn export_key(&self) -> crate::ipc::liveness::ExportKey {
+        (self.address, self.context.device(), self.generation)
     }
 
     /// Record where this allocation was made, for the leak report, if
@@ -377,7 +382,7 @@ impl DevicePointer {
         if self.exported.load(Ordering::Acquire) {
             // First, before the memory can be reused: another process that
             // opens a handle of it from now on gets a typed error.
-            ctx.services().exports.forget(self.address);
+            ctx.services().exports.forget(self.export_key());
         }
         let stale = self.is_stale();
         match self.origin {

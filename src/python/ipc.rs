@@ -12,8 +12,9 @@ use crate::IpcHandle;
 /// the exporting process). ``open()`` (or ``gpuptr.open_ipc(h)``) gives a
 /// MemoryPointer: in another process, the mapped memory (unmapped when the
 /// last pointer over it goes); in the exporting process, the original
-/// memory. Memory the exporter freed before the open raises
-/// ``InvalidPointerError`` in any process.
+/// memory. Memory the exporter freed before the open, a gone exporter, and
+/// a handle whose offset and size run outside the allocation it was made
+/// from raise ``InvalidPointerError`` in any process.
 #[pyclass(frozen, eq, module = "gpuptr._core", name = "IpcHandle")]
 #[derive(PartialEq)]
 pub(crate) struct PyIpcHandle(IpcHandle);
@@ -85,7 +86,10 @@ impl PyIpcHandle {
 impl PyMemoryPointer {
     /// A picklable ``IpcHandle`` another process opens to use this memory
     /// (device memory gpuptr allocated; not managed, host or wrapped
-    /// memory, which raise ``InvalidArgumentError``).
+    /// memory, which raise ``InvalidArgumentError``, as pool memory does
+    /// when no liveness record is left: 65,536 allocations exported and
+    /// live at once, or no ``/dev/shm``). Every handle of one allocation
+    /// shares its record; an empty view's handle opens to an empty view.
     fn ipc_handle(&self) -> PyResult<PyIpcHandle> {
         Ok(PyIpcHandle(runtime()?.ipc_export(&self.view)?))
     }

@@ -242,8 +242,8 @@ class MemoryPointer:
         ``src`` to the start of this memory, on ``stream`` if given.
         """
 
-def context(device: int = 0) -> Context:
-    """The context of `device` (default 0): one object per device."""
+def context(device: Optional[int] = None) -> Context:
+    """The context of `device` (default, or None: 0): one object per device."""
 def alloc(nbytes: int, device: Optional[int] = None, stream: _Stream = None) -> MemoryPointer:
     """Allocate ``nbytes`` of device memory on ``device`` (default: the current
     context's device, else 0), from the device's pool.

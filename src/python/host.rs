@@ -108,7 +108,7 @@ fn host_object(
 fn wrap_pinned(
     context: &Bound<'_, PyAny>,
     pointer: &Bound<'_, PyAny>,
-    size: isize,
+    size: &Bound<'_, PyAny>,
     owner: Option<Py<PyAny>>,
     finalizer: Option<Py<PyAny>>,
     mapped: bool,
@@ -126,7 +126,7 @@ fn wrap_pinned(
         HostMemory::wrap(
             &ctx,
             pointer_arg(pointer)? as usize,
-            size_arg(size)?,
+            size_arg(size, "size")?,
             mapped,
             keep,
         )
@@ -267,7 +267,7 @@ macro_rules! host_methods {
             fn py_new(
                 context: &Bound<'_, PyAny>,
                 pointer: &Bound<'_, PyAny>,
-                size: isize,
+                size: &Bound<'_, PyAny>,
                 owner: Option<Py<PyAny>>,
                 finalizer: Option<Py<PyAny>>,
             ) -> PyResult<PyClassInitializer<Self>> {
@@ -452,12 +452,12 @@ impl PyManagedMemory {
     fn py_new(
         context: &Bound<'_, PyAny>,
         pointer: &Bound<'_, PyAny>,
-        size: isize,
+        size: &Bound<'_, PyAny>,
         owner: Option<Py<PyAny>>,
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         // The host reads its bytes at the address: it must be managed memory.
-        runtime()?.check_managed(pointer_arg(pointer)?, size_arg(size)?)?;
+        runtime()?.check_managed(pointer_arg(pointer)?, size_arg(size, "size")?)?;
         let base = PyMemoryPointer::py_new(context, pointer, size, owner, finalizer)?;
         Ok(PyManagedMemory::init(base))
     }
@@ -500,7 +500,7 @@ impl PyManagedMemory {
 #[pyo3(signature = (nbytes, mapped=false, portable=false, wc=false, device=None))]
 pub(crate) fn alloc_host(
     py: Python<'_>,
-    nbytes: isize,
+    nbytes: &Bound<'_, PyAny>,
     mapped: bool,
     portable: bool,
     wc: bool,
@@ -513,7 +513,7 @@ pub(crate) fn alloc_host(
         write_combined: wc,
         read_only: false,
     };
-    let size = size_arg(nbytes)?;
+    let size = size_arg(nbytes, "nbytes")?;
     // Pinning takes a while for large sizes: let other threads run.
     let host = py.detach(|| HostMemory::alloc(&ctx, size, flags))?;
     host_object(py, host, Owned::default(), mapped)
@@ -565,7 +565,7 @@ pub(crate) fn register_host(
 pub(crate) fn register_host_ptr(
     py: Python<'_>,
     address: &Bound<'_, PyAny>,
-    size: isize,
+    size: &Bound<'_, PyAny>,
     owner: Option<Py<PyAny>>,
     mapped: bool,
     portable: bool,
@@ -579,7 +579,7 @@ pub(crate) fn register_host_ptr(
         write_combined: false,
         read_only: false,
     };
-    let size = size_arg(size)?;
+    let size = size_arg(size, "size")?;
     // SAFETY: numba's `mempin` shape: `owner` (held by the returned object,
     // which unregisters before letting it go) keeps the memory alive; the
     // driver refuses ranges that are not mapped host memory.
@@ -593,12 +593,12 @@ pub(crate) fn register_host_ptr(
 #[pyo3(signature = (nbytes, attach_global=true, device=None))]
 pub(crate) fn alloc_managed(
     py: Python<'_>,
-    nbytes: isize,
+    nbytes: &Bound<'_, PyAny>,
     attach_global: bool,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyManagedMemory>> {
     let ctx = device_context(device)?;
-    let size = size_arg(nbytes)?;
+    let size = size_arg(nbytes, "nbytes")?;
     // Allocated without the GIL; its Python site is noted once it is back.
     let mem = py.detach(|| ctx.alloc_managed(size, attach_global))?;
     mem.note_site(|| super::track::python_site(py));

@@ -19,16 +19,17 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict, PyList};
 
 use crate::{Error, Runtime};
-use args::{device_arg, device_context, int_arg, optional_device, pointer_arg, runtime, size_arg};
+use args::{device_arg, device_context, optional_device, optional_size, pointer_arg, runtime, size_arg};
 use pointer::PyMemoryPointer;
 use py_context::{py_context, PyContext, PyDevice};
 
-/// The context of `device` (default 0): one object per device.
+/// The context of `device` (default, or None: 0): one object per device.
 #[pyfunction]
-#[pyo3(signature = (device=0))]
-fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
+#[pyo3(signature = (device=None))]
+fn context(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyContext>> {
     let _log = logging::Deliver(py);
-    py_context(py, &runtime()?.context(device_arg(device)?)?)
+    let device = optional_device(device)?.unwrap_or(0);
+    py_context(py, &runtime()?.context(device)?)
 }
 
 /// Allocate ``nbytes`` of device memory on ``device`` (default: the current
@@ -61,7 +62,7 @@ fn alloc_as(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
     let _log = logging::Deliver(py);
-    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let size = size_arg(nbytes, "nbytes")?;
     let ctx = device_context(device)?;
     let stream = args::stream_arg(stream)?;
     let pyctx = py_context(py, &ctx)?;
@@ -97,7 +98,7 @@ fn wrap(
     owner: Option<Py<PyAny>>,
     context: Option<&Bound<'_, PyContext>>,
 ) -> PyResult<PyMemoryPointer> {
-    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let size = size_arg(nbytes, "nbytes")?;
     let address = pointer_arg(address)?;
     let ctx = context.map(|c| c.get().inner.clone());
     let mem = runtime()?.wrap(address, size, ctx, None)?;
@@ -299,10 +300,7 @@ fn set_pool_limit(
     nbytes: Option<&Bound<'_, PyAny>>,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let limit = match nbytes.filter(|n| !n.is_none()) {
-        Some(n) => Some(size_arg(int_arg(n, "nbytes")?)?),
-        None => None,
-    };
+    let limit = optional_size(nbytes, "nbytes")?;
     let rt = runtime()?;
     match optional_device(device)? {
         Some(d) => rt.set_pool_limit(d, limit)?,
@@ -330,11 +328,8 @@ fn reserve(
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<usize> {
     let _log = logging::Deliver(py);
-    let bytes = size_arg(int_arg(nbytes, "nbytes")?)?;
-    let size = match block_size.filter(|b| !b.is_none()) {
-        Some(b) => size_arg(int_arg(b, "block_size")?)?,
-        None => 1 << 20,
-    };
+    let bytes = size_arg(nbytes, "nbytes")?;
+    let size = optional_size(block_size, "block_size")?.unwrap_or(1 << 20);
     if size == 0 {
         return Err(Error::InvalidArgument("block_size must be positive".into()).into());
     }
@@ -350,7 +345,7 @@ fn reserve(
 #[pyfunction]
 fn pool_classes<'py>(py: Python<'py>, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     let _log = logging::Deliver(py);
-    let device = device_arg(int_arg(device, "device")?)?;
+    let device = device_arg(device)?;
     let list = PyList::empty(py);
     for c in runtime()?.class_stats(device)? {
         let d = PyDict::new(py);
@@ -386,7 +381,7 @@ fn trim(py: Python<'_>) -> PyResult<usize> {
 #[pyfunction]
 fn reset_context(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
     let _log = logging::Deliver(py);
-    let device = device_arg(int_arg(device, "device")?)?;
+    let device = device_arg(device)?;
     let rt = runtime()?;
     Ok(py.detach(|| rt.reset(device))?)
 }

@@ -28,7 +28,8 @@ impl PyDevice {
 #[pymethods]
 impl PyDevice {
     #[new]
-    fn new(id: usize) -> PyResult<Self> {
+    fn new(id: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let id = super::args::device_arg(id)?;
         runtime()?.check_device(id)?;
         Ok(PyDevice { id })
     }

@@ -1,0 +1,76 @@
+"""Host memory, fork, exit, logging and argument safety on the simulator:
+items 8-13 of issue 26, each with a test that failed before its mend.
+Cases that crashed or could hang the process run in a subprocess with a
+timeout, so a regression fails the test instead of killing pytest."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import gpuptr
+from gpuptr import _core
+
+pytestmark = pytest.mark.sim
+
+
+def run_isolated(code: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(256 << 20), **(env or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# 13. Ints past 64 bits get a typed error naming the argument and the range ------
+
+HUGE = [2**63, 2**64, 2**100, -(2**64)]
+
+CALLS = {
+    "alloc": (lambda n: gpuptr.alloc(n), "nbytes"),
+    "alloc device": (lambda n: gpuptr.alloc(64, device=n), "device"),
+    "alloc_host": (lambda n: gpuptr.alloc_host(n), "nbytes"),
+    "alloc_managed": (lambda n: gpuptr.alloc_managed(n), "nbytes"),
+    "set_pool_limit": (lambda n: gpuptr.set_pool_limit(n), "nbytes"),
+    "set_pool_limit device": (lambda n: gpuptr.set_pool_limit(1 << 20, device=n), "device"),
+    "reserve": (lambda n: gpuptr.reserve(n), "nbytes"),
+    "reserve block_size": (lambda n: gpuptr.reserve(1 << 20, block_size=n), "block_size"),
+    "memory_summary": (lambda n: gpuptr.memory_summary(device=n), "device"),
+    "context": (lambda n: gpuptr.context(n), "device"),
+    "Device": (lambda n: gpuptr.Device(n), "device"),
+    "flush_pool": (lambda n: gpuptr.flush_pool(n), "device"),
+    "cupy malloc": (lambda n: _core._cupy_malloc(n, 0), "nbytes"),
+    "cupy malloc device": (lambda n: _core._cupy_malloc(64, n), "device"),
+    "MemoryPointer size": (lambda n: gpuptr.MemoryPointer(None, gpuptr.alloc(64).device_pointer_value, n), "size"),
+    "memset count": (lambda n: gpuptr.alloc(64).memset(0, count=n), "count"),
+    "copy_from_device count": (lambda n: gpuptr.alloc(64).copy_from_device(gpuptr.alloc(64), count=n), "count"),
+    "view start": (lambda n: gpuptr.alloc(64).view(n), "start"),
+    "view stop": (lambda n: gpuptr.alloc(64).view(0, n), "stop"),
+    "memalloc": (lambda n: gpuptr.context(0).memalloc(n), "size"),
+    "register_host_ptr": (lambda n: _core.register_host_ptr(4096, n), "size"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_ints_past_64_bits_get_a_typed_error_naming_the_argument_and_range(call):
+    f, name = CALLS[call]
+    # A view's bounds are out of range as any bound is: InvalidPointerError.
+    expected = gpuptr.InvalidPointerError if call.startswith("view") else (gpuptr.InvalidArgumentError, OverflowError)
+    for n in HUGE:
+        with pytest.raises(expected) as e:
+            f(n)
+        msg = str(e.value)
+        assert name in msg and ("2**63" in msg or "9223372036854775807" in msg), (n, msg)
+
+
+def test_the_cupy_hook_refuses_huge_sizes_with_a_typed_error():
+    # CuPy's PythonFunctionAllocator passes the size through unchanged.
+    with pytest.raises(gpuptr.InvalidArgumentError, match="nbytes"):
+        _core._cupy_malloc(2**64, 0, None)
+    assert _core._cupy_malloc(0, 0, None) == 0

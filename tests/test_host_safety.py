@@ -28,6 +28,60 @@ def run_isolated(code: str, timeout: int = 120, env: dict | None = None) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
+# 12. A raising logging handler does not drop the rest of the batch --------------
+
+def test_a_raising_log_handler_does_not_drop_the_rest_of_the_batch():
+    # Records made where no entry point delivers them (PyTorch's allocation
+    # hook) queue up, and the next entry point delivers them as one batch.
+    r = run_isolated("""
+        import ctypes, logging, gpuptr
+        from gpuptr import _core
+        seen = {"first": [], "second": []}
+        armed = []
+        class Raises(logging.Handler):
+            def emit(self, record):
+                seen["first"].append(record.getMessage())
+                if armed and armed.pop():
+                    raise RuntimeError("a handler's own failure")
+        class Counts(logging.Handler):
+            def emit(self, record):
+                seen["second"].append(record.getMessage())
+        log = logging.getLogger("gpuptr")
+        log.setLevel(logging.DEBUG)
+        log.addHandler(Raises()); log.addHandler(Counts())
+        lib = ctypes.CDLL(_core.__file__)
+        lib.gpuptr_torch_alloc.restype = ctypes.c_void_p
+        lib.gpuptr_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpuptr_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        gpuptr.context(0)
+        ptrs = [lib.gpuptr_torch_alloc((k + 1) << 16, 0, None) for k in range(10)]
+        assert all(ptrs)
+        seen["first"].clear(); seen["second"].clear()
+        armed.append(True)              # the batch's first record raises
+        _core._flush_log()
+        print(len(seen["first"]), len(seen["second"]))
+        for p in ptrs:
+            lib.gpuptr_torch_free(p, 0, 0, None)
+    """)
+    assert r.returncode == 0, r.stderr
+    first, second = map(int, r.stdout.split())
+    assert first >= 10 and second == first - 1, (first, second, r.stderr)
+    assert "a handler's own failure" in r.stderr  # reported, as unraisable
+
+
+def test_any_int_is_a_logging_level_for_gpuptr():
+    # Python's logging takes any int as a level; passing it on must not
+    # raise from setLevel (it once raised OverflowError there).
+    log = logging.getLogger("gpuptr")
+    before = log.level
+    try:
+        for level in (2**70, -(2**70), 0, 10**30):
+            log.setLevel(level)
+            gpuptr.alloc(64).free()
+    finally:
+        log.setLevel(before)
+
+
 # 13. Ints past 64 bits get a typed error naming the argument and the range ------
 
 HUGE = [2**63, 2**64, 2**100, -(2**64)]

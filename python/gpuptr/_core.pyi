@@ -561,7 +561,8 @@ def outstanding() -> list[Outstanding]:
     """
 def _set_log_level(level: int) -> None:
     """Set the level records are kept at, from a Python logging level (the
-    `gpuptr` logger's effective level), and deliver what is queued.
+    `gpuptr` logger's effective level), and deliver what is queued. Any int
+    is a level (``setLevel(2**70)`` is allowed, and turns records off).
     """
 def _flush_log() -> None:
     """Deliver the records the core queued (gpuptr's entry points do this

@@ -285,7 +285,13 @@ impl HostMemory {
         self.life.free("host memory", || self.release())
     }
 
+    /// Free or unregister; the caller has claimed the release. In a forked
+    /// child this does nothing, wherever it is called from (see
+    /// [`DevicePointer`](crate::DevicePointer)'s release).
     fn release(&self) -> Result<()> {
+        if crate::fork::forked() {
+            return Ok(());
+        }
         if self.size != 0 && self.generation == self.context.generation() {
             let drv = self.context.driver();
             let raw = self.context.raw();

@@ -28,6 +28,71 @@ def run_isolated(code: str, timeout: int = 120, env: dict | None = None) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
+# 10. A forked child never runs a release the parent deferred -------------------
+
+def test_a_forked_child_never_runs_a_release_the_parent_deferred(tmp_path):
+    log = tmp_path / "finalized"
+    r = run_isolated(f"""
+        import gc, os, pickle, subprocess, sys
+        import gpuptr
+        LOG = {str(log)!r}
+        def note():
+            with open(LOG, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+        mem = gpuptr.alloc(4096)
+        wrapped = gpuptr.MemoryPointer(None, mem.device_pointer_value, 4096, finalizer=note)
+        capsule = wrapped.__dlpack__()
+        wrapped.free()                  # deferred: the capsule holds the memory
+        block = gpuptr.alloc(1 << 20)
+        handle = block.ipc_handle()
+        block_capsule = block.__dlpack__()
+        block.free()                    # deferred too; its liveness slot stays
+        pid = os.fork()
+        if pid == 0:
+            del capsule, block_capsule  # the child's copies: nothing to release
+            gc.collect()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not os.path.exists(LOG), "the finalizer ran in the child"
+        # Another process still finds the block live (its own simulator then
+        # fails to map it): the child did not clear the parent's slot.
+        opener = "import pickle, sys, gpuptr\\n" \\
+                 "try:\\n    pickle.loads(sys.stdin.buffer.read()).open()\\n" \\
+                 "except gpuptr.GpuptrError as e:\\n    print(type(e).__name__)\\n"
+        out = subprocess.run([sys.executable, "-c", opener], input=pickle.dumps(handle),
+                             capture_output=True, timeout=60)
+        print("open:", out.stdout.decode().strip())
+        del capsule, block_capsule      # the parent's: released here
+        gc.collect()
+        print("finalized by", open(LOG).read().split() == [str(os.getpid())])
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split("\n")[:2] == ["open: CudaError", "finalized by True"], r.stdout + r.stderr
+
+
+def test_a_forked_child_never_calls_a_python_finalizer_at_its_exit(tmp_path):
+    log = tmp_path / "finalized"
+    r = run_isolated(f"""
+        import os, sys, gpuptr
+        LOG = {str(log)!r}
+        def note():
+            with open(LOG, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+        mem = gpuptr.alloc(4096)
+        keep = gpuptr.MemoryPointer(None, mem.device_pointer_value, 4096, finalizer=note)
+        view = keep.view(0, 16)
+        pid = os.fork()
+        if pid == 0:
+            del keep, view              # the last holders, in the child
+            sys.exit(0)                 # and a normal exit: finalization runs
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status), os.path.exists(LOG))
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "child 0 False", r.stdout + r.stderr
+
+
 # 12. A raising logging handler does not drop the rest of the batch --------------
 
 def test_a_raising_log_handler_does_not_drop_the_rest_of_the_batch():

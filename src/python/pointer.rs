@@ -25,7 +25,8 @@ pub(crate) fn legacy_as_one(stream: RawStream) -> RawStream {
 }
 
 /// Calls a Python finalizer once, when the allocation it guards is released.
-/// Never raises; skipped while the interpreter shuts down.
+/// Never raises; skipped while the interpreter shuts down, and in a forked
+/// child (the memory it releases is the parent's).
 pub(crate) struct PyFinalizer(Option<Py<PyAny>>);
 
 /// What a constructor's ``finalizer`` argument keeps until release; a
@@ -44,6 +45,9 @@ pub(crate) fn keep_finalizer(
 
 impl Drop for PyFinalizer {
     fn drop(&mut self) {
+        if crate::fork::forked() {
+            return;
+        }
         if let Some(f) = self.0.take() {
             Python::try_attach(|py| {
                 if let Err(e) = f.call0(py) {

@@ -28,6 +28,142 @@ def run_isolated(code: str, timeout: int = 120, env: dict | None = None) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
+# 8. Read-only host memory is not writable through gpuptr's own pointers ---------
+
+N = 900
+
+
+def _read_only_sources():
+    """Read-only objects of N bytes, each with the bytes it must keep."""
+    b = bytes(range(256)) * 3 + bytes(N - 768)       # not interned: a new object
+    arr = np.arange(N, dtype=np.uint8)
+    arr.flags.writeable = False
+    mv = memoryview(bytearray(b"m" * N)).toreadonly()
+    return [("bytes", b), ("numpy", arr), ("memoryview", mv)]
+
+
+def _snapshot(src) -> bytes:
+    return bytes(memoryview(src))
+
+
+# Every route to a gpuptr pointer over a mapped read-only registration `h`.
+ROUTES = {
+    "wrap": lambda h: gpuptr.wrap(h.device_pointer_value, N, owner=h),
+    "wrap inside": lambda h: gpuptr.wrap(h.device_pointer_value + 100, 64, owner=h),
+    "MemoryPointer(ctx)": lambda h: gpuptr.MemoryPointer(h.context, h.device_pointer_value, N),
+    "MemoryPointer(None)": lambda h: gpuptr.MemoryPointer(None, h.device_pointer_value + 1, N - 1),
+    "from_cuda_array_interface": lambda h: gpuptr.from_cuda_array_interface(h).pointer,
+    "from_dlpack": lambda h: gpuptr.from_dlpack(h).pointer,
+    "MappedMemory": lambda h: gpuptr.MappedMemory(None, h.host_pointer, N, owner=h),
+    "MappedMemory inside": lambda h: gpuptr.MappedMemory(None, h.host_pointer + 10, 20, owner=h),
+    "view": lambda h: h.view(5, 50),
+}
+
+WRITES = {
+    "memset": lambda p: p.memset(0x45),
+    "copy_from_host": lambda p: p.copy_from_host(b"EVIL" * (p.size // 4)),
+    "copy_from_device": lambda p: p.copy_from_device(gpuptr.alloc(p.size)),
+}
+
+
+@pytest.mark.parametrize("source", ["bytes", "numpy", "memoryview"])
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_read_only_host_memory_is_not_writable_through_any_gpuptr_pointer(source, route):
+    src = dict(_read_only_sources())[source]
+    before = _snapshot(src)
+    h = gpuptr.register_host(src, mapped=True)
+    assert h.readonly
+    p = ROUTES[route](h)
+    assert p.__cuda_array_interface__["data"][1] is True, "exported as read-only"
+    for name, write in WRITES.items():
+        with pytest.raises(gpuptr.InvalidArgumentError, match="read-only"):
+            write(p)
+    assert _snapshot(src) == before
+    assert p.copy_to_host()[:4] == before[p.device_pointer_value - h.device_pointer_value:][:4]  # reads work
+
+
+def test_a_read_only_cai_or_dlpack_import_of_device_memory_refuses_writes():
+    mem = gpuptr.alloc(256)
+    mem.memset(7)
+    desc = {"shape": (256,), "typestr": "|u1", "version": 3, "data": (mem.device_pointer_value, True)}
+    cai = gpuptr.from_cuda_array_interface(desc).pointer
+    cap = _core._dlpack_export(mem, [256], None, "uint8", True, None, max_version=(1, 0))
+    dl = _core._import_dlpack(cap).pointer
+    for p in (cai, dl, cai.view(10), dl.own()):
+        for write in WRITES.values():
+            with pytest.raises(gpuptr.InvalidArgumentError, match="read-only"):
+                write(p)
+    assert mem.copy_to_host() == b"\x07" * 256
+    # The memory itself, and a writable import of it, stay writable.
+    desc["data"] = (mem.device_pointer_value, False)
+    gpuptr.from_cuda_array_interface(desc).pointer.memset(1)
+    assert mem.copy_to_host() == b"\x01" * 256
+
+
+def test_a_released_read_only_registration_leaves_no_read_only_range_behind():
+    src = bytes(bytearray(b"r" * N))
+    h = gpuptr.register_host(src, mapped=True)
+    h.free()
+    del h
+    gc.collect()
+    arr = np.zeros(N, dtype=np.uint8)
+    w = gpuptr.register_host(arr, mapped=True)
+    # Whatever address the new registration got, it is writable.
+    gpuptr.wrap(w.device_pointer_value, N, owner=w).memset(9)
+    assert (arr == 9).all()
+
+
+# 9. Host objects over read-only memory export read-only buffers ----------------
+
+def _address_of(src) -> int:
+    return np.frombuffer(src, dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_pinned_and_mapped_wraps_of_a_read_only_registration_export_read_only(mapped):
+    src = bytes(bytearray(b"immutable" * 100))
+    h = gpuptr.register_host(src, mapped=mapped)
+    wraps = [gpuptr.PinnedMemory(None, h.host_pointer, len(src)),
+             gpuptr.PinnedMemory(None, h.host_pointer + 9, 9, owner=h)]
+    if mapped:
+        wraps += [gpuptr.MappedMemory(None, h.host_pointer, len(src)),
+                  gpuptr.MappedMemory(None, h.host_pointer + 9, 9)]
+    for w in wraps:
+        assert w.readonly
+        mv = memoryview(w)
+        assert mv.readonly
+        with pytest.raises(TypeError):
+            mv[:4] = b"EVIL"
+        assert not np.asarray(w).flags.writeable
+        mv.release()
+    assert src == b"immutable" * 100
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_mempin_of_a_read_only_owner_exports_read_only(mapped):
+    for src in (bytes(bytearray(b"pinned!" * 64)), np.frombuffer(bytes(bytearray(448)), dtype=np.uint8)):
+        before = _snapshot(src)
+        p = _core.register_host_ptr(_address_of(src), len(before), owner=src, mapped=mapped)
+        assert p.readonly
+        with pytest.raises(TypeError):
+            memoryview(p)[:4] = b"EVIL"
+        if mapped:
+            with pytest.raises(gpuptr.InvalidArgumentError, match="read-only"):
+                p.memset(0)
+        assert _snapshot(src) == before
+        p.free()
+
+
+def test_mempin_of_a_writable_owner_stays_writable():
+    buf = bytearray(256)
+    p = _core.register_host_ptr(_address_of(buf), 256, owner=buf, mapped=True)
+    assert not p.readonly
+    memoryview(p)[:4] = b"GOOD"
+    p.view(4, 8).memset(0x21)
+    assert bytes(buf[:8]) == b"GOOD!!!!"
+    p.free()
+
+
 # 10. A forked child never runs a release the parent deferred -------------------
 
 def test_a_forked_child_never_runs_a_release_the_parent_deferred(tmp_path):

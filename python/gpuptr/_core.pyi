@@ -615,5 +615,7 @@ def _dlpack_consume(capsule: object) -> DLPackOwner:
     """
 def register_host_ptr(address: object, size: int, owner: object = None, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Union[PinnedMemory, MappedMemory]:
     """Pin ``size`` bytes of host memory at ``address`` in place (numba's
-    ``mempin``), keeping ``owner`` alive until it is unregistered.
+    ``mempin``), keeping ``owner`` alive until it is unregistered. When
+    ``owner`` exports a read-only buffer (``bytes``, a read-only array), the
+    memory is read-only, as ``register_host`` makes it.
     """

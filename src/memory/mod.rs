@@ -196,8 +196,9 @@ impl DevicePointer {
         self.managed
     }
 
-    /// Whether writes through it are refused (a device view of read-only
-    /// host memory).
+    /// Whether writes through it are refused: memory over any byte of host
+    /// memory registered from a read-only object, or imported from an
+    /// exporter that marked it read-only.
     #[inline]
     pub fn is_readonly(&self) -> bool {
         self.readonly

@@ -559,7 +559,9 @@ pub(crate) fn register_host(
 }
 
 /// Pin ``size`` bytes of host memory at ``address`` in place (numba's
-/// ``mempin``), keeping ``owner`` alive until it is unregistered.
+/// ``mempin``), keeping ``owner`` alive until it is unregistered. When
+/// ``owner`` exports a read-only buffer (``bytes``, a read-only array), the
+/// memory is read-only, as ``register_host`` makes it.
 #[pyfunction]
 #[pyo3(signature = (address, size, owner=None, mapped=false, portable=false, device=None))]
 pub(crate) fn register_host_ptr(
@@ -573,11 +575,15 @@ pub(crate) fn register_host_ptr(
 ) -> PyResult<Py<PyAny>> {
     let ptr = pointer_arg(address)? as usize;
     let ctx = device_context(device)?;
+    let read_only = match &owner {
+        Some(o) => PyUntypedBuffer::get(o.bind(py)).is_ok_and(|b| b.readonly()),
+        None => false,
+    };
     let flags = HostFlags {
         mapped,
         portable,
         write_combined: false,
-        read_only: false,
+        read_only,
     };
     let size = size_arg(size, "size")?;
     // SAFETY: numba's `mempin` shape: `owner` (held by the returned object,

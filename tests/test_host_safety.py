@@ -229,6 +229,61 @@ def test_a_forked_child_never_calls_a_python_finalizer_at_its_exit(tmp_path):
     assert r.stdout.strip() == "child 0 False", r.stdout + r.stderr
 
 
+# 11. Exit is clean while a daemon thread is inside a gpuptr call running Python --
+
+DAEMONS = {
+    "stream object": """
+        class Stream:
+            def __cuda_stream__(self):
+                x = 0
+                for i in range(3000):
+                    x += i
+                return (0, 0)
+        def work():
+            s = Stream()
+            while True:
+                gpuptr.alloc(64, stream=s).free(stream=s)
+    """,
+    "log records": """
+        import io, logging
+        class Slow(logging.Handler):
+            def emit(self, record):
+                sum(range(3000))
+                io.StringIO().write(self.format(record))
+        logging.getLogger("gpuptr").addHandler(Slow())
+        logging.getLogger("gpuptr").setLevel(logging.DEBUG)
+        def work():
+            n = 0
+            while True:
+                n += 1
+                gpuptr.alloc(4096 * (1 + n % 97)).free()
+                gpuptr.trim()
+    """,
+    "finalizer": """
+        def work():
+            mem = gpuptr.alloc(4096)
+            while True:
+                p = gpuptr.MemoryPointer(None, mem.device_pointer_value, 64,
+                                         finalizer=lambda: sum(range(3000)))
+                p.free()
+    """,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAEMONS))
+def test_exit_is_clean_while_daemon_threads_are_inside_gpuptr_calls_that_run_python(kind):
+    code = "import threading, time, gpuptr\n" + textwrap.dedent(DAEMONS[kind]) + textwrap.dedent("""
+        for _ in range(4):
+            threading.Thread(target=work, daemon=True).start()
+        time.sleep(0.3)
+        print("exiting")
+    """)
+    for attempt in range(4):
+        r = run_isolated(code, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "exiting", (attempt, r.returncode, r.stderr[-3000:])
+        assert "FATAL" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
 # 12. A raising logging handler does not drop the rest of the batch --------------
 
 def test_a_raising_log_handler_does_not_drop_the_rest_of_the_batch():

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
 
+use super::shutdown::Region;
 use crate::{DevicePtr, Error, RawStream, Runtime};
 
 /// The process runtime (`GPUPTR_DRIVER` picks the driver on first use).
@@ -41,6 +42,9 @@ const MAX: &str = "2**63-1";
 /// `obj` (an int) as an error message shows it: its value, or how many
 /// bits it has when its digits would not fit on a line.
 pub(crate) fn shown(obj: &Bound<'_, PyAny>) -> String {
+    // An int subclass may print itself with Python code.
+    let _region = (!obj.is_exact_instance_of::<pyo3::types::PyInt>())
+        .then(|| Region::enter_or_hang(obj.py()));
     match obj.str() {
         Ok(s) if s.to_str().is_ok_and(|s| s.len() <= 40) => s.to_string(),
         _ => match obj.call_method0("bit_length") {
@@ -65,6 +69,9 @@ pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(type_error());
     }
+    // Anything but an int converts through `__index__`, which may be Python code.
+    let _region = (!obj.is_instance_of::<pyo3::types::PyInt>())
+        .then(|| Region::enter_or_hang(obj.py()));
     match obj.extract::<isize>() {
         Ok(v) => Ok(v),
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
@@ -133,6 +140,8 @@ pub(crate) fn pointer_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevicePtr> {
     if let Ok(v) = obj.extract::<u64>() {
         return Ok(v);
     }
+    // An address object's `value` and `__int__` may be Python code.
+    let _region = Region::enter_or_hang(obj.py());
     if let Ok(v) = obj.getattr("value") {
         if v.is_none() {
             return Ok(0);
@@ -182,6 +191,11 @@ pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawS
             .and_then(|v| v.extract::<usize>())
             .map_err(|_| bad())
     };
+    if obj.is_exact_instance_of::<pyo3::types::PyInt>() {
+        return handle(obj).map(Some);
+    }
+    // A stream object's attributes, and `__cuda_stream__`, may be Python code.
+    let _region = Region::enter_or_hang(obj.py());
     if obj.is_instance_of::<pyo3::types::PyInt>() {
         return handle(obj).map(Some);
     }

@@ -142,6 +142,8 @@ pub(crate) fn _import_cai<'py>(
     sync: bool,
 ) -> PyResult<ImportedArray> {
     let py = desc.py();
+    // The descriptor's values may be objects whose conversions are Python code.
+    let _region = super::shutdown::Region::enter_or_hang(py);
     let desc = desc
         .cast::<PyDict>()
         .map_err(|_| bad("__cuda_array_interface__ must be a dict"))?;

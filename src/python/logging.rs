@@ -121,6 +121,11 @@ pub(crate) fn flush(py: Python<'_>) {
 
 #[cold]
 fn deliver(py: Python<'_>) {
+    // Handlers are Python code: none runs on another thread once Python is
+    // exiting (the exiting thread delivers what is left).
+    let Some(_region) = super::shutdown::Region::enter() else {
+        return;
+    };
     let records: Vec<Queued> = {
         let mut queue = crate::sync::lock(&QUEUE);
         PENDING.store(false, Ordering::Release);

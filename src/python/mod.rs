@@ -12,6 +12,7 @@ mod ipc;
 mod logging;
 mod pointer;
 mod py_context;
+mod shutdown;
 mod testing;
 mod track;
 
@@ -448,11 +449,14 @@ mod _core {
     #[allow(non_upper_case_globals)]
     const __version__: &str = env!("CARGO_PKG_VERSION");
 
-    /// Route the core's log records to Python, and make `gpuptr._testing`
-    /// (importable by that name, not an attribute of this module).
+    /// Route the core's log records to Python, close the calls into Python
+    /// from other threads at exit (see `shutdown`), and make
+    /// `gpuptr._testing` (importable by that name, not an attribute of this
+    /// module).
     #[pymodule_init]
-    fn init(py: Python<'_>) -> PyResult<()> {
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         super::logging::init();
-        super::testing::register(py)
+        super::shutdown::register(m)?;
+        super::testing::register(m.py())
     }
 }

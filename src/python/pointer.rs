@@ -50,6 +50,10 @@ impl Drop for PyFinalizer {
         }
         if let Some(f) = self.0.take() {
             Python::try_attach(|py| {
+                // Not on another thread once Python is exiting.
+                let Some(_region) = super::shutdown::Region::enter() else {
+                    return;
+                };
                 if let Err(e) = f.call0(py) {
                     e.write_unraisable(py, None);
                 }

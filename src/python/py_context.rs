@@ -289,6 +289,8 @@ pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context
     if let Ok(c) = obj.cast::<PyContext>() {
         return Ok(Some(c.get().inner.clone()));
     }
+    // A numba context's attributes may be Python code.
+    let _region = super::shutdown::Region::enter_or_hang(obj.py());
     let id: usize = obj
         .getattr("device")
         .and_then(|d| d.getattr("id"))

@@ -272,9 +272,13 @@ impl Runtime {
         crate::fork::check()?;
         if layout.span == 0 {
             let ctx = self.context(self.current_device()?)?;
-            return Ok(crate::View::from(
-                self.wrap_as(0, 0, Some(ctx), keepalive, readonly)?,
-            ));
+            return Ok(crate::View::from(self.wrap_as(
+                0,
+                0,
+                Some(ctx),
+                keepalive,
+                readonly,
+            )?));
         }
         if address == 0 {
             return Err(Error::InvalidPointer(

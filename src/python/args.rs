@@ -29,10 +29,7 @@ pub(crate) fn device_context(device: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<
 /// An optional device ordinal (`None` or Python's ``None``: the current
 /// device).
 pub(crate) fn optional_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    device
-        .filter(|d| !d.is_none())
-        .map(device_arg)
-        .transpose()
+    device.filter(|d| !d.is_none()).map(device_arg).transpose()
 }
 
 /// The largest size, count or device ordinal an argument may name, as the
@@ -70,8 +67,8 @@ pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
         return Err(type_error());
     }
     // Anything but an int converts through `__index__`, which may be Python code.
-    let _region = (!obj.is_instance_of::<pyo3::types::PyInt>())
-        .then(|| Region::enter_or_hang(obj.py()));
+    let _region =
+        (!obj.is_instance_of::<pyo3::types::PyInt>()).then(|| Region::enter_or_hang(obj.py()));
     match obj.extract::<isize>() {
         Ok(v) => Ok(v),
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {

@@ -20,7 +20,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict, PyList};
 
 use crate::{Error, Runtime};
-use args::{device_arg, device_context, optional_device, optional_size, pointer_arg, runtime, size_arg};
+use args::{
+    device_arg, device_context, optional_device, optional_size, pointer_arg, runtime, size_arg,
+};
 use pointer::PyMemoryPointer;
 use py_context::{py_context, PyContext, PyDevice};
 

@@ -110,8 +110,6 @@ fn close_regions(py: Python<'_>) {
 /// is not part of gpuptr's surface).
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let hook = pyo3::wrap_pyfunction!(close_regions, m)?;
-    m.py()
-        .import("atexit")?
-        .call_method1("register", (hook,))?;
+    m.py().import("atexit")?.call_method1("register", (hook,))?;
     Ok(())
 }

@@ -200,7 +200,9 @@ impl HostMemory {
     /// by someone else. Nothing is released; `keepalive` is kept until drop.
     /// The driver is asked what the range is: it must be page-locked host
     /// memory (mapped into the device when `mapped`), and lie inside one
-    /// allocation where the driver reports its extent.
+    /// allocation where the driver reports its extent. It is read-only when
+    /// `read_only` (its owner is a read-only object), and when any of its
+    /// bytes is host memory registered from a read-only object.
     ///
     /// # Safety
     /// The memory stays pinned and allocated while `keepalive` lives.
@@ -209,6 +211,7 @@ impl HostMemory {
         ptr: HostPtr,
         size: usize,
         mapped: bool,
+        read_only: bool,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
         crate::fork::check()?;
@@ -219,7 +222,7 @@ impl HostMemory {
         // through every wrap of any of its bytes.
         let flags = HostFlags {
             mapped,
-            read_only: context.services().read_only.overlaps(ptr as u64, size),
+            read_only: read_only || context.services().read_only.overlaps(ptr as u64, size),
             ..HostFlags::default()
         };
         Self::new(context, ptr, size, HostKind::Foreign, flags, keepalive)

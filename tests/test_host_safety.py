@@ -384,3 +384,39 @@ def test_the_cupy_hook_refuses_huge_sizes_with_a_typed_error():
     with pytest.raises(gpuptr.InvalidArgumentError, match="nbytes"):
         _core._cupy_malloc(2**64, 0, None)
     assert _core._cupy_malloc(0, 0, None) == 0
+
+
+# Our own adversarial pass ---------------------------------------------------------
+
+@pytest.mark.parametrize("cls", ["PinnedMemory", "MappedMemory"])
+def test_numbas_constructor_shape_with_a_read_only_owner_is_read_only(cls):
+    # Memory someone pinned without telling gpuptr it is read-only (a raw
+    # mempin with no owner), wrapped with its read-only owner.
+    src = bytes(bytearray(b"owner" * 100))
+    pin = _core.register_host_ptr(_address_of(src), len(src), mapped=True)
+    w = getattr(gpuptr, cls)(None, pin.host_pointer, len(src), owner=src)
+    assert w.readonly
+    with pytest.raises(TypeError):
+        memoryview(w)[:4] = b"EVIL"
+    if cls == "MappedMemory":
+        with pytest.raises(gpuptr.InvalidArgumentError, match="read-only"):
+            w.memset(0)
+    assert src == b"owner" * 100
+    del w
+    pin.free()
+
+
+def test_a_dlpack_export_of_read_only_memory_is_read_only_whatever_the_caller_says():
+    src = bytes(bytearray(b"dl" * 128))
+    h = gpuptr.register_host(src, mapped=True)
+    with pytest.raises(BufferError, match="read-only"):
+        _core._dlpack_export(h, [256], None, "uint8", False, None)      # unversioned
+    cap = _core._dlpack_export(h, [256], None, "uint8", False, None, max_version=(1, 0))
+    imported = _core._import_dlpack(cap)
+    assert imported.readonly
+    with pytest.raises(gpuptr.InvalidArgumentError, match="read-only"):
+        imported.pointer.memset(0)
+    # A CAI dict that claims the memory is writable is imported read-only.
+    desc = {"shape": (256,), "typestr": "|u1", "version": 3, "data": (h.device_pointer_value, False)}
+    assert gpuptr.from_cuda_array_interface(desc).readonly
+    assert src == b"dl" * 128

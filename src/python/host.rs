@@ -102,9 +102,22 @@ fn host_object(
     }
 }
 
+/// Whether `owner` exports a read-only buffer (``bytes``, a read-only numpy
+/// array or memoryview): memory it owns is then read-only through gpuptr.
+fn owner_is_read_only(py: Python<'_>, owner: Option<&Py<PyAny>>) -> bool {
+    let Some(owner) = owner else { return false };
+    // SAFETY: a live object; the check only reads its type's buffer slot.
+    if unsafe { ffi::PyObject_CheckBuffer(owner.as_ptr()) } == 0 {
+        return false;
+    }
+    // A class's `__buffer__` may be Python code.
+    let _region = super::shutdown::Region::enter_or_hang(py);
+    PyUntypedBuffer::get(owner.bind(py)).is_ok_and(|b| b.readonly())
+}
+
 /// Host memory someone else pinned, from the numba constructor shape
 /// ``(context, pointer, size, owner, finalizer)``; managed when a finalizer
-/// is given.
+/// is given. Read-only when ``owner`` is a read-only object.
 fn wrap_pinned(
     context: &Bound<'_, PyAny>,
     pointer: &Bound<'_, PyAny>,
@@ -119,6 +132,7 @@ fn wrap_pinned(
     };
     let managed = finalizer.is_some();
     let keep = keep_finalizer(pointer.py(), finalizer)?;
+    let read_only = owner_is_read_only(pointer.py(), owner.as_ref());
     // SAFETY: numba's constructor shape: the caller's memory, pinned by its
     // owner, which `keep` and the Python object hold. The driver is asked
     // that the range is pinned (and mapped) host memory in one allocation.
@@ -128,6 +142,7 @@ fn wrap_pinned(
             pointer_arg(pointer)? as usize,
             size_arg(size, "size")?,
             mapped,
+            read_only,
             keep,
         )
     }?;
@@ -575,10 +590,7 @@ pub(crate) fn register_host_ptr(
 ) -> PyResult<Py<PyAny>> {
     let ptr = pointer_arg(address)? as usize;
     let ctx = device_context(device)?;
-    let read_only = match &owner {
-        Some(o) => PyUntypedBuffer::get(o.bind(py)).is_ok_and(|b| b.readonly()),
-        None => false,
-    };
+    let read_only = owner_is_read_only(py, owner.as_ref());
     let flags = HostFlags {
         mapped,
         portable,

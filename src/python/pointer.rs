@@ -49,11 +49,12 @@ impl Drop for PyFinalizer {
             return;
         }
         if let Some(f) = self.0.take() {
+            // Not on another thread once Python is exiting (there, waiting
+            // for the GIL could hang this thread, which may be gpuptr's own).
+            let Some(_region) = super::shutdown::Region::enter() else {
+                return;
+            };
             Python::try_attach(|py| {
-                // Not on another thread once Python is exiting.
-                let Some(_region) = super::shutdown::Region::enter() else {
-                    return;
-                };
                 if let Err(e) = f.call0(py) {
                     e.write_unraisable(py, None);
                 }

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::graph::GraphMemory;
 use crate::ipc::liveness::Exports;
 use crate::pool::{Allocation, Block, Pool, PoolConfig};
-use crate::registry::Registry;
+use crate::registry::{ReadOnlyRanges, Registry};
 use crate::stats::{ClassStats, Client, DeviceCounters, DeviceStats};
 use crate::sync::lock;
 use crate::track::Tracker;
@@ -33,6 +33,8 @@ pub(crate) struct Services {
     pub(crate) tracker: Tracker,
     /// The IPC liveness slots of this process's exports.
     pub(crate) exports: Exports,
+    /// The read-only host ranges: no pointer over them is writable.
+    pub(crate) read_only: ReadOnlyRanges,
 }
 
 /// One device's state (see the module documentation).

@@ -65,6 +65,9 @@ pub struct HostMemory {
     kind: HostKind,
     mapped: bool,
     readonly: bool,
+    /// Its ranges are marked in the runtime's read-only ranges (a read-only
+    /// registration), and are unmarked on release.
+    marked: bool,
     device_address: Option<DevicePtr>,
     generation: u64,
     life: Lifetime,
@@ -108,6 +111,7 @@ impl HostMemory {
             kind,
             mapped: flags.mapped,
             readonly: flags.read_only,
+            marked: false,
             device_address: None,
             generation: context.generation(),
             life: Lifetime::default(),
@@ -118,6 +122,16 @@ impl HostMemory {
             // read. On failure `mem` drops here and releases what was pinned.
             mem.device_address =
                 Some(unsafe { context.driver().host_device_pointer(context.raw(), ptr) }?);
+        }
+        if kind == HostKind::Registered && mem.readonly {
+            // Every route to these bytes (a wrap of the device address, an
+            // import, numba's constructor shapes) now finds them read-only.
+            let ranges = &context.services().read_only;
+            ranges.mark(ptr as u64, size);
+            if let Some(d) = mem.device_address {
+                ranges.mark(d, size);
+            }
+            mem.marked = true;
         }
         Ok(Arc::new(mem))
     }
@@ -168,6 +182,8 @@ impl HostMemory {
             ptr.checked_add(size).ok_or_else(|| {
                 Error::InvalidPointer(format!("{ptr:#x} + {size} overflows the address space"))
             })?;
+            // (Already-pinned memory cannot be registered again: a range
+            // that is read-only stays so.)
             let bits = flags.bits() & (HOST_ALLOC_DEVICEMAP | HOST_ALLOC_PORTABLE);
             // SAFETY: the range stays live and in place while registered
             // (this fn's contract); the context is retained.
@@ -184,7 +200,9 @@ impl HostMemory {
     /// by someone else. Nothing is released; `keepalive` is kept until drop.
     /// The driver is asked what the range is: it must be page-locked host
     /// memory (mapped into the device when `mapped`), and lie inside one
-    /// allocation where the driver reports its extent.
+    /// allocation where the driver reports its extent. It is read-only when
+    /// `read_only` (its owner is a read-only object), and when any of its
+    /// bytes is host memory registered from a read-only object.
     ///
     /// # Safety
     /// The memory stays pinned and allocated while `keepalive` lives.
@@ -193,14 +211,18 @@ impl HostMemory {
         ptr: HostPtr,
         size: usize,
         mapped: bool,
+        read_only: bool,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
         crate::fork::check()?;
         if size != 0 {
             check_pinned_range(context, ptr, size, mapped)?;
         }
+        // Memory someone registered from a read-only object stays read-only
+        // through every wrap of any of its bytes.
         let flags = HostFlags {
             mapped,
+            read_only: read_only || context.services().read_only.overlaps(ptr as u64, size),
             ..HostFlags::default()
         };
         Self::new(context, ptr, size, HostKind::Foreign, flags, keepalive)
@@ -221,7 +243,8 @@ impl HostMemory {
         self.kind
     }
 
-    /// Whether it is read-only (registered from a read-only object).
+    /// Whether it is read-only: registered from a read-only object, or a
+    /// wrap of bytes that such a registration pinned.
     pub fn is_readonly(&self) -> bool {
         self.readonly
     }
@@ -285,7 +308,13 @@ impl HostMemory {
         self.life.free("host memory", || self.release())
     }
 
+    /// Free or unregister; the caller has claimed the release. In a forked
+    /// child this does nothing, wherever it is called from (see
+    /// [`DevicePointer`](crate::DevicePointer)'s release).
     fn release(&self) -> Result<()> {
+        if crate::fork::forked() {
+            return Ok(());
+        }
         if self.size != 0 && self.generation == self.context.generation() {
             let drv = self.context.driver();
             let raw = self.context.raw();
@@ -297,6 +326,15 @@ impl HostMemory {
                     HostKind::Registered => drv.host_unregister(raw, self.ptr)?,
                     HostKind::Foreign => {}
                 }
+            }
+        }
+        // Only once it is unregistered: until then a wrap of its bytes is
+        // still refused writes (a failed unregister leaves it marked).
+        if self.marked {
+            let ranges = &self.context.services().read_only;
+            ranges.unmark(self.ptr as u64, self.size);
+            if let Some(d) = self.device_address {
+                ranges.unmark(d, self.size);
             }
         }
         release_keepalive(&self.keepalive);

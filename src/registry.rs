@@ -143,3 +143,97 @@ impl<T> Registry<T> {
         read(&self.ranges).len()
     }
 }
+
+/// Address ranges that must not be written through gpuptr's pointers: the
+/// host memory registered from read-only objects, at its host address and,
+/// when mapped, at its device address. A pointer or host object made over
+/// any byte of one is read-only too, whichever route made it (a wrap of the
+/// device address, a CUDA Array Interface or DLPack import, numba's
+/// constructor shapes). Kept apart from [`Registry`] (which maps addresses
+/// to owners), so that the common case, no read-only range at all, costs
+/// one relaxed load.
+#[derive(Default)]
+pub(crate) struct ReadOnlyRanges {
+    /// How many ranges are marked (the fast path: none).
+    count: AtomicU64,
+    /// `(start, end)` → how many marks it has (a mapped range whose host and
+    /// device addresses are one is marked twice).
+    ranges: RwLock<BTreeMap<(u64, u64), usize>>,
+    /// The longest range marked, so that a lookup scans only the ranges that
+    /// start close enough to reach the address asked about.
+    longest: AtomicU64,
+}
+
+impl ReadOnlyRanges {
+    /// Mark `[start, start+size)` read-only (nothing for an empty range).
+    pub fn mark(&self, start: u64, size: usize) {
+        let Some(end) = start.checked_add(size as u64).filter(|_| size != 0) else {
+            return;
+        };
+        let mut map = write(&self.ranges);
+        *map.entry((start, end)).or_insert(0) += 1;
+        self.longest.fetch_max(size as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Release);
+    }
+
+    /// Drop one mark of `[start, start+size)`, made by [`ReadOnlyRanges::mark`].
+    pub fn unmark(&self, start: u64, size: usize) {
+        let Some(end) = start.checked_add(size as u64).filter(|_| size != 0) else {
+            return;
+        };
+        let mut map = write(&self.ranges);
+        if let Some(refs) = map.get_mut(&(start, end)) {
+            *refs -= 1;
+            if *refs == 0 {
+                map.remove(&(start, end));
+            }
+            self.count.fetch_sub(1, Ordering::Release);
+        }
+    }
+
+    /// Whether any byte of `[start, start+size)` lies in a marked range.
+    #[inline]
+    pub fn overlaps(&self, start: u64, size: usize) -> bool {
+        if size == 0 || self.count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        self.overlaps_slow(start, start.saturating_add(size as u64))
+    }
+
+    #[cold]
+    fn overlaps_slow(&self, start: u64, end: u64) -> bool {
+        let map = read(&self.ranges);
+        let reach = start.saturating_sub(self.longest.load(Ordering::Relaxed));
+        map.range(..(end, 0))
+            .rev()
+            .take_while(|((s, _), _)| *s >= reach)
+            .any(|((_, e), _)| *e > start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReadOnlyRanges;
+
+    #[test]
+    fn a_read_only_range_covers_every_range_that_overlaps_it() {
+        let r = ReadOnlyRanges::default();
+        assert!(!r.overlaps(0x1000, 16));
+        r.mark(0x1000, 0x100);
+        r.mark(0x5000, 0x10);
+        for (start, size) in [(0x1000, 1), (0x10ff, 1), (0xff0, 0x20), (0x800, 0x10000)] {
+            assert!(r.overlaps(start, size), "{start:#x}+{size}");
+        }
+        for (start, size) in [(0x1100, 1), (0xf00, 0x100), (0x1000, 0), (0x5010, 4)] {
+            assert!(!r.overlaps(start, size), "{start:#x}+{size}");
+        }
+        r.mark(0x1000, 0x100); // the same range twice: host and device address
+        r.unmark(0x1000, 0x100);
+        assert!(r.overlaps(0x1080, 1));
+        r.unmark(0x1000, 0x100);
+        assert!(!r.overlaps(0x1080, 1));
+        assert!(r.overlaps(0x5008, 100));
+        r.unmark(0x5000, 0x10);
+        assert!(!r.overlaps(0, usize::MAX));
+    }
+}

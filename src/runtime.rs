@@ -67,6 +67,7 @@ impl Runtime {
             registry: Registry::new(),
             tracker: Tracker::new(false),
             exports: Exports::default(),
+            read_only: Default::default(),
         });
         Ok(Arc::new(Runtime {
             devices: (0..n)

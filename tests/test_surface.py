@@ -113,7 +113,8 @@ def test_binding_modules_depend_on_each_other_in_one_direction():
 
     for n in sorted(deps):
         visit(n)
-    assert deps["args"] == set() and deps["dlpack"] == set(), deps
+    # `shutdown` (the calls into Python that exit closes) is a leaf below args.
+    assert deps["args"] <= {"shutdown"} and deps["shutdown"] == set() and deps["dlpack"] == set(), deps
 
 
 def test_the_binding_never_calls_the_driver():

@@ -256,8 +256,8 @@ class MemoryPointer:
         ``src`` to the start of this memory, on ``stream`` if given.
         """
 
-def context(device: int = 0) -> Context:
-    """The context of `device` (default 0): one object per device."""
+def context(device: Optional[int] = None) -> Context:
+    """The context of `device` (default, or None: 0): one object per device."""
 def alloc(nbytes: int, device: Optional[int] = None, stream: _Stream = None) -> MemoryPointer:
     """Allocate ``nbytes`` of device memory on ``device`` (default: the current
     context's device, else 0), from the device's pool.
@@ -581,7 +581,8 @@ def outstanding() -> list[Outstanding]:
     """
 def _set_log_level(level: int) -> None:
     """Set the level records are kept at, from a Python logging level (the
-    `gpuptr` logger's effective level), and deliver what is queued.
+    `gpuptr` logger's effective level), and deliver what is queued. Any int
+    is a level (``setLevel(2**70)`` is allowed, and turns records off).
     """
 def _flush_log() -> None:
     """Deliver the records the core queued (gpuptr's entry points do this
@@ -634,5 +635,7 @@ def _dlpack_consume(capsule: object) -> DLPackOwner:
     """
 def register_host_ptr(address: object, size: int, owner: object = None, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Union[PinnedMemory, MappedMemory]:
     """Pin ``size`` bytes of host memory at ``address`` in place (numba's
-    ``mempin``), keeping ``owner`` alive until it is unregistered.
+    ``mempin``), keeping ``owner`` alive until it is unregistered. When
+    ``owner`` exports a read-only buffer (``bytes``, a read-only array), the
+    memory is read-only, as ``register_host`` makes it.
     """

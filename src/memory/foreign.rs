@@ -17,14 +17,19 @@ use crate::runtime::Runtime;
 impl DevicePointer {
     /// Wrap memory someone else owns. `registration` is the registry entry
     /// the wrap holds (if it added one); `keepalive` is kept until release.
+    /// It is read-only when `readonly` (the exporter said so), and when any
+    /// of its bytes is host memory registered from a read-only object.
     pub(crate) fn foreign(
         context: Arc<Context>,
         address: DevicePtr,
         size: usize,
         registration: Option<Registration>,
         keepalive: Option<KeepAlive>,
+        readonly: bool,
     ) -> Arc<Self> {
+        let readonly = readonly || context.services().read_only.overlaps(address, size);
         let mut p = DevicePointer::base(context, address, size, Origin::Foreign);
+        p.readonly = readonly;
         p.registration = registration;
         p.has_keepalive = keepalive.is_some();
         p.keepalive = Mutex::new(keepalive);
@@ -68,7 +73,7 @@ impl HostMemory {
         let ctx = self.context().clone();
         if self.size() == 0 && self.is_mapped() {
             // An empty range at address 0 reaches no memory.
-            return Ok(DevicePointer::foreign(ctx, 0, 0, None, None).view_all());
+            return Ok(DevicePointer::foreign(ctx, 0, 0, None, None, false).view_all());
         }
         let d = self.device_address().ok_or_else(|| {
             Error::InvalidPointer("host memory is not mapped into the device".into())
@@ -148,6 +153,21 @@ impl Runtime {
         context: Option<Arc<Context>>,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<DevicePointer>> {
+        self.wrap_as(address, size, context, keepalive, false)
+    }
+
+    /// [`Runtime::wrap`], read-only when `readonly` (writes through the
+    /// pointer and its views are [`Error::InvalidArgument`]). A wrap over any
+    /// byte of host memory registered from a read-only object is read-only
+    /// either way.
+    pub fn wrap_as(
+        self: &Arc<Self>,
+        address: DevicePtr,
+        size: usize,
+        context: Option<Arc<Context>>,
+        keepalive: Option<KeepAlive>,
+        readonly: bool,
+    ) -> Result<Arc<DevicePointer>> {
         crate::fork::check()?;
         let end = address.checked_add(size as u64).ok_or_else(|| {
             Error::InvalidPointer(format!("{address:#x} + {size} overflows the address space"))
@@ -166,7 +186,7 @@ impl Runtime {
                     ))
                 }
             };
-            return Ok(DevicePointer::foreign(ctx, 0, 0, None, keepalive));
+            return Ok(DevicePointer::foreign(ctx, 0, 0, None, keepalive, readonly));
         }
         let out_of_range = |start: DevicePtr, stop: DevicePtr| {
             Error::InvalidPointer(format!(
@@ -177,7 +197,9 @@ impl Runtime {
             if end > stop {
                 return Err(out_of_range(start, stop));
             }
-            return Ok(DevicePointer::foreign(ctx, address, size, None, keepalive));
+            return Ok(DevicePointer::foreign(
+                ctx, address, size, None, keepalive, readonly,
+            ));
         }
         let (ctx, start, range) = self.resolve(address)?;
         let stop = start + range as u64;
@@ -185,7 +207,9 @@ impl Runtime {
             return Err(out_of_range(start, stop));
         }
         let reg = (range != 0).then(|| self.registry().insert(start, range, &ctx));
-        Ok(DevicePointer::foreign(ctx, address, size, reg, keepalive))
+        Ok(DevicePointer::foreign(
+            ctx, address, size, reg, keepalive, readonly,
+        ))
     }
 
     /// `Ok` if `[address, address+size)` is managed (unified) memory inside
@@ -229,23 +253,32 @@ impl Runtime {
             )));
         }
         Ok(DevicePointer::foreign(
-            context, address, size, None, keepalive,
+            context, address, size, None, keepalive, false,
         ))
     }
 
     /// Wrap the memory a strided array spans (see [`Layout`](crate::Layout)) whose element
     /// 0 is at `address`; the returned view starts at element 0. An empty
-    /// layout gives a null view in the current device's context.
+    /// layout gives a null view in the current device's context. With
+    /// `readonly` (the exporter marked the array so), writes through it are
+    /// refused, as [`Runtime::wrap_as`] says.
     pub fn wrap_layout(
         self: &Arc<Self>,
         address: DevicePtr,
         layout: &crate::Layout,
+        readonly: bool,
         keepalive: Option<KeepAlive>,
     ) -> Result<crate::View> {
         crate::fork::check()?;
         if layout.span == 0 {
             let ctx = self.context(self.current_device()?)?;
-            return Ok(crate::View::from(self.wrap(0, 0, Some(ctx), keepalive)?));
+            return Ok(crate::View::from(self.wrap_as(
+                0,
+                0,
+                Some(ctx),
+                keepalive,
+                readonly,
+            )?));
         }
         if address == 0 {
             return Err(Error::InvalidPointer(
@@ -255,7 +288,7 @@ impl Runtime {
         let start = address.checked_add_signed(layout.lo).ok_or_else(|| {
             Error::InvalidPointer("negative strides reach below address 0".into())
         })?;
-        let mem = self.wrap(start, layout.span, None, keepalive)?;
+        let mem = self.wrap_as(start, layout.span, None, keepalive, readonly)?;
         crate::View::from(mem).view((-layout.lo) as usize, None)
     }
 }

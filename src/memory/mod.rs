@@ -196,8 +196,9 @@ impl DevicePointer {
         self.managed
     }
 
-    /// Whether writes through it are refused (a device view of read-only
-    /// host memory).
+    /// Whether writes through it are refused: memory over any byte of host
+    /// memory registered from a read-only object, or imported from an
+    /// exporter that marked it read-only.
     #[inline]
     pub fn is_readonly(&self) -> bool {
         self.readonly
@@ -376,8 +377,15 @@ impl DevicePointer {
         self.context.services().tracker.forget(self.address);
     }
 
-    /// Release the memory; the caller has claimed the release.
+    /// Release the memory; the caller has claimed the release. In a forked
+    /// child this does nothing, wherever it is called from (a free, the
+    /// last holder, or the end of a loan, an operation or an export that a
+    /// free in the parent left the release to): the memory, its pool block,
+    /// its IPC liveness slots and its owner's finalizer are the parent's.
     fn release(&self) -> Result<()> {
+        if crate::fork::forked() {
+            return Ok(());
+        }
         let ctx = &self.context;
         if self.exported.load(Ordering::Acquire) {
             // First, before the memory can be reused: another process that

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
 
+use super::shutdown::Region;
 use crate::{DevicePtr, Error, RawStream, Runtime};
 
 /// The process runtime (`GPUPTR_DRIVER` picks the driver on first use).
@@ -28,19 +29,31 @@ pub(crate) fn device_context(device: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<
 /// An optional device ordinal (`None` or Python's ``None``: the current
 /// device).
 pub(crate) fn optional_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    device
-        .filter(|d| !d.is_none())
-        .map(|d| int_arg(d, "device").and_then(device_arg))
-        .transpose()
+    device.filter(|d| !d.is_none()).map(device_arg).transpose()
 }
 
-/// A byte count: negative is an `InvalidArgumentError`.
-pub(crate) fn size_arg(n: isize) -> PyResult<usize> {
-    usize::try_from(n).map_err(|_| Error::InvalidArgument(format!("size {n} is negative")).into())
+/// The largest size, count or device ordinal an argument may name, as the
+/// error messages write it.
+const MAX: &str = "2**63-1";
+
+/// `obj` (an int) as an error message shows it: its value, or how many
+/// bits it has when its digits would not fit on a line.
+pub(crate) fn shown(obj: &Bound<'_, PyAny>) -> String {
+    // An int subclass may print itself with Python code.
+    let _region = (!obj.is_exact_instance_of::<pyo3::types::PyInt>())
+        .then(|| Region::enter_or_hang(obj.py()));
+    match obj.str() {
+        Ok(s) if s.to_str().is_ok_and(|s| s.len() <= 40) => s.to_string(),
+        _ => match obj.call_method0("bit_length") {
+            Ok(bits) => format!("an int of {bits} bits"),
+            Err(_) => "an int".into(),
+        },
+    }
 }
 
-/// An integer argument that must not be a bool (``True`` is not a size or
-/// a device): a `TypeError` names `what`.
+/// An integer argument named `what` that must not be a bool (``True`` is not
+/// a size or a device): anything but an int is a `TypeError`; an int past
+/// 64 bits is an `InvalidArgumentError` that names `what` and the range.
 pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
     let type_error = || {
         let name = obj
@@ -53,13 +66,59 @@ pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(type_error());
     }
-    obj.extract::<isize>().map_err(|_| type_error())
+    // Anything but an int converts through `__index__`, which may be Python code.
+    let _region =
+        (!obj.is_instance_of::<pyo3::types::PyInt>()).then(|| Region::enter_or_hang(obj.py()));
+    match obj.extract::<isize>() {
+        Ok(v) => Ok(v),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
+            Err(Error::InvalidArgument(format!(
+                "{what} {} is out of range: it must be an int from -2**63 to {MAX}",
+                shown(obj)
+            ))
+            .into())
+        }
+        Err(_) => Err(type_error()),
+    }
 }
 
-/// A device ordinal: negative is an `InvalidArgumentError`.
-pub(crate) fn device_arg(d: isize) -> PyResult<usize> {
-    usize::try_from(d)
-        .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")).into())
+/// A byte count named `what`: an int from 0 to 2**63-1 (see [`int_arg`]);
+/// anything outside is an `InvalidArgumentError` naming `what` and the range.
+pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    let out_of_range = || -> PyErr {
+        Error::InvalidArgument(format!(
+            "{what} {} is out of range: a size is an int from 0 to {MAX}",
+            shown(obj)
+        ))
+        .into()
+    };
+    match int_arg(obj, what) {
+        Ok(n) => usize::try_from(n).map_err(|_| out_of_range()),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Err(e),
+        Err(_) => Err(out_of_range()),
+    }
+}
+
+/// An optional byte count (``None``: absent).
+pub(crate) fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<usize>> {
+    obj.filter(|n| !n.is_none())
+        .map(|n| size_arg(n, what))
+        .transpose()
+}
+
+/// A device ordinal: negative is an `InvalidArgumentError`, and so is an int
+/// past 64 bits (naming the range).
+pub(crate) fn device_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    match int_arg(obj, "device") {
+        Ok(d) => usize::try_from(d)
+            .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")).into()),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Err(e),
+        Err(_) => Err(Error::InvalidArgument(format!(
+            "device {} does not exist: a device ordinal is an int from 0 to {MAX}",
+            shown(obj)
+        ))
+        .into()),
+    }
 }
 
 /// An address from an int, `ctypes.c_void_p`, `CUdeviceptr` or anything
@@ -78,6 +137,8 @@ pub(crate) fn pointer_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevicePtr> {
     if let Ok(v) = obj.extract::<u64>() {
         return Ok(v);
     }
+    // An address object's `value` and `__int__` may be Python code.
+    let _region = Region::enter_or_hang(obj.py());
     if let Ok(v) = obj.getattr("value") {
         if v.is_none() {
             return Ok(0);
@@ -127,6 +188,11 @@ pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawS
             .and_then(|v| v.extract::<usize>())
             .map_err(|_| bad())
     };
+    if obj.is_exact_instance_of::<pyo3::types::PyInt>() {
+        return handle(obj).map(Some);
+    }
+    // A stream object's attributes, and `__cuda_stream__`, may be Python code.
+    let _region = Region::enter_or_hang(obj.py());
     if obj.is_instance_of::<pyo3::types::PyInt>() {
         return handle(obj).map(Some);
     }

@@ -244,8 +244,8 @@ pub(crate) fn _cupy_malloc(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
     let _log = super::logging::Deliver(py);
-    let size = super::args::size_arg(super::args::int_arg(nbytes, "nbytes")?)?;
-    let device = super::args::device_arg(super::args::int_arg(device, "device")?)?;
+    let size = super::args::size_arg(nbytes, "nbytes")?;
+    let device = super::args::device_arg(device)?;
     let stream = super::args::stream_arg(stream)?;
     allocate(Client::Cupy, size, device, stream, None).map_err(cupy_error)
 }

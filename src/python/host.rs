@@ -102,13 +102,26 @@ fn host_object(
     }
 }
 
+/// Whether `owner` exports a read-only buffer (``bytes``, a read-only numpy
+/// array or memoryview): memory it owns is then read-only through gpuptr.
+fn owner_is_read_only(py: Python<'_>, owner: Option<&Py<PyAny>>) -> bool {
+    let Some(owner) = owner else { return false };
+    // SAFETY: a live object; the check only reads its type's buffer slot.
+    if unsafe { ffi::PyObject_CheckBuffer(owner.as_ptr()) } == 0 {
+        return false;
+    }
+    // A class's `__buffer__` may be Python code.
+    let _region = super::shutdown::Region::enter_or_hang(py);
+    PyUntypedBuffer::get(owner.bind(py)).is_ok_and(|b| b.readonly())
+}
+
 /// Host memory someone else pinned, from the numba constructor shape
 /// ``(context, pointer, size, owner, finalizer)``; managed when a finalizer
-/// is given.
+/// is given. Read-only when ``owner`` is a read-only object.
 fn wrap_pinned(
     context: &Bound<'_, PyAny>,
     pointer: &Bound<'_, PyAny>,
-    size: isize,
+    size: &Bound<'_, PyAny>,
     owner: Option<Py<PyAny>>,
     finalizer: Option<Py<PyAny>>,
     mapped: bool,
@@ -119,6 +132,7 @@ fn wrap_pinned(
     };
     let managed = finalizer.is_some();
     let keep = keep_finalizer(pointer.py(), finalizer)?;
+    let read_only = owner_is_read_only(pointer.py(), owner.as_ref());
     // SAFETY: numba's constructor shape: the caller's memory, pinned by its
     // owner, which `keep` and the Python object hold. The driver is asked
     // that the range is pinned (and mapped) host memory in one allocation.
@@ -126,8 +140,9 @@ fn wrap_pinned(
         HostMemory::wrap(
             &ctx,
             pointer_arg(pointer)? as usize,
-            size_arg(size)?,
+            size_arg(size, "size")?,
             mapped,
+            read_only,
             keep,
         )
     }?;
@@ -267,7 +282,7 @@ macro_rules! host_methods {
             fn py_new(
                 context: &Bound<'_, PyAny>,
                 pointer: &Bound<'_, PyAny>,
-                size: isize,
+                size: &Bound<'_, PyAny>,
                 owner: Option<Py<PyAny>>,
                 finalizer: Option<Py<PyAny>>,
             ) -> PyResult<PyClassInitializer<Self>> {
@@ -452,12 +467,12 @@ impl PyManagedMemory {
     fn py_new(
         context: &Bound<'_, PyAny>,
         pointer: &Bound<'_, PyAny>,
-        size: isize,
+        size: &Bound<'_, PyAny>,
         owner: Option<Py<PyAny>>,
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
         // The host reads its bytes at the address: it must be managed memory.
-        runtime()?.check_managed(pointer_arg(pointer)?, size_arg(size)?)?;
+        runtime()?.check_managed(pointer_arg(pointer)?, size_arg(size, "size")?)?;
         let base = PyMemoryPointer::py_new(context, pointer, size, owner, finalizer)?;
         Ok(PyManagedMemory::init(base))
     }
@@ -500,7 +515,7 @@ impl PyManagedMemory {
 #[pyo3(signature = (nbytes, mapped=false, portable=false, wc=false, device=None))]
 pub(crate) fn alloc_host(
     py: Python<'_>,
-    nbytes: isize,
+    nbytes: &Bound<'_, PyAny>,
     mapped: bool,
     portable: bool,
     wc: bool,
@@ -513,7 +528,7 @@ pub(crate) fn alloc_host(
         write_combined: wc,
         read_only: false,
     };
-    let size = size_arg(nbytes)?;
+    let size = size_arg(nbytes, "nbytes")?;
     // Pinning takes a while for large sizes: let other threads run.
     let host = py.detach(|| HostMemory::alloc(&ctx, size, flags))?;
     host_object(py, host, Owned::default(), mapped)
@@ -559,13 +574,15 @@ pub(crate) fn register_host(
 }
 
 /// Pin ``size`` bytes of host memory at ``address`` in place (numba's
-/// ``mempin``), keeping ``owner`` alive until it is unregistered.
+/// ``mempin``), keeping ``owner`` alive until it is unregistered. When
+/// ``owner`` exports a read-only buffer (``bytes``, a read-only array), the
+/// memory is read-only, as ``register_host`` makes it.
 #[pyfunction]
 #[pyo3(signature = (address, size, owner=None, mapped=false, portable=false, device=None))]
 pub(crate) fn register_host_ptr(
     py: Python<'_>,
     address: &Bound<'_, PyAny>,
-    size: isize,
+    size: &Bound<'_, PyAny>,
     owner: Option<Py<PyAny>>,
     mapped: bool,
     portable: bool,
@@ -573,13 +590,14 @@ pub(crate) fn register_host_ptr(
 ) -> PyResult<Py<PyAny>> {
     let ptr = pointer_arg(address)? as usize;
     let ctx = device_context(device)?;
+    let read_only = owner_is_read_only(py, owner.as_ref());
     let flags = HostFlags {
         mapped,
         portable,
         write_combined: false,
-        read_only: false,
+        read_only,
     };
-    let size = size_arg(size)?;
+    let size = size_arg(size, "size")?;
     // SAFETY: numba's `mempin` shape: `owner` (held by the returned object,
     // which unregisters before letting it go) keeps the memory alive; the
     // driver refuses ranges that are not mapped host memory.
@@ -593,12 +611,12 @@ pub(crate) fn register_host_ptr(
 #[pyo3(signature = (nbytes, attach_global=true, device=None))]
 pub(crate) fn alloc_managed(
     py: Python<'_>,
-    nbytes: isize,
+    nbytes: &Bound<'_, PyAny>,
     attach_global: bool,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyManagedMemory>> {
     let ctx = device_context(device)?;
-    let size = size_arg(nbytes)?;
+    let size = size_arg(nbytes, "nbytes")?;
     // Allocated without the GIL; its Python site is noted once it is back.
     let mem = py.detach(|| ctx.alloc_managed(size, attach_global))?;
     mem.note_site(|| super::track::python_site(py));

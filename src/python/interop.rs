@@ -115,6 +115,9 @@ fn finish<'py>(
         Ok(t) => t.clone(),
         Err(_) => PyTuple::new(py, &layout.shape)?,
     };
+    // Read-only also where the memory is (read-only host memory), whatever
+    // the exporter said.
+    let readonly = readonly || view.parent().is_readonly();
     Ok(ImportedArray {
         pointer: Py::new(py, PyMemoryPointer::over(view, owner))?,
         shape: shape.unbind(),
@@ -139,6 +142,8 @@ pub(crate) fn _import_cai<'py>(
     sync: bool,
 ) -> PyResult<ImportedArray> {
     let py = desc.py();
+    // The descriptor's values may be objects whose conversions are Python code.
+    let _region = super::shutdown::Region::enter_or_hang(py);
     let desc = desc
         .cast::<PyDict>()
         .map_err(|_| bad("__cuda_array_interface__ must be a dict"))?;
@@ -195,7 +200,7 @@ pub(crate) fn _import_cai<'py>(
         _ => None,
     };
     let layout = Layout::new(shape_of(&shape)?, strides, itemsize)?;
-    let view = runtime()?.wrap_layout(address, &layout, None)?;
+    let view = runtime()?.wrap_layout(address, &layout, readonly, None)?;
     if let (Some(stream), true) = (stream, sync) {
         let ctx = view.context();
         // Most imports find the stream idle: a query, no GIL release, no wait.
@@ -227,7 +232,7 @@ pub(crate) fn _import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<ImportedArr
         d.strides,
         itemsize,
     )?;
-    let view = runtime()?.wrap_layout(d.address, &layout, None)?;
+    let view = runtime()?.wrap_layout(d.address, &layout, d.readonly, None)?;
     let shape = PyTuple::new(py, &layout.shape)?.into_any();
     let typestr = PyString::new(py, d.typestr);
     finish(
@@ -268,7 +273,8 @@ pub(crate) fn _dlpack_export<'py>(
         shape,
         strides,
         dtype: dt,
-        readonly,
+        // Read-only memory is never exported writable.
+        readonly: readonly || pointer.get().view.parent().is_readonly(),
         producer_stream: producer_stream.and_then(crate::ordering_stream),
     };
     let request = Request {

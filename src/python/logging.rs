@@ -121,69 +121,88 @@ pub(crate) fn flush(py: Python<'_>) {
 
 #[cold]
 fn deliver(py: Python<'_>) {
+    // Handlers are Python code: none runs on another thread once Python is
+    // exiting (the exiting thread delivers what is left).
+    let Some(_region) = super::shutdown::Region::enter() else {
+        return;
+    };
     let records: Vec<Queued> = {
         let mut queue = crate::sync::lock(&QUEUE);
         PENDING.store(false, Ordering::Release);
         queue.drain(..).collect()
     };
     let dropped = DROPPED.swap(0, Ordering::Relaxed);
-    // A handler's error must not surface in an unrelated gpuptr call: it is
-    // reported as unraisable, and the rest are still delivered.
-    let result = (|| -> PyResult<()> {
-        static LOGGER_OBJ: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-        let logger = LOGGER_OBJ
-            .get_or_try_init(py, || {
-                py.import("logging")?
-                    .call_method1("getLogger", ("gpuptr",))
-                    .map(Bound::unbind)
-            })?
-            .bind(py);
-        if dropped > 0 {
-            logger.call_method1(
-                "warning",
-                (format!(
-                    "{dropped} gpuptr log records were dropped (more than {QUEUE_MAX} queued)"
-                ),),
-            )?;
+    // A handler's error must not surface in an unrelated gpuptr call: each
+    // is reported as unraisable, and the records after it are still
+    // delivered.
+    static LOGGER_OBJ: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let logger = match LOGGER_OBJ.get_or_try_init(py, || {
+        py.import("logging")?
+            .call_method1("getLogger", ("gpuptr",))
+            .map(Bound::unbind)
+    }) {
+        Ok(l) => l.bind(py),
+        Err(e) => return e.write_unraisable(py, None),
+    };
+    if dropped > 0 {
+        let warned = logger.call_method1(
+            "warning",
+            (format!(
+                "{dropped} gpuptr log records were dropped (more than {QUEUE_MAX} queued)"
+            ),),
+        );
+        if let Err(e) = warned {
+            e.write_unraisable(py, None);
         }
-        for r in records {
-            let level = python_level(r.level);
-            if !logger.call_method1("isEnabledFor", (level,))?.is_truthy()? {
-                continue;
-            }
-            let record = logger.call_method1(
-                "makeRecord",
-                (
-                    "gpuptr",
-                    level,
-                    r.file.as_deref().unwrap_or("<rust>"),
-                    r.line,
-                    r.message,
-                    py.None(),
-                    py.None(),
-                    r.target,
-                ),
-            )?;
-            record.setattr("created", r.created)?;
-            record.setattr("msecs", (r.created.fract() * 1000.0).floor())?;
-            if let Some(name) = r.thread {
-                record.setattr("threadName", name)?;
-            }
-            logger.call_method1("handle", (record,))?;
+    }
+    for r in records {
+        if let Err(e) = deliver_one(logger, r) {
+            e.write_unraisable(py, None);
         }
-        Ok(())
-    })();
-    if let Err(e) = result {
-        e.write_unraisable(py, None);
     }
 }
 
+/// Hand one record to `logger` (if it is enabled for its level).
+fn deliver_one(logger: &Bound<'_, PyAny>, r: Queued) -> PyResult<()> {
+    let py = logger.py();
+    let level = python_level(r.level);
+    if !logger.call_method1("isEnabledFor", (level,))?.is_truthy()? {
+        return Ok(());
+    }
+    let record = logger.call_method1(
+        "makeRecord",
+        (
+            "gpuptr",
+            level,
+            r.file.as_deref().unwrap_or("<rust>"),
+            r.line,
+            r.message,
+            py.None(),
+            py.None(),
+            r.target,
+        ),
+    )?;
+    record.setattr("created", r.created)?;
+    record.setattr("msecs", (r.created.fract() * 1000.0).floor())?;
+    if let Some(name) = r.thread {
+        record.setattr("threadName", name)?;
+    }
+    logger.call_method1("handle", (record,))?;
+    Ok(())
+}
+
 /// Set the level records are kept at, from a Python logging level (the
-/// `gpuptr` logger's effective level), and deliver what is queued.
+/// `gpuptr` logger's effective level), and deliver what is queued. Any int
+/// is a level (``setLevel(2**70)`` is allowed, and turns records off).
 #[pyfunction]
-pub(crate) fn _set_log_level(py: Python<'_>, level: i32) {
+pub(crate) fn _set_log_level(py: Python<'_>, level: &Bound<'_, PyAny>) -> PyResult<()> {
+    let level = match level.extract::<i64>() {
+        Ok(l) => l,
+        Err(_) if level.gt(0)? => i64::MAX,
+        Err(_) => i64::MIN,
+    };
     let filter = match level {
-        i32::MIN..=5 => LevelFilter::Trace,
+        i64::MIN..=5 => LevelFilter::Trace,
         6..=10 => LevelFilter::Debug,
         11..=20 => LevelFilter::Info,
         21..=30 => LevelFilter::Warn,
@@ -192,6 +211,7 @@ pub(crate) fn _set_log_level(py: Python<'_>, level: i32) {
     };
     log::set_max_level(filter);
     flush(py);
+    Ok(())
 }
 
 /// Deliver the records the core queued (gpuptr's entry points do this

@@ -12,6 +12,7 @@ mod ipc;
 mod logging;
 mod pointer;
 mod py_context;
+mod shutdown;
 mod sizes;
 mod testing;
 mod track;
@@ -20,16 +21,17 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyDict, PyList};
 
 use crate::{Error, Runtime};
-use args::{device_arg, device_context, int_arg, optional_device, pointer_arg, runtime, size_arg};
+use args::{device_arg, device_context, optional_device, pointer_arg, runtime, size_arg};
 use pointer::PyMemoryPointer;
 use py_context::{py_context, PyContext, PyDevice};
 
-/// The context of `device` (default 0): one object per device.
+/// The context of `device` (default, or None: 0): one object per device.
 #[pyfunction]
-#[pyo3(signature = (device=0))]
-fn context(py: Python<'_>, device: isize) -> PyResult<Py<PyContext>> {
+#[pyo3(signature = (device=None))]
+fn context(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyContext>> {
     let _log = logging::Deliver(py);
-    py_context(py, &runtime()?.context(device_arg(device)?)?)
+    let device = optional_device(device)?.unwrap_or(0);
+    py_context(py, &runtime()?.context(device)?)
 }
 
 /// Allocate ``nbytes`` of device memory on ``device`` (default: the current
@@ -62,7 +64,7 @@ fn alloc_as(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
     let _log = logging::Deliver(py);
-    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let size = size_arg(nbytes, "nbytes")?;
     let ctx = device_context(device)?;
     let stream = args::stream_arg(stream)?;
     let pyctx = py_context(py, &ctx)?;
@@ -98,7 +100,7 @@ fn wrap(
     owner: Option<Py<PyAny>>,
     context: Option<&Bound<'_, PyContext>>,
 ) -> PyResult<PyMemoryPointer> {
-    let size = size_arg(int_arg(nbytes, "nbytes")?)?;
+    let size = size_arg(nbytes, "nbytes")?;
     let address = pointer_arg(address)?;
     let ctx = context.map(|c| c.get().inner.clone());
     let mem = runtime()?.wrap(address, size, ctx, None)?;
@@ -381,7 +383,7 @@ fn reserve(
 #[pyfunction]
 fn pool_classes<'py>(py: Python<'py>, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     let _log = logging::Deliver(py);
-    let device = device_arg(int_arg(device, "device")?)?;
+    let device = device_arg(device)?;
     let list = PyList::empty(py);
     for c in runtime()?.class_stats(device)? {
         let d = PyDict::new(py);
@@ -417,7 +419,7 @@ fn trim(py: Python<'_>) -> PyResult<usize> {
 #[pyfunction]
 fn reset_context(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
     let _log = logging::Deliver(py);
-    let device = device_arg(int_arg(device, "device")?)?;
+    let device = device_arg(device)?;
     let rt = runtime()?;
     Ok(py.detach(|| rt.reset(device))?)
 }
@@ -484,11 +486,14 @@ mod _core {
     #[allow(non_upper_case_globals)]
     const __version__: &str = env!("CARGO_PKG_VERSION");
 
-    /// Route the core's log records to Python, and make `gpuptr._testing`
-    /// (importable by that name, not an attribute of this module).
+    /// Route the core's log records to Python, close the calls into Python
+    /// from other threads at exit (see `shutdown`), and make
+    /// `gpuptr._testing` (importable by that name, not an attribute of this
+    /// module).
     #[pymodule_init]
-    fn init(py: Python<'_>) -> PyResult<()> {
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         super::logging::init();
-        super::testing::register(py)
+        super::shutdown::register(m)?;
+        super::testing::register(m.py())
     }
 }

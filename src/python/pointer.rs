@@ -9,7 +9,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyAny, PyBytes, PyDict, PyTuple};
 
 use super::args::runtime;
-use super::args::{pointer_arg, size_arg, stream_arg};
+use super::args::{int_arg, optional_size, pointer_arg, size_arg, stream_arg};
 use super::dlpack::{self, ArraySpec, Request};
 use super::py_context::{context_arg, lazy_context, PyContext};
 use crate::{DevicePointer, DevicePtr, Error, RawStream, View};
@@ -25,7 +25,8 @@ pub(crate) fn legacy_as_one(stream: RawStream) -> RawStream {
 }
 
 /// Calls a Python finalizer once, when the allocation it guards is released.
-/// Never raises; skipped while the interpreter shuts down.
+/// Never raises; skipped while the interpreter shuts down, and in a forked
+/// child (the memory it releases is the parent's).
 pub(crate) struct PyFinalizer(Option<Py<PyAny>>);
 
 /// What a constructor's ``finalizer`` argument keeps until release; a
@@ -44,7 +45,15 @@ pub(crate) fn keep_finalizer(
 
 impl Drop for PyFinalizer {
     fn drop(&mut self) {
+        if crate::fork::forked() {
+            return;
+        }
         if let Some(f) = self.0.take() {
+            // Not on another thread once Python is exiting (there, waiting
+            // for the GIL could hang this thread, which may be gpuptr's own).
+            let Some(_region) = super::shutdown::Region::enter() else {
+                return;
+            };
             Python::try_attach(|py| {
                 if let Err(e) = f.call0(py) {
                     e.write_unraisable(py, None);
@@ -143,6 +152,40 @@ impl PyMemoryPointer {
     }
 }
 
+/// A bound of `view` named `what`: negative, or past 64 bits, is an
+/// `InvalidPointerError` (as every out-of-range bound is).
+fn view_bound(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    let bad = || -> PyErr {
+        Error::InvalidPointer(format!(
+            "view {what} {} is out of range: a bound is an int from 0 to 2**63-1",
+            super::args::shown(obj)
+        ))
+        .into()
+    };
+    match int_arg(obj, what) {
+        Ok(v) => usize::try_from(v).map_err(|_| bad()),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Err(e),
+        Err(_) => Err(bad()),
+    }
+}
+
+/// The ``byte`` of a memset: an int from 0 to 255, else an `OverflowError`
+/// that says so.
+fn byte_arg(obj: &Bound<'_, PyAny>) -> PyResult<u8> {
+    let v = int_arg(obj, "byte").map_err(|e| {
+        if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) {
+            e
+        } else {
+            pyo3::exceptions::PyOverflowError::new_err("byte must be an int from 0 to 255")
+        }
+    })?;
+    u8::try_from(v).map_err(|_| {
+        pyo3::exceptions::PyOverflowError::new_err(format!(
+            "byte must be an int from 0 to 255, not {v}"
+        ))
+    })
+}
+
 fn contiguous(buf: &PyUntypedBuffer) -> PyResult<()> {
     if !buf.is_c_contiguous() {
         return Err(Error::InvalidArgument("the host buffer must be C-contiguous".into()).into());
@@ -157,11 +200,11 @@ impl PyMemoryPointer {
     pub(crate) fn py_new(
         context: &Bound<'_, PyAny>,
         pointer: &Bound<'_, PyAny>,
-        size: isize,
+        size: &Bound<'_, PyAny>,
         owner: Option<Py<PyAny>>,
         finalizer: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let size = size_arg(size)?;
+        let size = size_arg(size, "size")?;
         let address = pointer_arg(pointer)?;
         let ctx = context_arg(context)?;
         let managed = finalizer.is_some();
@@ -443,11 +486,12 @@ impl PyMemoryPointer {
     fn memset(
         &self,
         py: Python<'_>,
-        byte: u8,
-        count: Option<isize>,
+        byte: &Bound<'_, PyAny>,
+        count: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let count = count.map(size_arg).transpose()?;
+        let byte = byte_arg(byte)?;
+        let count = optional_size(count, "count")?;
         let stream = stream_arg(stream)?;
         // SAFETY: a stream handle is the caller's, as numba and CuPy take
         // them; stream objects give their own live handle.
@@ -458,13 +502,17 @@ impl PyMemoryPointer {
     /// the end). It keeps the allocation alive. Out-of-range, reversed or
     /// negative bounds raise `InvalidPointerError`.
     #[pyo3(signature = (start, stop=None))]
-    fn view(slf: &Bound<'_, Self>, start: isize, stop: Option<isize>) -> PyResult<Self> {
+    fn view(
+        slf: &Bound<'_, Self>,
+        start: &Bound<'_, PyAny>,
+        stop: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let me = slf.get();
         me.view.parent().check_live()?;
-        let bad = |v: isize| Error::InvalidPointer(format!("view bound {v} is negative"));
-        let start = usize::try_from(start).map_err(|_| bad(start))?;
+        let start = view_bound(start, "start")?;
         let stop = stop
-            .map(|s| usize::try_from(s).map_err(|_| bad(s)))
+            .filter(|s| !s.is_none())
+            .map(|s| view_bound(s, "stop"))
             .transpose()?;
         let view = me.view.view(start, stop)?;
         let owner = Self::owner(slf);
@@ -556,10 +604,10 @@ impl PyMemoryPointer {
         &self,
         py: Python<'_>,
         src: &Bound<'_, PyMemoryPointer>,
-        count: Option<isize>,
+        count: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let count = count.map(size_arg).transpose()?;
+        let count = optional_size(count, "count")?;
         let stream = stream_arg(stream)?;
         let src = &src.get().view;
         // SAFETY: the stream is the caller's (see `memset`).
@@ -589,8 +637,8 @@ impl PyMemoryPointer {
 #[pymethods]
 impl PyContext {
     /// Allocate `size` bytes in this context (numba's `Context.memalloc`).
-    fn memalloc(slf: &Bound<'_, Self>, size: isize) -> PyResult<PyMemoryPointer> {
-        let size = size_arg(size)?;
+    fn memalloc(slf: &Bound<'_, Self>, size: &Bound<'_, PyAny>) -> PyResult<PyMemoryPointer> {
+        let size = size_arg(size, "size")?;
         let ctx = &slf.get().inner;
         let py = slf.py();
         let mem = ctx.alloc_at(size, None, crate::Client::Direct, || {

@@ -28,7 +28,8 @@ impl PyDevice {
 #[pymethods]
 impl PyDevice {
     #[new]
-    fn new(id: usize) -> PyResult<Self> {
+    fn new(id: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let id = super::args::device_arg(id)?;
         runtime()?.check_device(id)?;
         Ok(PyDevice { id })
     }
@@ -288,6 +289,8 @@ pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context
     if let Ok(c) = obj.cast::<PyContext>() {
         return Ok(Some(c.get().inner.clone()));
     }
+    // A numba context's attributes may be Python code.
+    let _region = super::shutdown::Region::enter_or_hang(obj.py());
     let id: usize = obj
         .getattr("device")
         .and_then(|d| d.getattr("id"))

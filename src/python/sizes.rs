@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyFloat, PyString};
 
-use super::args::{int_arg, size_arg};
+use super::args::size_arg;
 use crate::sizes::{self, Size};
 
 /// The size `obj` gives for the argument `what`.
@@ -21,5 +21,5 @@ pub(crate) fn size_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Size> {
             "{what} must be a size (an int of bytes, \"40GB\", 0.8 or \"80%\"), not bool"
         )));
     }
-    Ok(Size::Bytes(size_arg(int_arg(obj, what)?)?))
+    Ok(Size::Bytes(size_arg(obj, what)?))
 }

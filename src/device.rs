@@ -261,8 +261,8 @@ impl DeviceState {
                 detail += &format!(", and its limit is {}", bytes(pool.limit()));
             }
         }
-        // SAFETY: `ctx` is retained; cuMemGetInfo is allowed even during a capture.
-        if let Ok((free, total)) = unsafe { self.driver().mem_get_info(ctx.raw()) } {
+        // cuMemGetInfo is allowed even during a capture.
+        if let Ok((free, total)) = ctx.memory_info() {
             detail += &format!("; the device has {} free of {}", bytes(free), bytes(total));
         }
         Error::OutOfMemory {
@@ -337,8 +337,7 @@ impl DeviceState {
         };
         // More than the device has free would take all of it and still
         // fall short: refused whole, naming what there is.
-        // SAFETY: `ctx` is retained.
-        if let Ok((free, total)) = unsafe { self.driver().mem_get_info(ctx.raw()) } {
+        if let Ok((free, total)) = ctx.memory_info() {
             if bytes > free {
                 use crate::error::bytes as human;
                 return Err(Error::OutOfMemory {

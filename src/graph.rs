@@ -57,14 +57,10 @@ pub(crate) struct Kept {
 }
 
 impl Kept {
-    /// Keep `block` if the graph is alive; whether it did.
-    fn keep(&self, block: &Arc<KeptBlock>) -> bool {
-        match lock(&self.blocks).as_mut() {
-            Some(v) => {
-                v.push(block.clone());
-                true
-            }
-            None => false,
+    /// Keep `block` if the graph is alive (a destroyed one keeps nothing).
+    fn keep(&self, block: &Arc<KeptBlock>) {
+        if let Some(v) = lock(&self.blocks).as_mut() {
+            v.push(block.clone());
         }
     }
 
@@ -268,8 +264,7 @@ impl GraphMemory {
 
     /// The tag shard of `address`.
     fn tags(&self, address: DevicePtr) -> std::sync::MutexGuard<'_, HashMap<DevicePtr, Tag>> {
-        // Blocks are at least 512-byte aligned: mix the bits above that.
-        lock(&self.tagged[((address >> 9) ^ (address >> 15)) as usize % TAG_SHARDS])
+        lock(&self.tagged[crate::sync::shard_of(address, TAG_SHARDS)])
     }
 
     /// A block allocated at `address` in reset epoch `epoch` while a capture
@@ -351,21 +346,19 @@ impl GraphMemory {
             // A tag from another epoch was a stale pointer's: not this block's.
             t.filter(|t| t.0 == block.epoch).map(|t| t.1)
         };
-        let now = self.on_this_thread();
-        let owners = [tag, now];
-        if owners.iter().all(Option::is_none) {
+        // The capture this thread runs now, unless it is the tag's own.
+        let now = self
+            .on_this_thread()
+            .filter(|n| !tag.as_ref().is_some_and(|t| Arc::ptr_eq(t, n)));
+        if tag.is_none() && now.is_none() {
             return Some(block);
         }
         let size = block.size;
         // Counted before any owner can give it back (and count it out).
         self.bytes.fetch_add(size, Ordering::Relaxed);
         let shared = Arc::new(block);
-        let mut seen: Option<*const Kept> = None;
-        for k in owners.iter().flatten() {
-            if seen != Some(Arc::as_ptr(k)) {
-                seen = Some(Arc::as_ptr(k));
-                k.keep(&shared);
-            }
+        for k in tag.iter().chain(&now) {
+            k.keep(&shared);
         }
         // No live graph took it (each was destroyed meanwhile): the caller
         // releases it. Otherwise the last graph to go gives it back.

@@ -7,6 +7,14 @@
 use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
+/// Which of `n` lock shards the block at `address` goes to, so that
+/// threads freeing different blocks rarely share a lock. Blocks are at
+/// least 512-byte aligned: the bits above that are mixed.
+#[inline]
+pub(crate) fn shard_of(address: u64, n: usize) -> usize {
+    ((address >> 9) ^ (address >> 17)) as usize % n
+}
+
 /// Lock `m`, ignoring poison.
 #[inline]
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -202,8 +202,14 @@ def library_alloc_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
     ``allocator``: ``"own"`` (the library's pool), ``"gpuptr"``,
     ``"gpuptr-ordered"`` (``stream_ordered=True``) or ``"rmm"`` (RMM's pool
     through its allocator for that library)."""
+    return _child_ns(_LIB_CHILD, lib, allocator, n, repeat)
+
+
+def _child_ns(script: str, *args: object) -> float:
+    """Run ``script`` in a child process with ``args``; the number its last
+    line prints. ``RuntimeError`` with its last error line if it fails."""
     out = subprocess.run(
-        [sys.executable, "-c", _LIB_CHILD, lib, allocator, str(n), str(repeat)],
+        [sys.executable, "-c", script, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -629,11 +635,17 @@ def _library_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
 
 
 def _best_of_rounds(
-    lib: str, allocators: List[str], rounds: int, n: int, repeat: int, on_gpu: bool
+    lib: str,
+    allocators: List[str],
+    rounds: int,
+    n: int,
+    repeat: int,
+    on_gpu: bool,
+    measure: Callable[[str, str, int, int], float] = library_alloc_ns,
 ) -> Tuple[Dict[str, float], Dict[str, str]]:
-    """:func:`library_alloc_ns` of ``lib`` under each of ``allocators``, in
-    ``rounds`` alternating rounds: the best ns of each, and why each that
-    failed did (a failed one is not tried again)."""
+    """``measure`` (:func:`library_alloc_ns` by default) of ``lib`` under each
+    of ``allocators``, in ``rounds`` alternating rounds: the best ns of each,
+    and why each that failed did (a failed one is not tried again)."""
     best: Dict[str, float] = {}
     failed: Dict[str, str] = {}
     for _ in range(rounds):
@@ -644,7 +656,7 @@ def _best_of_rounds(
                 if not on_gpu:
                     raise RuntimeError("needs the GPU")
                 __import__("rmm" if allocator == "rmm" else lib)
-                ns = library_alloc_ns(lib, allocator, n, repeat)
+                ns = measure(lib, allocator, n, repeat)
                 best[allocator] = min(best.get(allocator, ns), ns)
             except Exception as e:
                 failed[allocator] = f"{type(e).__name__}: {e}"
@@ -738,24 +750,20 @@ def _graph_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
         if not b.wants(name, label):
             continue
         print(f"  measuring: {name} under gpuptr vs {label} ...", file=b.out, flush=True)
-        best: Dict[str, float] = {}
-        try:
-            if not on_gpu:
-                raise RuntimeError("needs the GPU")
-            __import__(what)
-            # torch.compile takes tens of seconds per process: two rounds.
-            for _ in range(2 if quick or what == "torch" else 3):
-                for allocator in ("gpuptr", "own"):
-                    r = subprocess.run([sys.executable, "-c", _GRAPH_CHILD, what, allocator, str(n)],
-                                       capture_output=True, text=True, timeout=600)
-                    if r.returncode != 0:
-                        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "child failed")
-                    ns = float(r.stdout.strip().splitlines()[-1])
-                    best[allocator] = min(best.get(allocator, ns), ns)
+        # torch.compile takes tens of seconds per process: two rounds.
+        rounds = 2 if quick or what == "torch" else 3
+        best, failed = _best_of_rounds(what, ["gpuptr", "own"], rounds, n, b.repeat, on_gpu, measure=_graph_ns)
+        if "gpuptr" in best and "own" in best:
             b.add(Result(name, label, round(best["gpuptr"], 1), round(best["own"], 1),
                          round(best["own"] / best["gpuptr"], 2)))
-        except Exception as e:
-            b.add(Result(name, label, skipped=f"{type(e).__name__}: {e}"))
+        else:
+            b.add(Result(name, label, skipped=failed.get("gpuptr") or failed.get("own") or "not measured"))
+
+
+def _graph_ns(what: str, allocator: str, n: int, repeat: int) -> float:
+    """One :data:`_GRAPH_CHILD` process of ``what`` under ``allocator``: ns
+    per cycle (the child keeps its best of five; ``repeat`` is unused)."""
+    return _child_ns(_GRAPH_CHILD, what, allocator, n)
 
 
 def _meta(info: DriverInfo, quick: bool) -> Dict[str, Any]:

@@ -168,10 +168,10 @@ impl DevicePointer {
             Source::Pool if state.pooled() && req.size != 0 => {
                 let stream = req.stream.and_then(ordering_stream);
                 let block = state.pool_alloc(context, req.size, stream, req.client)?;
-                if state.capturing() || state.graphs().watching() {
-                    // The block belongs to a capture under way, if its stream
-                    // takes part in one (or, with no stream known, if this
-                    // thread began one).
+                if state.graphs().watching() {
+                    // The block belongs to an announced capture under way, if
+                    // its stream takes part in one (or, with no stream
+                    // known, if this thread began one).
                     state
                         .graphs()
                         .tag(context, block.address, context.generation(), req.seen);

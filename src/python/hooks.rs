@@ -38,9 +38,7 @@ fn live() -> &'static Live {
 
 impl Live {
     fn shard(&self, address: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<DevicePointer>>> {
-        // Blocks are at least 512-byte aligned: mix the bits above that.
-        let i = ((address >> 9) ^ (address >> 17)) as usize % SHARDS;
-        crate::sync::lock(&self.0[i])
+        crate::sync::lock(&self.0[crate::sync::shard_of(address, SHARDS)])
     }
 }
 

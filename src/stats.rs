@@ -24,19 +24,30 @@ pub enum Client {
     Cupy = 2,
     /// PyTorch, through `gpuptr.torch`.
     Torch = 3,
+    /// cuda.core, through `gpuptr.cuda_core`'s memory resources.
+    CudaCore = 4,
 }
 
 impl Client {
     /// Every client, in index order.
-    pub const ALL: [Client; 4] = [Client::Direct, Client::Numba, Client::Cupy, Client::Torch];
+    pub const ALL: [Client; Client::COUNT] = [
+        Client::Direct,
+        Client::Numba,
+        Client::Cupy,
+        Client::Torch,
+        Client::CudaCore,
+    ];
+    /// How many clients there are.
+    pub const COUNT: usize = 5;
 
-    /// Its name: `"direct"`, `"numba"`, `"cupy"` or `"torch"`.
+    /// Its name: `"direct"`, `"numba"`, `"cupy"`, `"torch"` or `"cuda_core"`.
     pub fn name(self) -> &'static str {
         match self {
             Client::Direct => "direct",
             Client::Numba => "numba",
             Client::Cupy => "cupy",
             Client::Torch => "torch",
+            Client::CudaCore => "cuda_core",
         }
     }
 
@@ -62,7 +73,7 @@ pub(crate) struct DeviceCounters {
     /// Allocations the pool retried after giving its cache back.
     pub alloc_retries: AtomicU64,
     /// Live bytes, live count and allocations per client.
-    clients: [[AtomicU64; 3]; 4],
+    clients: [[AtomicU64; 3]; Client::COUNT],
 }
 
 impl DeviceCounters {
@@ -153,7 +164,7 @@ pub struct DeviceStats {
     /// Fences completed (each makes a batch of freed blocks reusable).
     pub fences: u64,
     /// The live allocations per client, in [`Client::ALL`] order.
-    pub clients: [ClientStats; 4],
+    pub clients: [ClientStats; Client::COUNT],
     /// Bytes the pool holds from the driver (handed out or cached).
     pub pool_bytes: usize,
     /// The cap on `pool_bytes`, if one is set ([`Runtime::set_pool_limit`](crate::Runtime::set_pool_limit)).
@@ -187,7 +198,7 @@ pub(crate) struct PoolStats {
     pub hits: u64,
     pub misses: u64,
     pub fences: u64,
-    pub clients: [ClientStats; 4],
+    pub clients: [ClientStats; Client::COUNT],
 }
 
 /// One size class of a pool, in blocks of `class` bytes.

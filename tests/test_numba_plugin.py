@@ -1,11 +1,15 @@
 """The numba EMM plugin's hooks, driven directly with a stand-in for numba's
-context so they run on the simulator in CI (numba-cuda imports without a
-GPU). The same hooks under real numba are in gpu/test_numba_plugin_gpu.py."""
+context so they run on the simulator in CI (numba-cuda and numba-cuda-mlir
+import without a GPU). Each test runs once per numba: the plugin builds one
+manager per numba on that numba's own classes. The same hooks under real
+numba are in gpu/test_numba_plugin_gpu.py."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import subprocess
+import sys
 
 import pytest
 
@@ -13,10 +17,26 @@ import gpuptr
 
 np = pytest.importorskip("numpy")
 try:
-    import numba.cuda  # noqa: F401
     from gpuptr import numba as plugin
-except Exception as e:  # numba-cuda absent, or no CUDA runtime to import with
-    pytest.skip(f"numba-cuda not importable: {e}", allow_module_level=True)
+except Exception as e:  # no numba, or no CUDA runtime to import with
+    pytest.skip(f"no numba importable: {e}", allow_module_level=True)
+
+BACKENDS = ["numba-cuda", "numba-cuda-mlir"]
+
+
+def _importable(name):
+    try:
+        plugin._backend(name)
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if not _importable(request.param):
+        pytest.skip(f"{request.param} is not importable here")
+    return plugin._backend(request.param)
 
 
 class _Device:
@@ -35,39 +55,63 @@ class FakeNumbaContext:
 
 
 @pytest.fixture
-def mm():
-    m = plugin.MemoryManager(context=FakeNumbaContext(0))
+def mm(backend):
+    m = backend.MemoryManager(context=FakeNumbaContext(0))
     m.initialize()
     return m
 
 
-def test_plugin_module_shape():
+def test_plugin_module_shape(backend):
     assert plugin._numba_memory_manager is plugin.MemoryManager
-    m = plugin.MemoryManager(context=None)  # numba's version check does this
+    m = backend.MemoryManager(context=None)
     assert m.interface_version == 1
-    from numba.cuda.cudadrv.driver import BaseCUDAMemoryManager
-
-    assert isinstance(m, BaseCUDAMemoryManager)
+    assert isinstance(m, backend.driver.BaseCUDAMemoryManager)
+    assert isinstance(m, backend.driver.GetIpcHandleMixin), "IPC handles are that numba's own"
+    assert isinstance(m, plugin.MemoryManager), "one isinstance check under every numba"
+    assert issubclass(backend.MemoryManager, plugin.MemoryManager)
     with pytest.raises(RuntimeError):
-        plugin.MemoryManager()  # numba requires the context keyword
+        backend.MemoryManager()  # numba requires the context keyword
+    with pytest.raises(RuntimeError):
+        plugin.MemoryManager()
 
 
-def test_set_memory_manager_accepts_the_plugin():
-    from numba.cuda.cudadrv import driver
+def test_set_memory_manager_accepts_the_plugin_and_its_check_gets_that_numbas_manager(backend, monkeypatch):
+    driver = backend.driver
+    made = []
+    real = backend.MemoryManager
 
+    class Spy(real):
+        def __init__(self, *a, **k):
+            made.append(type(self))
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(backend, "MemoryManager", Spy)
     saved = driver._memory_manager
     try:
-        driver.set_memory_manager(plugin.MemoryManager)
+        driver.set_memory_manager(plugin.MemoryManager)  # makes one with context=None
         assert driver._memory_manager is plugin.MemoryManager
     finally:
         driver._memory_manager = saved
+    assert made == [Spy], "the version check was answered by the calling numba's manager"
 
 
-def test_initialize_accepts_a_bare_cudevice_for_attached_contexts():
+def test_each_numba_context_gets_a_manager_of_its_own_numba(backend):
+    # numba makes the manager as MemoryManager(context=ctx): which numba's
+    # classes it is built on follows the context's module, not import order.
+    module = {"numba-cuda": "numba.cuda.cudadrv.driver", "numba-cuda-mlir": "numba_cuda_mlir.numba_cuda.cudadrv.driver"}
+    ctx_type = type("Context", (FakeNumbaContext,), {"__module__": module[backend.name]})
+    m = plugin.MemoryManager(context=ctx_type(0))
+    assert type(m) is backend.MemoryManager
+    assert plugin.backend_of(ctx_type(0)) == backend.name
+    m.initialize()
+    assert m.memalloc(64).size == 64
+
+
+def test_initialize_accepts_a_bare_cudevice_for_attached_contexts(backend):
     class Attached:
         device = 0  # numba's third-party contexts carry a CUdevice (int())
 
-    m = plugin.MemoryManager(context=Attached())
+    m = backend.MemoryManager(context=Attached())
     m.initialize()
     assert m._device == 0
 
@@ -88,10 +132,10 @@ def test_memalloc_gives_pooled_gpuptr_memory(mm, no_leaks):
     assert gpuptr.stats()[0]["cached_bytes"] >= 1 << 20
 
 
-def test_memalloc_on_device_1_comes_from_device_1():
+def test_memalloc_on_device_1_comes_from_device_1(backend):
     if gpuptr.driver_info()["device_count"] < 2:
         pytest.skip("needs two devices")
-    m1 = plugin.MemoryManager(context=FakeNumbaContext(1))
+    m1 = backend.MemoryManager(context=FakeNumbaContext(1))
     m1.initialize()
     mem = m1.memalloc(4096)
     assert mem.context.device.id == 1
@@ -130,8 +174,8 @@ def test_memallocmanaged(mm):
     assert (arr == 9).all()
 
 
-def test_get_memory_info_counts_cached_bytes_as_free(mm):
-    from numba.cuda.cudadrv.driver import MemoryInfo
+def test_get_memory_info_counts_cached_bytes_as_free(mm, backend):
+    MemoryInfo = backend.driver.MemoryInfo
 
     gpuptr.trim()
     before = mm.get_memory_info()
@@ -169,10 +213,10 @@ def test_defer_cleanup_is_a_context_manager(mm, no_leaks):
 
 
 
-def test_out_of_memory_is_numbas_own_error_and_gpuptrs(mm):
+def test_out_of_memory_is_numbas_own_error_and_gpuptrs(mm, backend):
     import pickle
 
-    from numba.cuda.cudadrv.driver import CudaAPIError
+    CudaAPIError = backend.driver.CudaAPIError
 
     with pytest.raises(CudaAPIError) as ei:
         mm.memalloc(1 << 62)
@@ -182,4 +226,56 @@ def test_out_of_memory_is_numbas_own_error_and_gpuptrs(mm):
     assert str(e).startswith("[2] out of memory on device 0") and "gpuptr's pool holds" in str(e)
     # Crossing a process boundary (a Dask worker's error) keeps it whole.
     back = pickle.loads(pickle.dumps(e))
-    assert type(back) is plugin.OutOfMemoryError and back.code == 2 and str(back) == str(e)
+    assert type(back) is backend.OutOfMemoryError and back.code == 2 and str(back) == str(e)
+    # The other numba's CudaAPIError does not catch it.
+    for other in BACKENDS:
+        if other != backend.name and _importable(other):
+            assert not isinstance(e, plugin._backend(other).driver.CudaAPIError)
+
+
+
+_ONLY_MLIR = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numba" or name.startswith("numba."):
+            raise ImportError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+try:
+    import numba
+except ImportError:
+    pass
+else:
+    raise SystemExit("numba-cuda is still importable")
+from numba_cuda_mlir.numba_cuda.cudadrv import driver
+import gpuptr, gpuptr.numba as plugin
+class Ctx:
+    class device:
+        id = 0
+driver.set_memory_manager(plugin.MemoryManager)
+m = plugin.MemoryManager(context=Ctx())
+m.initialize()
+assert isinstance(m, driver.BaseCUDAMemoryManager), type(m).__mro__
+mem = m.memalloc(4096)
+mem.memset(3)
+assert mem.copy_to_host()[:2] == b"\\x03\\x03"
+try:
+    m.memalloc(1 << 62)
+except driver.CudaAPIError as e:
+    assert isinstance(e, plugin.OutOfMemoryError) and e.code == 2
+try:
+    plugin.as_cuda_array
+except ImportError as e:
+    assert "for numba-cuda" in str(e) and "numba-cuda-mlir" in str(e), e
+else:
+    raise SystemExit("as_cuda_array imported without numba-cuda")
+print(gpuptr.install(cupy=False, torch=False)["numba"], driver._memory_manager is plugin.MemoryManager)
+"""
+
+
+def test_where_numba_cuda_mlir_is_the_only_numba_the_plugin_works():
+    if not _importable("numba-cuda-mlir"):
+        pytest.skip("numba-cuda-mlir is not importable here")
+    r = subprocess.run([sys.executable, "-c", _ONLY_MLIR], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["installed", "True"], r.stdout

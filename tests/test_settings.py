@@ -108,13 +108,14 @@ _BLOCK = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name == {mod!r} or name.startswith({mod!r} + "."):
+        if any(name == m or name.startswith(m + ".") for m in {mod!r}.split()):
             raise ImportError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Block())
 """
 
 
-@pytest.mark.parametrize("module,missing,extra", [("gpuptr.numba", "numba", "gpuptr[numba]"), ("gpuptr.dask", "distributed", "gpuptr[dask]")])
+# gpuptr.numba serves numba-cuda and numba-cuda-mlir: it is missing only when both are.
+@pytest.mark.parametrize("module,missing,extra", [("gpuptr.numba", "numba numba_cuda_mlir", "gpuptr[numba]"), ("gpuptr.numba", "numba numba_cuda_mlir", "gpuptr[numba-mlir]"), ("gpuptr.dask", "distributed", "gpuptr[dask]")])
 def test_a_missing_extra_says_which_to_install(module, missing, extra):
     r = _child(_BLOCK.format(mod=missing) + f"import {module}\n")
     assert r.returncode != 0
@@ -122,7 +123,7 @@ def test_a_missing_extra_says_which_to_install(module, missing, extra):
 
 
 def test_install_names_the_extra_for_numba():
-    r = _child(_BLOCK.format(mod="numba") + "import gpuptr\nprint(gpuptr.install(cupy=False, torch=False)['numba'])\n")
+    r = _child(_BLOCK.format(mod="numba numba_cuda_mlir") + "import gpuptr\nprint(gpuptr.install(cupy=False, torch=False)['numba'])\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("skipped:") and 'pip install "gpuptr[numba]"' in r.stdout, r.stdout
 

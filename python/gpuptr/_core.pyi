@@ -291,7 +291,7 @@ def stats() -> list[DeviceStats]:
     """Allocation statistics per device: live bytes and count, peak, the number
     of allocations made, the pool's cached bytes, hits, misses and fences,
     and ``clients``: live bytes and count, and allocations made, per client
-    (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``).
+    (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``).
     """
 def release_contexts() -> None:
     """Drop gpuptr's own hold on contexts; each is released once no pointer
@@ -523,7 +523,7 @@ def _dlpack_export(
     is a stream whose queued work may still use the memory.
     """
 def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: _Stream = None) -> MemoryPointer:
-    """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``
+    """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``
     or ``"direct"``), counted under that client in ``stats()``. The hook
     for gpuptr's own allocator plugins.
     """

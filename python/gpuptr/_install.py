@@ -10,20 +10,25 @@ __all__ = ["install"]
 
 
 def _numba(stream_ordered: bool) -> None:
-    from numba.cuda.cudadrv import driver
+    from gpuptr import numba as plugin
 
-    from gpuptr.numba import MemoryManager
-
-    current = getattr(driver, "_memory_manager", None)
-    if current is MemoryManager:
-        return
-    if current is not None:
-        raise InstallError(
-            f"numba already uses the memory manager {current.__module__}.{current.__name__} "
-            "(it picks one when it creates its first CUDA context): call gpuptr.install() "
-            "before numba's first CUDA call, or set NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba"
-        )
-    driver.set_memory_manager(MemoryManager)
+    # Every numba that imports: numba-cuda and numba-cuda-mlir each pick
+    # their memory manager when they create their first context.
+    for name in plugin._DRIVERS:
+        try:
+            driver = plugin._backend(name).driver
+        except Exception:  # not installed, or no CUDA runtime to import with
+            continue
+        current = getattr(driver, "_memory_manager", None)
+        if current is plugin.MemoryManager or (isinstance(current, type) and issubclass(current, plugin.MemoryManager)):
+            continue
+        if current is not None:
+            raise InstallError(
+                f"{name} already uses the memory manager {current.__module__}.{current.__name__} "
+                "(it picks one when it creates its first CUDA context): call gpuptr.install() "
+                "before numba's first CUDA call, or set NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba"
+            )
+        driver.set_memory_manager(plugin.MemoryManager)
 
 
 def _cupy(stream_ordered: bool) -> None:
@@ -43,7 +48,7 @@ def _torch(stream_ordered: bool) -> None:
 _PARTS: Dict[str, Callable[[bool], None]] = {"numba": _numba, "cupy": _cupy, "torch": _torch}
 # The module each part needs, as pip names it in the message.
 _NEEDS = {
-    "numba": ("numba.cuda", '"gpuptr[numba]" (numba-cuda)'),
+    "numba": ("gpuptr.numba", '"gpuptr[numba]" (numba-cuda) or "gpuptr[numba-mlir]" (numba-cuda-mlir)'),
     "cupy": ("cupy", "cupy-cuda13x (or cupy-cuda12x)"),
     "torch": ("torch", "torch"),
 }
@@ -52,7 +57,8 @@ _NEEDS = {
 def install(
     numba: bool = True, cupy: bool = True, torch: bool = True, *, stream_ordered: bool = False
 ) -> Dict[str, str]:
-    """Put numba, CuPy and PyTorch on gpuptr's pool, so that memory one of
+    """Put numba (numba-cuda and numba-cuda-mlir, each that imports), CuPy
+    and PyTorch on gpuptr's pool, so that memory one of
     them frees is there for the others. Each part is installed only if its
     library imports; call it before they allocate (PyTorch cannot swap
     allocators after its first CUDA allocation, numba after its first

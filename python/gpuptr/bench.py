@@ -131,13 +131,16 @@ class Bench:
         self.results.append(result)
 
 
-def _devarray_ns(manager: Optional[str], n: int, repeat: int, path: Optional[str] = None) -> float:
+def _devarray_ns(
+    manager: Optional[str], n: int, repeat: int, path: Optional[str] = None, numba: str = "numba"
+) -> float:
     """numba ``device_array(1 MiB)`` alloc+free in a child process under
     ``manager`` (a NUMBA_CUDA_MEMORY_MANAGER value; None for numba's own),
-    with ``path`` first on its PYTHONPATH."""
+    with ``path`` first on its PYTHONPATH; ``numba`` is the package ``cuda``
+    comes from (``"numba"`` or ``"numba_cuda_mlir"``)."""
     code = (
         "import sys, numpy as np\n"
-        "from numba import cuda\n"
+        f"from {numba} import cuda\n"
         "from gpuptr.bench import best_ns\n"
         "cuda.current_context()\n"
         f"ns = best_ns(lambda: cuda.device_array(1 << 18, dtype=np.float32), {n}, {repeat})\n"
@@ -320,6 +323,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
     _library_rows(b, on_gpu, quick)
     _busy_rows(b, on_gpu)
     _graph_rows(b, on_gpu, quick)
+    _next_numba_rows(b, on_gpu, quick)
     return {"meta": _meta(info, quick), "rows": [r.__dict__ for r in b.results]}
 
 
@@ -764,6 +768,100 @@ def _graph_ns(what: str, allocator: str, n: int, repeat: int) -> float:
     """One :data:`_GRAPH_CHILD` process of ``what`` under ``allocator``: ns
     per cycle (the child keeps its best of five; ``repeat`` is unused)."""
     return _child_ns(_GRAPH_CHILD, what, allocator, n)
+
+
+_MLIR_LAUNCH_CHILD = r"""
+import sys
+nargs, n, repeat = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+import cupy as cp
+from numba_cuda_mlir import cuda
+from gpuptr.bench import best_ns
+names = ", ".join(f"a{i}" for i in range(nargs))
+body = " + ".join(f"a{i}[i]" for i in range(nargs))
+ns = {"cuda": cuda}
+exec(f"def k({names}):\n    i = cuda.grid(1)\n    if i < a0.size:\n        a0[i] = {body}\n", ns)
+kernel = cuda.jit(ns["k"])[4, 256]
+args = [cp.zeros(1024, dtype=cp.float32) for _ in range(nargs)]
+kernel(*args); cuda.synchronize()
+print(best_ns(lambda: kernel(*args), n, repeat))
+"""
+
+
+def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
+    """The next numba and cuda.core: a cuda.core ``mr.allocate(1 MiB)`` +
+    close through gpuptr.cuda_core against cuda.core's own resource (over the
+    driver's memory pool); numba-cuda-mlir ``device_array(1 MiB)`` under
+    gpuptr.numba against its default manager (child processes); and a
+    numba-cuda-mlir launch on 8 CuPy arrays (its own launcher reads them)
+    against numba-cuda's through gpuptr.numba.foreign_args."""
+
+    def core_setup() -> Pair:
+        if not on_gpu:
+            raise RuntimeError("needs the GPU")
+        from cuda.core import Device, DeviceMemoryResource
+
+        from gpuptr.cuda_core import MemoryResource
+
+        dev = Device(0)
+        dev.set_current()
+        stream = dev.create_stream()
+        ours_mr, theirs_mr = MemoryResource(0), DeviceMemoryResource(0)
+
+        def ours() -> None:
+            ours_mr.allocate(1 << 20, stream=stream).close()
+
+        def theirs() -> None:
+            theirs_mr.allocate(1 << 20, stream=stream).close()
+
+        return ours, theirs
+
+    b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
+
+    name = "numba-cuda-mlir device_array(1 MiB) alloc+free"
+    label = "numba-cuda-mlir default manager"
+    if b.wants(name, label):
+        print(f"  measuring: {name} under gpuptr vs {label} ...", file=b.out, flush=True)
+        n_child = 500 if quick else 5000
+        try:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            ours = _devarray_ns("gpuptr.numba", n_child, b.repeat, numba="numba_cuda_mlir")
+            theirs = _devarray_ns(None, n_child, b.repeat, numba="numba_cuda_mlir")
+            b.add(Result(name, label, round(ours, 1), round(theirs, 1), round(theirs / ours, 2)))
+        except Exception as e:
+            b.add(Result(name, label, skipped=f"{type(e).__name__}: {e}"))
+
+    name = "launch, 8 cupy arg(s) via foreign_args (numba-cuda)"
+    label = "numba-cuda-mlir's own launcher"
+    if b.wants(name, label):
+        print(f"  measuring: {name} vs {label} ...", file=b.out, flush=True)
+        n_child = 200 if quick else 2000
+        try:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            mlir = _child_ns(_MLIR_LAUNCH_CHILD, 8, n_child, b.repeat)
+            fast, _ = launch_setup_foreign(8)
+            ours = min(runs_ns(fast, n_child, b.repeat))
+            # Above 1: numba-cuda with foreign_args launches faster than
+            # numba-cuda-mlir's launcher does on the same kind of arrays.
+            b.add(Result(name, label, round(ours, 1), round(mlir, 1), round(mlir / ours, 2)))
+        except Exception as e:
+            b.add(Result(name, label, skipped=f"{type(e).__name__}: {e}"))
+
+
+def launch_setup_foreign(nargs: int) -> Pair:
+    """A numba-cuda launch on ``nargs`` CuPy arrays through
+    gpuptr.numba.foreign_args, and the same kernel given them directly."""
+    import cupy as cp
+
+    from gpuptr.numba import foreign_args
+
+    kernel = _launch_kernel(nargs)
+    args = [cp.zeros(1024, dtype=cp.float32) for _ in range(nargs)]
+    fast = foreign_args(kernel)[4, 256]
+    direct = kernel[4, 256]
+    fast(*args)
+    return (lambda: fast(*args)), (lambda: direct(*args))
 
 
 def _meta(info: DriverInfo, quick: bool) -> Dict[str, Any]:

@@ -52,7 +52,7 @@ pub(super) struct Shard {
     pub(super) class_live: Vec<ClassCount>,
     pub(super) large_live: FastMap<usize, ClassCount>,
     /// Live bytes and count, and allocations, per client.
-    pub(super) clients: [ClientStats; 4],
+    pub(super) clients: [ClientStats; crate::Client::COUNT],
     /// Classes (by index, bit per class) this shard asked the helper to
     /// grow ahead, not yet served.
     pub(super) wanted: u128,

@@ -72,7 +72,7 @@ fn alloc_as(
     Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }
 
-/// ``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``
+/// ``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``
 /// or ``"direct"``), counted under that client in ``stats()``. The hook
 /// for gpuptr's own allocator plugins.
 #[pyfunction]
@@ -155,7 +155,7 @@ fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
 /// Allocation statistics per device: live bytes and count, peak, the number
 /// of allocations made, the pool's cached bytes, hits, misses and fences,
 /// and ``clients``: live bytes and count, and allocations made, per client
-/// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``).
+/// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``).
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let _log = logging::Deliver(py);

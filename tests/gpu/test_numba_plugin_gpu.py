@@ -1,16 +1,34 @@
-"""The plugin under real numba on a GPU. Each test runs in a fresh process
-with NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba, since numba picks its memory
+"""The plugin under real numba on a GPU, once under numba-cuda and once under
+numba-cuda-mlir. Each test runs in a fresh process with
+NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba, since numba picks its memory
 manager once per process."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
-from helpers import run_plugin
+from helpers import run_plugin as _run_plugin
 
 pytestmark = pytest.mark.gpu
 
+NUMBAS = ["numba", "numba_cuda_mlir"]
 
-def test_every_hook_through_numbas_public_api():
+
+@pytest.fixture(params=NUMBAS)
+def numba(request):
+    """The package users import ``cuda`` from: ``numba`` (numba-cuda) or
+    ``numba_cuda_mlir``."""
+    if importlib.util.find_spec(request.param) is None:
+        pytest.skip(f"{request.param} is not installed here")
+    return request.param
+
+
+def run_plugin(code, numba):
+    return _run_plugin(code.replace("from numba import cuda", f"from {numba} import cuda"))
+
+
+def test_every_hook_through_numbas_public_api(numba):
     out = run_plugin(
         """
         import numpy as np, gpuptr
@@ -50,12 +68,13 @@ def test_every_hook_through_numbas_public_api():
             del d
         s = gpuptr.stats()[0]
         print("ok", s["live_count"] > 0, s["pool_hits"] + s["pool_misses"] > 0)
-        """
+        """,
+        numba,
     )
     assert out.split() == ["ok", "True", "True"]
 
 
-def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
+def test_reuse_waits_for_a_kernel_still_using_the_freed_block(numba):
     # A kernel on stream s1 spins, then reads A and writes A. A is freed at
     # once and a batch of same-size allocations is written on another
     # blocking stream s2. If a reused block were handed out before the
@@ -105,7 +124,8 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
         ok_b = (b.copy_to_host() == 2).all()
         ok_new = all((x.copy_to_host().view(np.uint8) == 2).all() for x in new)
         print(len(reused), running, ok_b, ok_new, gpuptr.flush_pool(0), round(elapsed_ms))
-        """
+        """,
+        numba,
     )
     reused, running, ok_b, ok_new, fenced, elapsed_ms = out.split()
     # Meaningful only if the kernel still ran when the blocks were handed out.
@@ -116,7 +136,7 @@ def test_reuse_waits_for_a_kernel_still_using_the_freed_block():
     assert (ok_b, ok_new, fenced) == ("True", "True", "True")
 
 
-def test_ipc_handle_of_a_pooled_pointer_opens_in_a_spawned_child():
+def test_ipc_handle_of_a_pooled_pointer_opens_in_a_spawned_child(numba):
     out = run_plugin(
         """
         import multiprocessing as mp, numpy as np, gpuptr
@@ -138,12 +158,13 @@ def test_ipc_handle_of_a_pooled_pointer_opens_in_a_spawned_child():
             p = ctx.Process(target=child, args=(h, q))
             p.start(); got = q.get(timeout=120); p.join(120)
             print(got == list(range(16)), p.exitcode)
-        """
+        """,
+        numba,
     )
     assert out.split() == ["True", "0"]
 
 
-def test_cuda_close_then_allocate_again():
+def test_cuda_close_then_allocate_again(numba):
     out = run_plugin(
         """
         import numpy as np, gpuptr
@@ -159,6 +180,75 @@ def test_cuda_close_then_allocate_again():
         del a, ptr                                  # stale free: a no-op
         b = cuda.to_device(np.arange(50))
         print(int(b.copy_to_host().sum()), gpuptr.stats()[0]["live_count"])
-        """
+        """,
+        numba,
     )
     assert out.split() == ["stale", "1225", "1"]
+
+
+def test_host_array_arguments_come_from_gpuptrs_pool(numba):
+    # A kernel on a host numpy array: numba copies it to the device and back.
+    # numba-cuda allocates the copy through EMM (memalloc); numba-cuda-mlir
+    # through its device's cuda.core Device.allocate, which gpuptr.numba
+    # points at gpuptr's pool (client "cuda_core").
+    out = run_plugin(
+        """
+        import numpy as np, gpuptr
+        from numba import cuda
+        @cuda.jit
+        def inc(a):
+            i = cuda.grid(1)
+            if i < a.size:
+                a[i] += 1
+        host = np.arange(4096, dtype=np.float32)
+        before = {k: v["alloc_count"] for k, v in gpuptr.stats()[0]["clients"].items()}
+        for _ in range(3):
+            inc[16, 256](host)
+        cuda.synchronize()
+        after = {k: v["alloc_count"] for k, v in gpuptr.stats()[0]["clients"].items()}
+        grew = sorted(k for k in after if after[k] > before[k])
+        print(bool((host == np.arange(4096) + 3).all()), ",".join(grew) or "none")
+        """,
+        numba,
+    )
+    ok, grew = out.split()
+    assert ok == "True"
+    assert grew == ("cuda_core" if numba == "numba_cuda_mlir" else "numba"), grew
+
+
+def test_where_numba_cuda_mlir_is_the_only_numba():
+    if importlib.util.find_spec("numba_cuda_mlir") is None:
+        pytest.skip("numba_cuda_mlir is not installed here")
+    out = _run_plugin(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "numba" or name.startswith("numba."):
+                    raise ImportError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, Block())
+        try:
+            import numba
+            sys.exit("numba-cuda is still importable")
+        except ImportError:
+            pass
+        import numpy as np, gpuptr
+        from numba_cuda_mlir import cuda
+        from gpuptr.numba import MemoryManager
+        assert isinstance(cuda.current_context().memory_manager, MemoryManager)
+        @cuda.jit
+        def inc(a):
+            i = cuda.grid(1)
+            if i < a.size:
+                a[i] += 1
+        d = cuda.to_device(np.arange(1000, dtype=np.float32))
+        inc[4, 256](d)
+        host = np.zeros(1000, dtype=np.float32)
+        inc[4, 256](host)                                   # a host-array argument
+        cuda.synchronize()
+        clients = gpuptr.stats()[0]["clients"]
+        print(bool((d.copy_to_host() == np.arange(1000) + 1).all()), bool((host == 1).all()),
+              clients["numba"]["alloc_count"] > 0, clients["cuda_core"]["alloc_count"] > 0)
+        """
+    )
+    assert out.split() == ["True", "True", "True", "True"]

@@ -6,8 +6,8 @@
 //! block in the pool came from. It is PyTorch's `_record_memory_history`
 //! for every library on gpuptr's pool.
 //!
-//! Off (the default), an allocation pays the one relaxed load of
-//! [`Watch`](crate::track::Watch) it pays for the leak report anyway, and a
+//! Off (the default), an allocation pays the one relaxed load of the
+//! switches it pays for the leak report anyway (one atomic for both), and a
 //! release one branch on a field it already reads. On, each event takes one
 //! global lock around a ring push (and a hash-map update for allocations).
 //!

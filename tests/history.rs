@@ -3,9 +3,24 @@
 
 mod common;
 
-use common::{sim, sim_pooled};
+use std::sync::Arc;
+
+use common::sim;
 use gpuptr::history::Action;
-use gpuptr::{BlockState, Client, Frame, Runtime, Site, Snapshot};
+use gpuptr::{
+    BlockState, Client, Frame, PoolConfig, Runtime, SimConfig, SimDriver, Site, Snapshot,
+};
+
+/// A pooled runtime without growth ahead of demand: its helper thread would
+/// add segments to the trace at times of its own.
+fn sim_pooled(devices: usize, memory: usize) -> (Arc<SimDriver>, Arc<Runtime>) {
+    let drv = Arc::new(SimDriver::new(SimConfig::new(devices, memory)));
+    let cfg = PoolConfig {
+        ahead_bytes: 0,
+        ..PoolConfig::default()
+    };
+    (drv.clone(), Runtime::with_pool(drv, Some(cfg)).unwrap())
+}
 
 fn actions(s: &Snapshot, device: usize) -> Vec<(Action, u64, usize)> {
     s.device_traces[device]
@@ -14,7 +29,7 @@ fn actions(s: &Snapshot, device: usize) -> Vec<(Action, u64, usize)> {
         .collect()
 }
 
-fn flush(rt: &std::sync::Arc<Runtime>) {
+fn flush(rt: &Arc<Runtime>) {
     assert!(rt.flush_pool(0).unwrap());
 }
 

@@ -242,8 +242,10 @@ def test_max_entries_bounds_the_trace():
         trace = gpuptr.snapshot()["device_traces"][0]
         assert len(trace) == 7
         assert gpuptr.snapshot()["allocator_settings"]["max_entries"] == 7
-        # The newest: the trace ends with the last free.
-        assert [e["action"] for e in trace[-2:]] == ["free_requested", "free_completed"]
+        # The newest: the last free is there (the pool's growth ahead of
+        # demand may add segments after it, on its own thread).
+        ours = [e["action"] for e in trace if not e["action"].startswith("segment")]
+        assert ours[-2:] == ["free_requested", "free_completed"], trace
     finally:
         gpuptr.record_history(False)
 

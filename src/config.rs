@@ -8,6 +8,8 @@
 //! | `GPUPTR_POOL` | the global runtime | a switch: off (`0`, `off`, `false`, `no`) means no caching pool |
 //! | `GPUPTR_POOL_AHEAD` | the global runtime | a size grown ahead per class ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
 //! | `GPUPTR_TRACK` | the global runtime | a switch: on (`1`, `on`, `true`, `yes`) means the leak report from the start |
+//! | `GPUPTR_HISTORY` | the global runtime | a switch: on means the allocation history from the start ([`crate::history`]) |
+//! | `GPUPTR_OOM_SNAPSHOT` | the global runtime | a path: on out of memory, a memory snapshot is written there ([`Runtime::set_oom_snapshot`](crate::Runtime::set_oom_snapshot)) |
 //!
 //! Sizes are read by [`crate::sizes::parse`] (`"1GiB"`, `"512M"`,
 //! `1073741824`); switches by [`crate::sizes::switch`]. A bad value is an
@@ -30,6 +32,10 @@ pub(crate) const POOL: &str = "GPUPTR_POOL";
 pub(crate) const POOL_AHEAD: &str = "GPUPTR_POOL_AHEAD";
 /// `GPUPTR_TRACK`.
 pub(crate) const TRACK: &str = "GPUPTR_TRACK";
+/// `GPUPTR_HISTORY`.
+pub(crate) const HISTORY: &str = "GPUPTR_HISTORY";
+/// `GPUPTR_OOM_SNAPSHOT`.
+pub(crate) const OOM_SNAPSHOT: &str = "GPUPTR_OOM_SNAPSHOT";
 
 /// The text of `name` (empty when unset or not Unicode).
 pub(crate) fn text(name: &str) -> String {

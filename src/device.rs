@@ -16,12 +16,13 @@ use crate::context::Context;
 use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
 use crate::error::{Error, Result};
 use crate::graph::GraphMemory;
+use crate::history::History;
 use crate::ipc::liveness::Exports;
 use crate::pool::{Allocation, Block, Pool, PoolConfig};
 use crate::registry::{ReadOnlyRanges, Registry};
 use crate::stats::{ClassStats, Client, DeviceCounters, DeviceStats};
 use crate::sync::lock;
-use crate::track::Tracker;
+use crate::track::{Tracker, Watch};
 
 /// What every device of a runtime shares: the driver and the books kept
 /// across devices.
@@ -29,8 +30,12 @@ pub(crate) struct Services {
     pub(crate) driver: Arc<dyn Driver>,
     /// The pointer→context registry.
     pub(crate) registry: Registry<Context>,
+    /// What allocations note: the leak report, the history, or both.
+    pub(crate) watch: Watch,
     /// The leak report.
     pub(crate) tracker: Tracker,
+    /// The allocation history.
+    pub(crate) history: History,
     /// The IPC liveness slots of this process's exports.
     pub(crate) exports: Exports,
     /// The read-only host ranges: no pointer over them is writable.
@@ -73,7 +78,14 @@ impl DeviceState {
     pub(crate) fn new(device: usize, services: Arc<Services>, pool: Option<PoolConfig>) -> Self {
         DeviceState {
             device,
-            pool: pool.map(|c| Pool::new(c, services.driver.clone())),
+            pool: pool.map(|c| {
+                let s = services.clone();
+                Pool::new(c, services.driver.clone()).on_segments(Box::new(move |made, a| {
+                    if s.watch.on(Watch::HISTORY) {
+                        s.history.segment(made, device, a.base, a.bytes());
+                    }
+                }))
+            }),
             services,
             slot: Mutex::new(Slot::default()),
             counters: DeviceCounters::default(),
@@ -262,13 +274,87 @@ impl DeviceState {
             }
         }
         // cuMemGetInfo is allowed even during a capture.
-        if let Ok((free, total)) = ctx.memory_info() {
+        let info = ctx.memory_info().ok();
+        if let Some((free, total)) = info {
             detail += &format!("; the device has {} free of {}", bytes(free), bytes(total));
         }
+        detail += &self.oom_snapshot(size, info.map_or(0, |i| i.0));
         Error::OutOfMemory {
             device: self.device,
             requested: size,
             detail,
+        }
+    }
+
+    /// An allocation outside the pool failed with `e`: if it ran out of
+    /// memory, the typed error, with the history's `oom` entry and the
+    /// snapshot (see [`DeviceState::oom_snapshot`]).
+    #[cold]
+    pub(crate) fn driver_oom(&self, ctx: &Context, e: Error, size: usize) -> Error {
+        match e.oom_on(self.device, size) {
+            Error::OutOfMemory {
+                device,
+                requested,
+                mut detail,
+            } => {
+                let free = ctx.memory_info().map_or(0, |i| i.0);
+                detail += &self.oom_snapshot(size, free);
+                Error::OutOfMemory {
+                    device,
+                    requested,
+                    detail,
+                }
+            }
+            e => e,
+        }
+    }
+
+    /// Out of memory for `size` bytes with `device_free` free: the
+    /// history's `oom` entry (while it records, or a snapshot path is set),
+    /// then the snapshot of this device written to the path set with
+    /// [`Runtime::set_oom_snapshot`](crate::Runtime::set_oom_snapshot), if
+    /// any. What the error message adds: the file written, or why it could
+    /// not be (also logged as a warning; never an error of its own). No
+    /// lock of the pool is held while the file is written.
+    #[cold]
+    fn oom_snapshot(&self, size: usize, device_free: usize) -> String {
+        let s = &self.services;
+        let path = s.history.oom_snapshot();
+        if s.watch.on(Watch::HISTORY) || path.is_some() {
+            s.history.oom(self.device, size, device_free);
+        }
+        let Some(path) = path else {
+            return String::new();
+        };
+        let live = s.history.live();
+        let snapshot = crate::Snapshot {
+            segments: self.segments(&live),
+            device_traces: s.history.traces(self.device + 1),
+            max_entries: s.history.max_entries(),
+        };
+        drop(live);
+        match snapshot.write(&path) {
+            Ok(()) => {
+                log::info!(
+                    target: "gpuptr::pool",
+                    "device {}: out of memory; wrote a memory snapshot to {}",
+                    self.device,
+                    path.display()
+                );
+                format!("; a memory snapshot was written to {}", path.display())
+            }
+            Err(e) => {
+                log::warn!(
+                    target: "gpuptr::pool",
+                    "device {}: out of memory; could not write a memory snapshot to {}: {e}",
+                    self.device,
+                    path.display()
+                );
+                format!(
+                    "; a memory snapshot could not be written to {}: {e}",
+                    path.display()
+                )
+            }
         }
     }
 
@@ -490,6 +576,9 @@ impl DeviceState {
         // A new epoch first: the pool then refuses blocks of the old one,
         // and forgets the ones it has under the same locks.
         self.invalidate();
+        // The history: the live allocations go before their segments.
+        let recording = self.services.watch.on(Watch::HISTORY);
+        self.services.history.forget_device(self.device, recording);
         if let Some(pool) = &self.pool {
             let held = pool.forget();
             self.unregister(held);
@@ -564,6 +653,20 @@ impl DeviceState {
         if let Some(pool) = &self.pool {
             pool.set_limit(bytes.unwrap_or(usize::MAX));
         }
+    }
+
+    /// This device's segments for a [`Snapshot`](crate::Snapshot): the
+    /// pool's allocations and the history's allocations outside it.
+    pub(crate) fn segments(
+        &self,
+        live: &std::collections::HashMap<DevicePtr, crate::history::Live>,
+    ) -> Vec<crate::Segment> {
+        let pool = self
+            .pool
+            .as_ref()
+            .map(Pool::allocations)
+            .unwrap_or_default();
+        crate::Segment::of_device(self.device, pool, live)
     }
 
     /// Driver allocations the pool holds (cached or handed out).

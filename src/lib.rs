@@ -42,6 +42,7 @@ mod stats;
 
 // The services a device holds, and the pool.
 mod graph;
+pub mod history;
 mod pool;
 mod registry;
 mod track;
@@ -55,6 +56,7 @@ mod memory;
 
 // The top: the façade Rust users and the binding call.
 mod runtime;
+mod snapshot;
 
 #[cfg(feature = "python")]
 mod python;
@@ -73,8 +75,9 @@ pub use lifetime::KeepAlive;
 pub use memory::{ordering_stream, DevicePointer, Loan, Origin, View};
 pub use pool::{size_class, PoolConfig};
 pub use runtime::Runtime;
+pub use snapshot::{BlockState, Segment, Snapshot, SnapshotBlock};
 pub use stats::{ClassStats, Client, ClientStats, DeviceStats};
-pub use track::{Outstanding, Site};
+pub use track::{Frame, Outstanding, Site};
 
 /// `CUresult` codes gpuptr refers to by name.
 pub mod codes {

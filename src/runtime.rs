@@ -12,12 +12,14 @@ use crate::context::Context;
 use crate::device::{DeviceState, Services};
 use crate::driver::{self, Driver, DriverChoice, DriverKind, RawStream, SimDriver};
 use crate::error::Result;
+use crate::history::History;
 use crate::ipc::liveness::Exports;
 use crate::ipc::Ipc;
 use crate::pool::PoolConfig;
 use crate::registry::Registry;
+use crate::snapshot::Snapshot;
 use crate::stats::{ClassStats, DeviceStats};
-use crate::track::{Outstanding, Tracker};
+use crate::track::{Outstanding, Tracker, Watch};
 
 /// The process-wide runtime ([`Runtime::global`]).
 static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
@@ -65,7 +67,9 @@ impl Runtime {
         let services = Arc::new(Services {
             driver,
             registry: Registry::new(),
-            tracker: Tracker::new(false),
+            watch: Watch::default(),
+            tracker: Tracker::default(),
+            history: History::default(),
             exports: Exports::default(),
             read_only: Default::default(),
         });
@@ -277,6 +281,13 @@ impl Runtime {
                 if config::switch_or(config::TRACK, false)? {
                     rt.set_tracking(true);
                 }
+                if config::switch_or(config::HISTORY, false)? {
+                    rt.record_history(true, crate::history::DEFAULT_MAX_ENTRIES);
+                }
+                let oom = config::text(config::OOM_SNAPSHOT);
+                if !oom.trim().is_empty() {
+                    rt.set_oom_snapshot(Some(oom.into()));
+                }
                 Ok(rt)
             })
             .as_ref()
@@ -313,13 +324,60 @@ impl Runtime {
     /// global runtime). On, every allocation records where it was made until
     /// it is released; allocations made while it was off are not listed.
     pub fn set_tracking(&self, on: bool) {
-        self.tracker().set_enabled(on);
+        self.services.watch.set(Watch::TRACK, on);
     }
 
     /// Whether allocations record where they were made.
     #[inline]
     pub fn tracking(&self) -> bool {
-        self.tracker().enabled()
+        self.services.watch.on(Watch::TRACK)
+    }
+
+    /// Start (or stop) the allocation history (see [`crate::history`]).
+    /// Started, the trace begins afresh and keeps at most `max_entries`
+    /// events, the oldest going first; stopped, nothing more is recorded
+    /// and what was stays for [`Runtime::snapshot`]. `GPUPTR_HISTORY=1`
+    /// starts it for the global runtime.
+    pub fn record_history(&self, on: bool, max_entries: usize) {
+        if on {
+            self.services.history.start(max_entries);
+        }
+        self.services.watch.set(Watch::HISTORY, on);
+    }
+
+    /// Whether the allocation history records.
+    #[inline]
+    pub fn recording_history(&self) -> bool {
+        self.services.watch.on(Watch::HISTORY)
+    }
+
+    /// Where a snapshot is written when an allocation runs out of memory
+    /// (`None`: nowhere; `GPUPTR_OOM_SNAPSHOT` sets it for the global
+    /// runtime). The out-of-memory error then names the file; a snapshot
+    /// that cannot be written is logged (a warning) and named in the error,
+    /// never raised.
+    pub fn set_oom_snapshot(&self, path: Option<std::path::PathBuf>) {
+        self.services.history.set_oom_snapshot(path);
+    }
+
+    /// Where a snapshot is written on out of memory, if anywhere.
+    pub fn oom_snapshot(&self) -> Option<std::path::PathBuf> {
+        self.services.history.oom_snapshot()
+    }
+
+    /// Every device's segments and blocks now, and the history's trace.
+    pub fn snapshot(&self) -> Snapshot {
+        let history = &self.services.history;
+        let live = history.live();
+        Snapshot {
+            segments: self
+                .devices
+                .iter()
+                .flat_map(|d| d.segments(&live))
+                .collect(),
+            device_traces: history.traces(self.devices.len()),
+            max_entries: history.max_entries(),
+        }
     }
 
     /// The live allocations made while tracking was on, grouped by where

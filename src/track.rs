@@ -5,17 +5,65 @@
 //!
 //! Off (the default), an allocation pays one relaxed load and a release one
 //! branch on a field it already reads. On, each allocation and release takes
-//! one global lock around a hash-map update.
+//! one global lock around a hash-map update. The load is [`Watch`]'s, which
+//! the allocation history ([`crate::history`]) shares: one load for both.
 //!
 //! [`Runtime::outstanding`]: crate::Runtime::outstanding
 
 use std::collections::HashMap;
 use std::panic::Location;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::driver::DevicePtr;
 use crate::stats::Client;
+
+/// What allocations note while it is on: the leak report, the allocation
+/// history, or both. One relaxed load tells an allocation both.
+#[derive(Default)]
+pub(crate) struct Watch(AtomicU8);
+
+impl Watch {
+    /// The leak report ([`Tracker`]).
+    pub(crate) const TRACK: u8 = 1;
+    /// The allocation history ([`crate::history::History`]).
+    pub(crate) const HISTORY: u8 = 2;
+
+    /// The bits that are on.
+    #[inline]
+    pub(crate) fn get(&self) -> u8 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Whether `bit` is on.
+    #[inline]
+    pub(crate) fn on(&self, bit: u8) -> bool {
+        self.get() & bit != 0
+    }
+
+    pub(crate) fn set(&self, bit: u8, on: bool) {
+        if on {
+            self.0.fetch_or(bit, Ordering::Relaxed);
+        } else {
+            self.0.fetch_and(!bit, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One frame of a caller's stack: a file, a line and a function.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// The source file.
+    pub filename: Arc<str>,
+    /// The line in it (0: unknown).
+    pub line: u32,
+    /// The function (or `<module>`, or empty when unknown).
+    pub name: Arc<str>,
+}
+
+/// The frames of a stack a [`Site`] shows as text (the leak report's
+/// sites); a history entry keeps all it was given.
+const SITE_FRAMES: usize = 8;
 
 /// Where an allocation was made.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,8 +71,31 @@ pub enum Site {
     /// The Rust call site (`#[track_caller]` through gpuptr's allocation
     /// functions).
     Rust(&'static Location<'static>),
-    /// A description made by the caller: the binding's Python stack.
+    /// A description made by the caller.
     Described(Arc<str>),
+    /// A stack given by the caller, innermost first: the binding's Python
+    /// stack.
+    Stack(Arc<[Frame]>),
+}
+
+impl Site {
+    /// Its frames, innermost first: one for a Rust call site (function
+    /// `<rust>`) or a description (as the file name, line 0).
+    pub fn frames(&self) -> Vec<Frame> {
+        match self {
+            Site::Rust(l) => vec![Frame {
+                filename: l.file().into(),
+                line: l.line(),
+                name: "<rust>".into(),
+            }],
+            Site::Described(s) => vec![Frame {
+                filename: s.clone(),
+                line: 0,
+                name: "".into(),
+            }],
+            Site::Stack(frames) => frames.to_vec(),
+        }
+    }
 }
 
 impl std::fmt::Display for Site {
@@ -32,6 +103,15 @@ impl std::fmt::Display for Site {
         match self {
             Site::Rust(l) => write!(f, "{}:{}", l.file(), l.line()),
             Site::Described(s) => f.write_str(s),
+            Site::Stack(frames) => {
+                for (i, fr) in frames.iter().take(SITE_FRAMES).enumerate() {
+                    if i > 0 {
+                        f.write_str(" <- ")?;
+                    }
+                    write!(f, "{}:{} in {}", fr.filename, fr.line, fr.name)?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -58,29 +138,14 @@ struct Entry {
     site: Site,
 }
 
+/// The live allocations noted while tracking was on (whether it is on is
+/// [`Watch::TRACK`]).
 #[derive(Default)]
 pub(crate) struct Tracker {
-    enabled: AtomicBool,
     live: Mutex<HashMap<DevicePtr, Entry>>,
 }
 
 impl Tracker {
-    pub(crate) fn new(enabled: bool) -> Self {
-        Tracker {
-            enabled: AtomicBool::new(enabled),
-            live: Mutex::default(),
-        }
-    }
-
-    #[inline]
-    pub(crate) fn enabled(&self) -> bool {
-        self.enabled.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn set_enabled(&self, on: bool) {
-        self.enabled.store(on, Ordering::Relaxed);
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<DevicePtr, Entry>> {
         crate::sync::lock(&self.live)
     }

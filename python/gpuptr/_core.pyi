@@ -1,6 +1,7 @@
 """Type stubs for gpuptr's native module."""
 
 import ctypes
+import os
 from typing import Any, Callable, Optional, Self, TypeVar, Union, final, overload
 
 from gpuptr._types import ClassStats, DeviceStats, DriverInfo, Outstanding
@@ -58,6 +59,10 @@ __all__ = [
     "track",
     "tracking",
     "outstanding",
+    "record_history",
+    "recording_history",
+    "snapshot",
+    "dump_snapshot",
     "_set_log_level",
     "_flush_log",
     "_hooks_configure",
@@ -578,6 +583,48 @@ def outstanding() -> list[Outstanding]:
     """The live allocations made while tracking was on, grouped by where they
     were made, the most bytes first: dicts of ``site`` (the stack, innermost
     first), ``count``, ``bytes``, ``devices`` and ``clients``.
+    """
+def record_history(
+    enabled: bool = True,
+    max_entries: Optional[int] = None,
+    oom_snapshot: Union[str, "os.PathLike[str]", None] = None,
+) -> None:
+    """Start (or stop) recording the allocation history, as PyTorch's
+    ``torch.cuda.memory._record_memory_history``, for every library on
+    gpuptr's pool: each allocation and free (with the Python stack of the
+    allocation and the client that asked: ``direct``, ``numba``, ``cupy``
+    or ``torch``), each driver allocation of the pool, and each out of
+    memory. Started, the trace begins afresh and keeps the newest
+    ``max_entries`` events; stopped, nothing more is recorded and what was
+    stays for ``snapshot()``. ``GPUPTR_HISTORY=1`` starts it at start-up.
+
+    ``oom_snapshot``: a path (``str`` or ``os.PathLike``) where a snapshot is
+    written when an allocation runs out of memory (its error then names the
+    file), as ``GPUPTR_OOM_SNAPSHOT`` does; ``""`` writes none; ``None``
+    (the default) leaves the setting as it is. A snapshot that cannot be
+    written is logged and named in the error, never raised.
+
+    Off, an allocation pays one relaxed load (shared with ``track()``); on,
+    about the cost of the leak report (the stack walk, 32 frames at most).
+    """
+def recording_history() -> bool:
+    """Whether the allocation history records."""
+def snapshot() -> dict[str, Any]:
+    """The memory snapshot now, as ``torch.cuda.memory._snapshot()`` gives it:
+    a dict of ``segments`` (each driver allocation of every device's pool,
+    its blocks with their ``state``, sizes and ``frames``),
+    ``device_traces`` (the history, one list per device),
+    ``allocator_settings`` and ``external_annotations``. Each allocation's
+    block and trace entries also have ``client``, and their first frame is
+    ``{"filename": "gpuptr", "line": 0, "name": "client=NAME"}``.
+    """
+def dump_snapshot(path: Union[str, "os.PathLike[str]"]) -> None:
+    """Write the memory snapshot (see ``snapshot()``) to ``path`` as a pickle,
+    the file ``python -m torch.cuda._memory_viz trace_plot`` (and the viewer
+    at pytorch.org/memory_viz) reads. It is written beside ``path`` and
+    renamed over it, so no reader sees half of it. A directory that does not
+    exist, or one that cannot be written, raises the ``OSError`` that says
+    so (``FileNotFoundError``, ``PermissionError``, ...), naming ``path``.
     """
 def _set_log_level(level: int) -> None:
     """Set the level records are kept at, from a Python logging level (the

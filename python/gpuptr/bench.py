@@ -414,10 +414,12 @@ def _alloc_pair() -> Callable[[], None]:
 
 def _observability_rows(b: Bench) -> None:
     """What observability costs: gpuptr.alloc+free with the leak report on,
-    and with DEBUG logging on (records to a NullHandler), each against the
-    same pair with it off, measured one after the other."""
+    with the allocation history on (``--only history``), and with DEBUG
+    logging on (records to a NullHandler), each against the same pair with
+    it off, measured one after the other."""
     alloc_pair = _alloc_pair()
     _observed(b, "gpuptr.alloc+free 1 MiB, tracking on", _tracking, alloc_pair)
+    _observed(b, "gpuptr.alloc+free 1 MiB, history on", _history, alloc_pair)
     _observed(b, "gpuptr.alloc+free 1 MiB, DEBUG logging on", _debug_logging, alloc_pair)
 
 
@@ -479,6 +481,16 @@ def _tracking(on: bool) -> None:
     if on and gpuptr.tracking():
         raise RuntimeError("tracking is already on in this process (GPUPTR_TRACK)")
     gpuptr.track(on)
+
+
+def _history(on: bool) -> None:
+    """Turn the allocation history on (a fresh trace) or off (a switch for
+    :func:`_observed`)."""
+    import gpuptr
+
+    if on and gpuptr.recording_history():
+        raise RuntimeError("the allocation history is already on in this process (GPUPTR_HISTORY)")
+    gpuptr.record_history(on)
 
 
 def _debug_logging(on: bool) -> None:

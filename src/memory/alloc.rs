@@ -263,11 +263,12 @@ impl DevicePointer {
             // this allocation nor is invalidated by it.
             let address =
                 crate::driver::relaxed(context.driver(), || allocate(context)).map_err(|e| {
-                    if e.is_oom() {
-                        let ooms = &context.state().counters().ooms;
-                        ooms.fetch_add(1, Ordering::Relaxed);
+                    if !e.is_oom() {
+                        return e;
                     }
-                    e.oom_on(context.device(), req.size)
+                    let ooms = &context.state().counters().ooms;
+                    ooms.fetch_add(1, Ordering::Relaxed);
+                    context.state().driver_oom(context, e, req.size)
                 })?;
             let services = context.services();
             let reg = services.registry.insert(address, req.size, context);
@@ -307,9 +308,12 @@ impl DevicePointer {
         p.registration = registration;
         p.pool_shard = pool_shard as u16;
         p.client = client;
-        // Noted by the leak report once the caller gives the site
-        // ([`DevicePointer::note_site`]): one load here while it is off.
-        p.tracked = address != 0 && context.services().tracker.enabled();
+        // Noted by the leak report and the history once the caller gives
+        // the site ([`DevicePointer::note_site`]): one load here while both
+        // are off.
+        if address != 0 {
+            p.observed = context.services().watch.get();
+        }
         Arc::new(p)
     }
 }

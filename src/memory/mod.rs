@@ -20,11 +20,12 @@ use std::sync::{Arc, Mutex};
 use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream, STREAM_LEGACY, STREAM_PER_THREAD};
 use crate::error::Result;
+use crate::history::Live;
 use crate::host::HostMemory;
 use crate::lifetime::{check_live, release_keepalive, KeepAlive, Lifetime};
 use crate::registry::Registration;
 use crate::stats::Client;
-use crate::track::Site;
+use crate::track::{Site, Watch};
 pub use view::View;
 
 /// Memory lent to a consumer outside gpuptr ([`DevicePointer::lend`]): it
@@ -107,8 +108,9 @@ pub struct DevicePointer {
     has_keepalive: bool,
     /// The library that asked for it (statistics).
     client: Client,
-    /// Noted by the leak report (forgotten on release).
-    tracked: bool,
+    /// Noted by the leak report and/or the history ([`Watch`] bits as they
+    /// were when it was made; forgotten on release).
+    observed: u8,
     /// Shared with another process (its IPC liveness record is cleared on
     /// release).
     exported: AtomicBool,
@@ -161,7 +163,7 @@ impl DevicePointer {
             has_keepalive: false,
             keepalive: Mutex::new(None),
             client: Client::Direct,
-            tracked: false,
+            observed: 0,
             exported: AtomicBool::new(false),
         }
     }
@@ -353,11 +355,12 @@ impl DevicePointer {
         (self.address, self.context.device(), self.generation)
     }
 
-    /// Record where this allocation was made, for the leak report, if
-    /// tracking was on when it was made (`site` is called only then).
+    /// Record where this allocation was made, for the leak report and the
+    /// allocation history, if either was on when it was made (`site` is
+    /// called only then, once for both).
     #[inline]
     pub fn note_site(&self, site: impl FnOnce() -> Site) {
-        if self.tracked {
+        if self.observed != 0 {
             self.record_site(site());
         }
     }
@@ -365,10 +368,33 @@ impl DevicePointer {
     #[cold]
     fn record_site(&self, site: Site) {
         let device = self.context.device();
-        self.context
-            .services()
-            .tracker
-            .record(self.address, device, self.size, self.client, site);
+        let services = self.context.services();
+        if self.observed & Watch::HISTORY != 0 {
+            let live = Live {
+                device,
+                size: self.size,
+                stream: self.stream().unwrap_or(0),
+                client: self.client,
+                site: site.clone(),
+                own_segment: !matches!(self.origin, Origin::Pool(_)),
+            };
+            services.history.alloc(self.address, live);
+        }
+        if self.observed & Watch::TRACK != 0 {
+            services
+                .tracker
+                .record(self.address, device, self.size, self.client, site);
+        }
+    }
+
+    /// The history hears of the free before the memory can go to another
+    /// owner (the pool, or the driver, may hand the address out at once).
+    #[cold]
+    #[inline(never)]
+    fn forget_history(&self) {
+        let services = self.context.services();
+        let recording = services.watch.on(Watch::HISTORY);
+        services.history.free(self.address, recording);
     }
 
     #[cold]
@@ -391,6 +417,9 @@ impl DevicePointer {
             // First, before the memory can be reused: another process that
             // opens a handle of it from now on gets a typed error.
             ctx.services().exports.forget(self.export_key());
+        }
+        if self.observed & Watch::HISTORY != 0 {
+            self.forget_history();
         }
         let stale = self.is_stale();
         match self.origin {
@@ -425,7 +454,7 @@ impl DevicePointer {
         if matches!(self.origin, Origin::Driver) && !stale {
             ctx.state().counters().released(self.size, self.client);
         }
-        if self.tracked {
+        if self.observed & Watch::TRACK != 0 {
             self.forget_site();
         }
         if self.has_keepalive {

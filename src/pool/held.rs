@@ -177,6 +177,8 @@ impl Pool {
             blocks,
         };
         held.record(a);
+        drop(held);
+        self.segment_event(true, &a);
         Ok(a)
     }
 
@@ -281,6 +283,7 @@ impl Pool {
             // The owner forgets the blocks before the driver may hand the
             // same addresses to another thread's new allocation.
             before_free(&a);
+            self.segment_event(false, &a);
             // SAFETY: an allocation this pool made in `context` whose blocks
             // are all cached (none handed out), so no one uses it after this.
             let r = relaxed(self.driver.as_ref(), || unsafe {
@@ -293,6 +296,7 @@ impl Pool {
                 Err(e) => {
                     held.record(a);
                     drop(held);
+                    self.segment_event(true, &a);
                     failed_free(&a);
                     keep.extend(blocks);
                     if first_err.is_ok() {
@@ -330,10 +334,38 @@ impl Pool {
                 (k.live_bytes, k.live_count) = (0, 0);
             }
         }
-        let mut held = lock(&self.held);
-        held.carved.clear();
-        held.bytes = 0;
-        held.allocations.drain().map(|(_, a)| a).collect()
+        let gone: Vec<Allocation> = {
+            let mut held = lock(&self.held);
+            held.carved.clear();
+            held.bytes = 0;
+            held.allocations.drain().map(|(_, a)| a).collect()
+        };
+        for a in &gone {
+            self.segment_event(false, a);
+        }
+        gone
+    }
+
+    /// The driver allocations the pool holds, by address, each with the
+    /// state of its blocks: `None` handed out, `Some(true)` cached and
+    /// ready, `Some(false)` cached and waiting for a fence (memory
+    /// snapshots). One lock at a time; nothing changes.
+    pub(crate) fn allocations(&self) -> Vec<(Allocation, Vec<Option<bool>>)> {
+        let mut cached = FastMap::default();
+        for i in 0..self.shards.len() {
+            self.shard(i).cached(&mut cached);
+        }
+        let mut all: Vec<Allocation> = lock(&self.held).allocations.values().copied().collect();
+        all.sort_by_key(|a| a.base);
+        all.into_iter()
+            .map(|a| {
+                let states = a
+                    .block_addresses()
+                    .map(|p| cached.get(&p).copied())
+                    .collect();
+                (a, states)
+            })
+            .collect()
     }
 
     /// Number of driver allocations the pool holds (cached or handed out).

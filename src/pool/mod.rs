@@ -141,7 +141,14 @@ pub(crate) struct Pool {
     /// Per class index: the ready blocks a shard keeps while it churns that
     /// class (0: not grown ahead).
     ahead_blocks: Box<[u32]>,
+    /// Told of each driver allocation the pool records (`true`) or gives up
+    /// (`false`), before any of its blocks is handed out and before the
+    /// driver may hand its addresses to someone else ([`Pool::on_segments`]).
+    segments: Option<SegmentEvents>,
 }
+
+/// What [`Pool::on_segments`] calls.
+pub(crate) type SegmentEvents = Box<dyn Fn(bool, &Allocation) + Send + Sync>;
 
 impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -181,6 +188,21 @@ impl Pool {
                     }
                 })
                 .collect(),
+            segments: None,
+        }
+    }
+
+    /// Call `f` with each driver allocation the pool makes (`true`) or
+    /// gives up (`false`): the allocation history's segment events.
+    pub(crate) fn on_segments(mut self, f: SegmentEvents) -> Self {
+        self.segments = Some(f);
+        self
+    }
+
+    #[inline]
+    fn segment_event(&self, made: bool, a: &Allocation) {
+        if let Some(f) = &self.segments {
+            f(made, a);
         }
     }
 

@@ -248,6 +248,24 @@ impl Shard {
         })
     }
 
+    /// Every block the shard holds, into `out`, with whether its fence is
+    /// done (ready for anyone now); the cache stays as it is (snapshots).
+    pub(super) fn cached(&self, out: &mut FastMap<DevicePtr, bool>) {
+        for (p, _) in self
+            .pending
+            .iter()
+            .chain(self.sealed.iter().flat_map(|b| &b.blocks))
+        {
+            out.insert(*p, false);
+        }
+        for p in self.on_stream.values().flatten() {
+            out.insert(*p, false);
+        }
+        for p in self.ready.iter().chain(self.large.values()).flatten() {
+            out.insert(*p, true);
+        }
+    }
+
     /// Empty the cache into `out`: every block the shard holds, with its
     /// class and whether its fence is done (safe for anyone now).
     pub(super) fn drain(&mut self, out: &mut Vec<(DevicePtr, usize, bool)>) {

@@ -5,6 +5,7 @@
 mod args;
 mod dlpack;
 mod errors;
+mod history;
 mod hooks;
 mod host;
 mod interop;
@@ -463,9 +464,10 @@ mod _core {
         ipc::open_ipc,
     };
 
-    // Tracking and logging.
+    // Tracking, the allocation history and logging.
     #[pymodule_export]
     use super::{
+        history::{dump_snapshot, record_history, recording_history, snapshot},
         logging::{_flush_log, _set_log_level},
         track::{outstanding, track, tracking},
     };

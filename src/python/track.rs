@@ -1,5 +1,6 @@
 //! The leak report from Python: `track()`, `outstanding()`, and the Python
-//! call site each allocation records while tracking is on.
+//! call site each allocation records while tracking (or the allocation
+//! history) is on.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -7,23 +8,32 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use super::args::runtime;
-use crate::Site;
+use crate::Runtime;
+use crate::{Frame, Site};
 
-/// Frames of the Python stack a site keeps (innermost first).
+/// Frames of the Python stack a site keeps (innermost first) for the leak
+/// report, and while the allocation history records.
 const FRAMES: usize = 8;
+const HISTORY_FRAMES: usize = 32;
 
 /// Where the running Python code allocates: its stack, innermost first,
 /// without the frames of gpuptr's own package (so a CuPy or numba
 /// allocation names the user's line, not gpuptr's allocator glue). Only
-/// called while tracking is on.
+/// called while tracking or the history is on: a walk of at most 8 frames
+/// (32 for the history) up from the caller's, reading each one's file,
+/// line and function.
 pub(crate) fn python_site(py: Python<'_>) -> Site {
-    match python_stack(py) {
-        Ok(s) if !s.is_empty() => Site::Described(s.into()),
+    let depth = match Runtime::global_if_open().is_some_and(|rt| rt.recording_history()) {
+        true => HISTORY_FRAMES,
+        false => FRAMES,
+    };
+    match python_stack(py, depth) {
+        Ok(s) if !s.is_empty() => Site::Stack(s.into()),
         _ => Site::Described("<no Python caller>".into()),
     }
 }
 
-fn python_stack(py: Python<'_>) -> PyResult<String> {
+fn python_stack(py: Python<'_>, depth: usize) -> PyResult<Vec<Frame>> {
     static GETFRAME: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     static PACKAGE: PyOnceLock<String> = PyOnceLock::new();
     let getframe = GETFRAME.import(py, "sys", "_getframe")?;
@@ -37,22 +47,27 @@ fn python_stack(py: Python<'_>) -> PyResult<String> {
     })?;
     // The innermost frame is the Python code that called into gpuptr.
     let mut frame = getframe.call0()?;
-    let mut parts = Vec::new();
-    while !frame.is_none() && parts.len() < FRAMES {
+    let mut frames = Vec::new();
+    while !frame.is_none() && frames.len() < depth {
         let code = frame.getattr(intern!(py, "f_code"))?;
         let file = code.getattr(intern!(py, "co_filename"))?;
         let file = file.cast::<PyString>()?.to_str()?;
         if !file.starts_with(package.as_str()) {
-            let line: i64 = frame
+            let line: u32 = frame
                 .getattr(intern!(py, "f_lineno"))?
                 .extract()
                 .unwrap_or(0);
             let name = code.getattr(intern!(py, "co_name"))?;
-            parts.push(format!("{file}:{line} in {name}"));
+            let name = name.cast::<PyString>()?.to_str()?;
+            frames.push(Frame {
+                filename: file.into(),
+                line,
+                name: name.into(),
+            });
         }
         frame = frame.getattr(intern!(py, "f_back"))?;
     }
-    Ok(parts.join(" <- "))
+    Ok(frames)
 }
 
 /// Turn the leak report on (or off): while on, every allocation gpuptr

@@ -69,6 +69,8 @@ __all__ = [
     "_hooks_state",
     "_cupy_malloc",
     "_cupy_free",
+    "_pool_malloc",
+    "_pool_free",
     "_cupy_set_oom_error",
     "_hooks_torch_errors",
     "_dtype_info",
@@ -645,6 +647,18 @@ def _cupy_malloc(nbytes: int, device: int, stream: _Stream = None) -> int:
     bytes), counted under ``"cupy"``. With ``stream``, allocated and freed on
     that stream; without, freed through the fence. Errors are gpuptr's typed
     exceptions (``OutOfMemoryError`` and so on), which CuPy passes on.
+    """
+def _pool_malloc(client: str, nbytes: int, device: int) -> int:
+    """gpuptr's own allocator plugins (``gpuptr.cuda_core``'s memory
+    resources): ``nbytes`` on ``device`` from the pool, as an address (0 for
+    zero bytes), counted under ``client``, freed through the fence by
+    ``_pool_free``. Errors are gpuptr's typed exceptions.
+    """
+def _pool_free(address: int) -> bool:
+    """Release what ``_pool_malloc`` returned at ``address``; whether it was
+    live. Anything else is ignored (and counted as a failure), never freed;
+    it never raises (cuda.core calls it from a destructor). The caller
+    frees only addresses it was given: the entry points share one map.
     """
 def _cupy_free(address: int, device: int) -> None:
     """CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``

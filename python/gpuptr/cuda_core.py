@@ -18,8 +18,7 @@ closed on any stream, or none, while kernels on other streams still use it.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 try:
     import cuda.core as _cc
@@ -30,11 +29,12 @@ except ImportError as _e:
 
 import gpuptr as _gpuptr
 from gpuptr import _core
+from gpuptr._core import _pool_free, _pool_malloc
 
 __all__ = ["ManagedMemoryResource", "MemoryResource", "PinnedMemoryResource", "install"]
 
 _GraphBuilder: Any = getattr(getattr(_cc, "graph", None), "GraphBuilder", None) or getattr(_cc, "GraphBuilder", None)
-_STREAM_TYPES: tuple = tuple(t for t in (_Stream, _GraphBuilder) if isinstance(t, type))
+_STREAM_TYPES: Tuple[type, ...] = tuple(t for t in (_Stream, _GraphBuilder) if isinstance(t, type))
 
 
 def _device_id(device: Any) -> int:
@@ -66,46 +66,53 @@ def _stream(stream: Any) -> Any:
     return _Stream.from_handle(value)
 
 
+_MISSING = object()
+
+
 class _Resource(_cc.MemoryResource):  # type: ignore[misc]  # cuda.core ships a Cython base
-    """What the three resources share: gpuptr's memory keyed by address while
-    a cuda.core Buffer owns it, freed when cuda.core deallocates it."""
+    """What the three resources share: the addresses this resource handed
+    out, each freed once, when cuda.core deallocates it."""
 
     def __init__(self, device: Any = None) -> None:
         self._device = _device_id(device)
         _gpuptr.context(self._device)  # fails here, typed, if there is no such device
+        # address -> what keeps it (None where the pool's entry points keep it)
         self._live: Dict[int, Any] = {}
-        self._lock = threading.Lock()
 
-    def _new(self, size: int) -> Any:
+    def _new(self, size: int) -> Tuple[int, Any]:
         raise NotImplementedError
+
+    def _release(self, address: int, kept: Any) -> None:
+        if kept is not None:
+            kept.free()
 
     def allocate(self, size: int, *, stream: Any = None) -> Any:
         """A ``cuda.core`` ``Buffer`` of ``size`` bytes, freed back to gpuptr
         when it is closed or dropped. ``stream`` orders its deallocation as
         cuda.core records it; gpuptr's memory is usable on every stream at
         once. :class:`gpuptr.OutOfMemoryError` when none is left."""
-        mem = self._new(size)
-        address = _address(mem)
+        address, kept = self._new(size)
+        live = self._live
         if address:
-            with self._lock:
-                self._live[address] = mem
+            live[address] = kept
         try:
-            return _Buffer.from_handle(address, size, mr=self, stream=_stream(stream))
+            if stream is not None and type(stream) not in _STREAM_TYPES:
+                stream = _stream(stream)
+            return _Buffer.from_handle(address, size, mr=self, stream=stream)
         except BaseException:
-            if address:
-                with self._lock:
-                    self._live.pop(address, None)
+            if address and live.pop(address, _MISSING) is not _MISSING:
+                self._release(address, kept)
             raise
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
         """Free what :meth:`allocate` gave at ``ptr`` back to gpuptr. Safe on
         any stream: the block is reused only after the work queued before
-        this call, on every stream, is done. An address this resource does
-        not own is ignored (cuda.core never passes one)."""
-        with self._lock:
-            mem = self._live.pop(int(ptr), None)
-        if mem is not None:
-            mem.free()
+        this call, on every stream, is done. An address this resource did not
+        hand out (or freed already) is ignored: cuda.core never passes one."""
+        address = int(ptr)
+        kept = self._live.pop(address, _MISSING)
+        if kept is not _MISSING:
+            self._release(address, kept)
 
     @property
     def device_id(self) -> int:
@@ -121,11 +128,11 @@ class _Resource(_cc.MemoryResource):  # type: ignore[misc]  # cuda.core ships a 
         return f"gpuptr.cuda_core.{type(self).__name__}(device={self._device})"
 
 
-def _address(mem: Any) -> int:
+def _host_address(mem: Any) -> Tuple[int, Any]:
     value = mem.device_pointer_value
     if value is None:
         value = getattr(mem, "host_pointer", 0)
-    return int(value or 0)
+    return int(value or 0), mem
 
 
 class MemoryResource(_Resource):
@@ -133,8 +140,13 @@ class MemoryResource(_Resource):
     ``Device``; default: the current one), as a cuda.core memory resource.
     Counted under the client ``"cuda_core"`` in :func:`gpuptr.stats`."""
 
-    def _new(self, size: int) -> Any:
-        return _core._alloc_for("cuda_core", size, device=self._device)
+    def _new(self, size: int) -> Tuple[int, Any]:
+        # The pool's raw entry points (as CuPy's hooks): no Python object per
+        # buffer, and the free is one call.
+        return _pool_malloc("cuda_core", size, self._device), None
+
+    def _release(self, address: int, kept: Any) -> None:
+        _pool_free(address)
 
     @property
     def is_device_accessible(self) -> bool:
@@ -152,8 +164,8 @@ class PinnedMemoryResource(_Resource):
     address space), as a cuda.core memory resource: host and device
     accessible."""
 
-    def _new(self, size: int) -> Any:
-        return _gpuptr.alloc_host(size, mapped=True, portable=True, device=self._device)
+    def _new(self, size: int) -> Tuple[int, Any]:
+        return _host_address(_gpuptr.alloc_host(size, mapped=True, portable=True, device=self._device))
 
     @property
     def is_device_accessible(self) -> bool:
@@ -170,8 +182,8 @@ class ManagedMemoryResource(_Resource):
     """Managed (unified) memory from gpuptr, attached globally, as a
     cuda.core memory resource."""
 
-    def _new(self, size: int) -> Any:
-        return _gpuptr.alloc_managed(size, attach_global=True, device=self._device)
+    def _new(self, size: int) -> Tuple[int, Any]:
+        return _host_address(_gpuptr.alloc_managed(size, attach_global=True, device=self._device))
 
     @property
     def is_device_accessible(self) -> bool:

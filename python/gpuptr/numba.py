@@ -17,6 +17,12 @@ the same importer and a conversion cache. Both are for numba-cuda (they live
 in ``gpuptr._launch``, imported on first use): numba-cuda-mlir's launcher
 reads CUDA Array Interface and DLPack arguments itself, so pass CuPy and
 torch arrays to its kernels directly.
+
+numba copies host (numpy) arrays passed to a kernel to the device and back.
+numba-cuda 0.30 allocates those copies through its device's cuda.core
+``Device.allocate``, outside EMM; the plugin makes gpuptr's pool that
+device's memory resource (:mod:`gpuptr.cuda_core`), so they come from the
+pool too. numba-cuda-mlir allocates them through EMM.
 """
 
 from __future__ import annotations
@@ -185,9 +191,10 @@ class MemoryManager(metaclass=_ManagerMeta):
 
 def _make_manager(name: str, driver: Any) -> type:
     base, mixin, memory_info = driver.BaseCUDAMemoryManager, driver.GetIpcHandleMixin, driver.MemoryInfo
-    # numba-cuda-mlir allocates copies of host-array kernel arguments through
-    # its device's cuda.core Device.allocate, outside EMM.
-    via_cuda_core = name == "numba-cuda-mlir"
+    # numba-cuda (0.30) allocates copies of host-array kernel arguments
+    # through its device's cuda.core Device.allocate, outside EMM; so may
+    # numba-cuda-mlir (its devicearray has the same path).
+    via_cuda_core = True
 
     class _Manager(mixin, base):  # type: ignore[misc,valid-type]  # numba ships no types
         __doc__ = MemoryManager.__doc__
@@ -264,7 +271,7 @@ def _make_manager(name: str, driver: Any) -> type:
 
 
 def _pool_cuda_core_allocations(cuda_device: Any) -> None:
-    """Make gpuptr's pool the memory resource of numba-cuda-mlir's cuda.core
+    """Make gpuptr's pool the memory resource of a numba device's cuda.core
     ``Device``, unless someone set one other than cuda.core's default. Never
     fails numba's context set-up: a failure is logged."""
     if cuda_device is None:
@@ -280,12 +287,12 @@ def _pool_cuda_core_allocations(cuda_device: Any) -> None:
         import logging
 
         logging.getLogger("gpuptr").warning(
-            "numba-cuda-mlir's host-array copies stay on cuda.core's own memory resource: %s", e
+            "numba's host-array copies stay on cuda.core's own memory resource: %s", e
         )
 
 
-def _make_oom(name: str, cuda_api_error: type) -> type:
-    class _OOM(cuda_api_error, OutOfMemoryError):  # type: ignore[misc,valid-type]  # numba ships no types
+def _make_oom(name: str, cuda_api_error: Any) -> type:
+    class _OOM(cuda_api_error, OutOfMemoryError):  # type: ignore[misc]  # numba ships no types
         __doc__ = OutOfMemoryError.__doc__
 
         def __init__(self, message: str) -> None:

@@ -266,6 +266,36 @@ pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bo
     }
 }
 
+/// gpuptr's own allocator plugins (``gpuptr.cuda_core``'s memory
+/// resources): ``nbytes`` on ``device`` from the pool, as an address (0 for
+/// zero bytes), counted under ``client``, freed through the fence by
+/// ``_pool_free``. Errors are gpuptr's typed exceptions.
+#[pyfunction]
+#[pyo3(signature = (client, nbytes, device))]
+pub(crate) fn _pool_malloc(
+    py: Python<'_>,
+    client: &str,
+    nbytes: &Bound<'_, PyAny>,
+    device: &Bound<'_, PyAny>,
+) -> PyResult<u64> {
+    let _log = super::logging::Deliver(py);
+    let client = Client::from_name(client)
+        .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown client {client:?}")))?;
+    let size = super::args::size_arg(nbytes, "nbytes")?;
+    let device = super::args::device_arg(device)?;
+    Ok(allocate(client, size, device, None, None)?)
+}
+
+/// Release what ``_pool_malloc`` returned at ``address``; whether it was
+/// live. Anything else is ignored (and counted as a failure), never freed;
+/// it never raises (cuda.core calls it from a destructor). The caller
+/// frees only addresses it was given: the entry points share one map.
+#[pyfunction]
+pub(crate) fn _pool_free(py: Python<'_>, address: u64) -> bool {
+    let _log = super::logging::Deliver(py);
+    address != 0 && take(address).is_some()
+}
+
 /// The exception class CuPy's hook raises for out of memory (set by
 /// ``gpuptr.cupy``: a subclass of both CuPy's and gpuptr's
 /// ``OutOfMemoryError``), called with ``(message, requested bytes)``.

@@ -73,7 +73,7 @@ pub use lifetime::KeepAlive;
 pub use memory::{ordering_stream, DevicePointer, Loan, Origin, View};
 pub use pool::{size_class, PoolConfig};
 pub use runtime::Runtime;
-pub use stats::{ClassStats, Client, ClientStats, DeviceStats};
+pub use stats::{ClassStats, Client, ClientStats, DeviceStats, HostStats};
 pub use track::{Outstanding, Site};
 
 /// `CUresult` codes gpuptr refers to by name.

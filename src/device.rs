@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::graph::GraphMemory;
 use crate::history::History;
 use crate::ipc::liveness::Exports;
-use crate::pool::{Allocation, Block, Pool, PoolConfig};
+use crate::pool::{Allocation, Block, HostBlock, Pool, PoolConfig};
 use crate::registry::{ReadOnlyRanges, Registry};
 use crate::stats::{ClassStats, Client, DeviceCounters, DeviceStats};
 use crate::sync::lock;
@@ -511,6 +511,29 @@ impl DeviceState {
         self.services.registry.remove_at(addresses);
     }
 
+    /// A pinned host block of `size` bytes made with `flags`
+    /// (`HOST_ALLOC_*`) from the pool's host cache; `None` when the device
+    /// has no pool or the size is not cached (the caller then asks the
+    /// driver itself).
+    pub(crate) fn host_alloc(
+        &self,
+        ctx: &Context,
+        size: usize,
+        flags: u32,
+    ) -> Option<Result<HostBlock>> {
+        let pool = self.pool.as_ref().filter(|p| p.host_caches(size))?;
+        Some(pool.host_alloc(ctx.raw(), size, flags))
+    }
+
+    /// Give `block` (handed out for `size` bytes in `epoch`) back to the
+    /// host cache, where it waits for the fence; a block of an older epoch
+    /// is refused, its memory gone with the reset.
+    pub(crate) fn host_release(&self, raw: RawContext, epoch: u64, block: HostBlock, size: usize) {
+        if let Some(pool) = &self.pool {
+            pool.host_release(raw, block, size, || self.epoch() == epoch);
+        }
+    }
+
     /// Return the pool's cache to the driver; the bytes freed.
     pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
         let _recovering = lock(&self.recovery);
@@ -521,6 +544,16 @@ impl DeviceState {
     /// when the context is ending (see [`Pool::trim`]).
     fn trim_logged(&self, ctx: &Context, everything: bool) -> Result<usize> {
         let r = self.trim_locked(ctx, everything);
+        // The host cache too (not on the out-of-memory ladder: pinned
+        // memory is the host's, not the device's).
+        let r = match self
+            .pool
+            .as_ref()
+            .map(|p| p.host_trim(ctx.raw(), everything))
+        {
+            Some((freed, host)) => r.and_then(|n| host.map(|()| n + freed)),
+            None => r,
+        };
         match &r {
             Ok(freed) => log::debug!(
                 target: "gpuptr::pool",
@@ -691,6 +724,7 @@ impl DeviceState {
             pool.map_or(0, Pool::held_bytes),
             pool.map_or(0, Pool::peak_held_bytes),
             pool.map(Pool::limit).filter(|l| *l != usize::MAX),
+            pool.map(Pool::host_stats).unwrap_or_default(),
         )
     }
 

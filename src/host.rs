@@ -1,5 +1,6 @@
-//! Page-locked host memory: allocated by CUDA (`cuMemHostAlloc`) or
-//! registered in place (`cuMemHostRegister`), optionally mapped into the
+//! Page-locked host memory: allocated by CUDA (`cuMemHostAlloc`, through
+//! the device pool's host cache where the device has a pool) or registered
+//! in place (`cuMemHostRegister`, never cached), optionally mapped into the
 //! device address space.
 
 use std::sync::{Arc, Mutex};
@@ -11,11 +12,13 @@ use crate::driver::{
 };
 use crate::error::{Error, Result};
 use crate::lifetime::{check_live, release_keepalive, KeepAlive, Lifetime};
+use crate::pool::HostBlock;
 
 /// How the host memory came to be pinned.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum HostKind {
-    /// `cuMemHostAlloc`: gpuptr allocated it and frees it.
+    /// `cuMemHostAlloc`: gpuptr allocated it and frees it (into the pool's
+    /// host cache, where the device has a pool).
     Allocated,
     /// `cuMemHostRegister`: someone else's memory, pinned in place; gpuptr
     /// unregisters it and keeps its owner alive meanwhile.
@@ -69,6 +72,9 @@ pub struct HostMemory {
     /// registration), and are unmarked on release.
     marked: bool,
     device_address: Option<DevicePtr>,
+    /// The host cache's block this memory is (allocated memory of a pooled
+    /// device): its release gives it back there instead of to the driver.
+    block: Option<HostBlock>,
     generation: u64,
     life: Lifetime,
     keepalive: Mutex<Option<KeepAlive>>,
@@ -104,9 +110,22 @@ impl HostMemory {
         flags: HostFlags,
         keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
+        Self::new_block(context, ptr, None, size, kind, flags, keepalive)
+    }
+
+    fn new_block(
+        context: &Arc<Context>,
+        ptr: HostPtr,
+        block: Option<HostBlock>,
+        size: usize,
+        kind: HostKind,
+        flags: HostFlags,
+        keepalive: Option<KeepAlive>,
+    ) -> Result<Arc<Self>> {
         let mut mem = HostMemory {
             context: context.clone(),
             ptr,
+            block,
             size,
             kind,
             mapped: flags.mapped,
@@ -138,24 +157,42 @@ impl HostMemory {
 
     /// Allocate `size` bytes of pinned host memory in `context`. Zero bytes
     /// give a null allocation and make no driver call.
+    ///
+    /// Where the device has a pool, the memory comes from its host cache:
+    /// a block of `size`'s class made with the same `mapped`, `portable`
+    /// and `write_combined` flags, reused only once all work queued before
+    /// its last free, on every stream of the context, is done (the device
+    /// pool's fence). Its release gives it back to the cache, which goes
+    /// back to the driver at a trim, a reset, or the context's last drop.
     pub fn alloc(context: &Arc<Context>, size: usize, flags: HostFlags) -> Result<Arc<Self>> {
         crate::fork::check()?;
-        let ptr = if size == 0 {
-            0
+        let oom = |e: Error| e.oom_on(context.device(), size);
+        let (ptr, block) = if size == 0 {
+            (0, None)
         } else {
-            // SAFETY: the context is retained by `context`.
-            unsafe {
-                context
-                    .driver()
-                    .host_alloc(context.raw(), size, flags.bits())
+            match context.state().host_alloc(context, size, flags.bits()) {
+                Some(r) => r.map(|b| (b.address, Some(b))).map_err(oom)?,
+                // SAFETY: the context is retained by `context`.
+                None => unsafe {
+                    context
+                        .driver()
+                        .host_alloc(context.raw(), size, flags.bits())
+                }
+                .map(|p| (p, None))
+                .map_err(oom)?,
             }
-            .map_err(|e| e.oom_on(context.device(), size))?
         };
         let flags = HostFlags {
             read_only: false,
             ..flags
         };
-        Self::new(context, ptr, size, HostKind::Allocated, flags, None)
+        Self::new_block(context, ptr, block, size, HostKind::Allocated, flags, None)
+    }
+
+    /// Whether it is a block of the pool's host cache (its release gives
+    /// it back there).
+    pub fn is_pooled(&self) -> bool {
+        self.block.is_some()
     }
 
     /// Pin `[ptr, ptr+size)` of existing host memory in place, keeping
@@ -321,10 +358,16 @@ impl HostMemory {
             // SAFETY: ours to release, claimed once; no export or operation
             // uses it (the lifetime counts them).
             unsafe {
-                match self.kind {
-                    HostKind::Allocated => drv.host_free(raw, self.ptr)?,
-                    HostKind::Registered => drv.host_unregister(raw, self.ptr)?,
-                    HostKind::Foreign => {}
+                match (self.kind, self.block) {
+                    // Back to the cache, where it waits for the fence.
+                    (HostKind::Allocated, Some(b)) => {
+                        self.context
+                            .state()
+                            .host_release(raw, self.generation, b, self.size)
+                    }
+                    (HostKind::Allocated, None) => drv.host_free(raw, self.ptr)?,
+                    (HostKind::Registered, _) => drv.host_unregister(raw, self.ptr)?,
+                    (HostKind::Foreign, _) => {}
                 }
             }
         }

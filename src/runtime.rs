@@ -274,6 +274,11 @@ impl Runtime {
                             config::POOL_AHEAD,
                             PoolConfig::default().ahead_bytes,
                         )?,
+                        // Bytes; 0 turns the pinned host cache off.
+                        host_cache_bytes: config::size_or(
+                            config::HOST_CACHE,
+                            PoolConfig::default().host_cache_bytes,
+                        )?,
                         ..PoolConfig::default()
                     })
                 };

@@ -180,6 +180,31 @@ pub struct DeviceStats {
     /// Allocations the pool retried after giving its cache back to the
     /// driver (PyTorch's `num_alloc_retries`).
     pub num_alloc_retries: u64,
+    /// The cache of pinned host memory (all zero without a pool).
+    pub host: HostStats,
+}
+
+/// A snapshot of one device's cache of pinned host memory (`alloc_host`,
+/// CuPy's pinned allocator and numba's pinned and mapped arrays through
+/// gpuptr); registered memory is not in it.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Bytes of pinned blocks held from the driver (handed out or cached).
+    pub held_bytes: usize,
+    /// Bytes handed out now (as requested).
+    pub live_bytes: usize,
+    /// Blocks handed out now.
+    pub live_count: usize,
+    /// Bytes cached for reuse: ready, or waiting for a fence.
+    pub cached_bytes: usize,
+    /// The part of `cached_bytes` waiting for a fence.
+    pub pending_bytes: usize,
+    /// Allocations served from the cache.
+    pub hits: u64,
+    /// Allocations that went to the driver.
+    pub misses: u64,
+    /// The most bytes the cache keeps ([`PoolConfig::host_cache_bytes`](crate::PoolConfig::host_cache_bytes)).
+    pub cache_limit: usize,
 }
 
 /// A snapshot of one pool's statistics.
@@ -233,6 +258,7 @@ impl DeviceStats {
         pool_bytes: usize,
         peak_pool_bytes: usize,
         pool_limit: Option<usize>,
+        host: HostStats,
     ) -> DeviceStats {
         DeviceStats {
             device,
@@ -257,6 +283,7 @@ impl DeviceStats {
             reserved_bytes: pool_bytes + c.live_bytes.load(Ordering::Relaxed),
             num_ooms: c.ooms.load(Ordering::Relaxed),
             num_alloc_retries: c.alloc_retries.load(Ordering::Relaxed),
+            host,
         }
     }
 }

@@ -282,6 +282,34 @@ def test_cupy_frees_wait_for_every_stream_by_default(fake_cupy):
     gpuptr.flush_pool()
 
 
+@pytest.mark.sim
+def test_cupy_pinned_memory_comes_from_the_host_cache_and_waits_for_the_fence(fake_cupy):
+    # CuPy's pinned allocator (no CuPy needed: the fake stands in for it)
+    # gets portable pinned blocks from gpuptr's host cache: a freed block is
+    # reused only after the fence that follows its free.
+    import gc
+
+    import gpuptr.cupy
+
+    gpuptr.cupy.install()
+    before = gpuptr.stats()[0]["host"]
+    pinned = fake_cupy.pinned_allocator(1 << 20)
+    p = pinned.ptr
+    assert gpuptr.stats()[0]["host"]["live_bytes"] == before["live_bytes"] + (1 << 20)
+    del pinned
+    gc.collect()
+    again = fake_cupy.pinned_allocator(1 << 20)
+    assert again.ptr != p, "not reused before the fence"
+    q = again.ptr
+    del again
+    gc.collect()
+    assert gpuptr.flush_pool()
+    third = fake_cupy.pinned_allocator(1 << 20)
+    after = gpuptr.stats()[0]["host"]
+    assert third.ptr in (p, q), "a fenced block is reused"
+    assert (after["hits"], after["misses"]) == (before["hits"] + 1, before["misses"] + 2)
+
+
 def test_cupy_stream_ordered_allocates_on_cupys_current_stream(fake_cupy):
     import gpuptr.cupy
 

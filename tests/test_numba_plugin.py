@@ -154,6 +154,24 @@ def test_memhostalloc_pinned_and_mapped(mm):
     assert (marr == 7).all()
 
 
+@pytest.mark.sim
+def test_memhostalloc_comes_from_the_host_cache_kept_apart_by_flags(mm):
+    # numba's pinned_array and mapped_array call memhostalloc.
+    import gc
+
+    pinned = mm.memhostalloc(4096)
+    p = pinned.host_pointer
+    del pinned
+    gc.collect()
+    assert gpuptr.flush_pool()
+    mapped = mm.memhostalloc(4096, mapped=True)
+    assert mapped.host_pointer != p, "a mapped request never gets an unmapped block"
+    before = gpuptr.stats()[0]["host"]["hits"]
+    again = mm.memhostalloc(4096)
+    assert again.host_pointer == p
+    assert gpuptr.stats()[0]["host"]["hits"] == before + 1
+
+
 def test_mempin_pins_in_place_and_keeps_the_owner(mm):
     host = np.zeros(128, dtype=np.uint8)
     pinned = mm.mempin(host, host.ctypes.data, host.nbytes)

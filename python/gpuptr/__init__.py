@@ -74,7 +74,7 @@ from gpuptr._capture import capturing
 from gpuptr import _log  # noqa: F401,E402  (the core's records into logging)
 from gpuptr._summary import memory_summary
 from gpuptr._numbers import max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved
-from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, MemoryInfo, Outstanding
+from gpuptr._types import ClassStats, ClientStats, DeviceStats, DriverInfo, HostStats, MemoryInfo, Outstanding
 from gpuptr.interop import ArrayView, as_array, from_cuda_array_interface, from_dlpack
 
 __all__ = [
@@ -90,6 +90,7 @@ __all__ = [
     "DeviceStats",
     "DriverInfo",
     "GpuptrError",
+    "HostStats",
     "InstallError",
     "IpcHandle",
     "InvalidArgumentError",

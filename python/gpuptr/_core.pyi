@@ -297,8 +297,10 @@ def probe_cuda() -> tuple[bool, Union[int, str]]:
 def stats() -> list[DeviceStats]:
     """Allocation statistics per device: live bytes and count, peak, the number
     of allocations made, the pool's cached bytes, hits, misses and fences,
-    and ``clients``: live bytes and count, and allocations made, per client
-    (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``).
+    ``clients``: live bytes and count, and allocations made, per client
+    (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``), and
+    ``host``: the cache of pinned host memory (held, live, cached and pending
+    bytes, hits, misses, and its limit).
     """
 def release_contexts() -> None:
     """Drop gpuptr's own hold on contexts; each is released once no pointer
@@ -381,6 +383,10 @@ def alloc_host(nbytes: int, mapped: bool = False, portable: bool = False, wc: bo
     """Allocate ``nbytes`` of pinned host memory on ``device`` (default: the
     current one). With ``mapped``, it is mapped into the device and returned
     as a `MappedMemory`, else as a `PinnedMemory`.
+
+    It comes from the device pool's cache of pinned memory: a block freed
+    earlier with the same ``mapped``, ``portable`` and ``wc`` flags, reused
+    only once all work queued before its free, on every stream, is done.
     """
 def register_host(obj: Any, mapped: bool = False, portable: bool = False, device: Optional[int] = None) -> Union[PinnedMemory, MappedMemory]:
     """Pin the memory of ``obj`` (any writable or read-only C-contiguous

@@ -19,8 +19,9 @@ def _size(n: int) -> str:
 def memory_summary(device: Optional[int] = None) -> str:
     """A table of each device's memory as gpuptr sees it: live, cached
     (waiting for a fence included) and peak bytes, pool hits, misses and
-    fences, what the pool holds (and its limit), live bytes per client, then
-    the same per size class. ``device``: one device (default: all)."""
+    fences, what the pool holds (and its limit), its cache of pinned host
+    memory (held, in use, cached, hits and misses), live bytes per client,
+    then the same per size class. ``device``: one device (default: all)."""
     stats = _core.stats()
     if device is not None:
         _core.pool_classes(device)  # a device that does not exist raises here
@@ -42,6 +43,13 @@ def memory_summary(device: Optional[int] = None) -> str:
             f"  the pool holds {_size(s['pool_bytes'])} from the driver"
             + (f" (limit {_size(limit)})" if limit is not None else "")
         )
+        h = s["host"]
+        if h["held_bytes"] or h["hits"] or h["misses"]:
+            lines.append(
+                f"  pinned host: holds {_size(h['held_bytes'])}, in use {_size(h['live_bytes'])} in"
+                f" {h['live_count']} blocks, cached {_size(h['cached_bytes'])}"
+                f" ({_size(h['pending_bytes'])} waiting for a fence); hits {h['hits']}, misses {h['misses']}"
+            )
         users = [(k, c) for k, c in s["clients"].items() if c["live_count"] or c["alloc_count"]]
         if users:
             lines.append(

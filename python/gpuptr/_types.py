@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional, TypedDict
 
-__all__ = ["ClassStats", "ClientStats", "DeviceStats", "DriverInfo", "MemoryInfo", "Outstanding"]
+__all__ = ["ClassStats", "ClientStats", "DeviceStats", "DriverInfo", "HostStats", "MemoryInfo", "Outstanding"]
 
 
 class MemoryInfo(NamedTuple):
@@ -33,6 +33,27 @@ class ClientStats(TypedDict):
     live_count: int
     #: Allocations it made so far.
     alloc_count: int
+
+
+class HostStats(TypedDict):
+    """A device's cache of pinned host memory, in ``DeviceStats["host"]``:
+    ``alloc_host``, CuPy's pinned allocator and numba's pinned and mapped
+    arrays through gpuptr (registered memory is never cached)."""
+
+    #: Bytes of pinned blocks held from the driver (handed out or cached).
+    held_bytes: int
+    #: Bytes handed out now (as requested), and how many blocks.
+    live_bytes: int
+    live_count: int
+    #: Bytes cached for reuse: ready, or waiting for a fence.
+    cached_bytes: int
+    #: The part of ``cached_bytes`` waiting for a fence.
+    pending_bytes: int
+    #: Allocations served from the cache, and those that went to the driver.
+    hits: int
+    misses: int
+    #: The most bytes the cache keeps (``GPUPTR_HOST_CACHE``; 0: no cache).
+    cache_limit: int
 
 
 class DeviceStats(TypedDict):
@@ -71,6 +92,8 @@ class DeviceStats(TypedDict):
     #: ``num_ooms`` and ``num_alloc_retries``).
     num_ooms: int
     num_alloc_retries: int
+    #: The cache of pinned host memory.
+    host: HostStats
 
 
 #: One size class of a device's pool (``_core.pool_classes``): the block

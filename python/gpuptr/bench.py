@@ -324,6 +324,8 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
     _busy_rows(b, on_gpu)
     _graph_rows(b, on_gpu, quick)
     _next_numba_rows(b, on_gpu, quick)
+    _pinned_rows(b, on_gpu, quick)
+    _ipc_rows(b)
     return {"meta": _meta(info, quick), "rows": [r.__dict__ for r in b.results]}
 
 
@@ -876,6 +878,198 @@ def launch_setup_foreign(nargs: int) -> Pair:
     return (lambda: fast(*args)), (lambda: direct(*args))
 
 
+_PINNED_CHILD = r"""
+import sys
+lib, allocator, n, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+from gpuptr.bench import best_ns
+import cupy
+if allocator == "gpuptr":
+    import gpuptr
+    gpuptr.install(numba=False, torch=False)
+# Nothing else holds the device's context here, as in a script that only
+# stages host data: the pair is the whole program's use of the GPU.
+pair = lambda: cupy.cuda.alloc_pinned_memory(1 << 20)
+print(best_ns(pair, n, repeat))
+"""
+
+
+def _pinned_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
+    """One :data:`_PINNED_CHILD` process: ``cupy.cuda.alloc_pinned_memory(1
+    MiB)`` + free, in ns, under ``allocator`` (``"gpuptr"``: installed;
+    ``"own"``: CuPy's pinned pool)."""
+    return _child_ns(_PINNED_CHILD, lib, allocator, n, repeat)
+
+
+_PINNED_PROBE_CHILD = r"""
+import json, sys, time
+from cuda.bindings import driver as cu
+pairs = int(sys.argv[1])
+def ok(r):
+    err = r[0] if isinstance(r, tuple) else r
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA error {err}")
+    return r[1] if isinstance(r, tuple) and len(r) == 2 else r
+def each_ns(fn, n):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter_ns()
+        fn()
+        out.append(time.perf_counter_ns() - t)
+    return sorted(out)[len(out) // 2]
+ok(cu.cuInit(0))
+dev = ok(cu.cuDeviceGet(0))
+res = {}
+# 1. The primary context retained and released while no one else holds it:
+#    each pair creates and destroys the context (what gpuptr's alloc_host
+#    did per pair before the host cache, when nothing else held a context).
+def cold():
+    ok(cu.cuDevicePrimaryCtxRetain(dev))
+    ok(cu.cuDevicePrimaryCtxRelease(dev))
+res["retain_release_cold_ns"] = each_ns(cold, 5)
+ctx = ok(cu.cuDevicePrimaryCtxRetain(dev))
+ok(cu.cuCtxSetCurrent(ctx))
+res["retain_release_held_ns"] = each_ns(cold, 100)
+# 2. cuMemHostAlloc alone and cuMemFreeHost alone, with and without portable.
+for name, flags in (("", 0), ("_portable", cu.CU_MEMHOSTALLOC_PORTABLE)):
+    for size, label in ((4096, "4k"), (1 << 20, "1m")):
+        ptrs = []
+        res[f"alloc_{label}{name}_ns"] = each_ns(lambda: ptrs.append(ok(cu.cuMemHostAlloc(size, flags))), pairs)
+        res[f"free_{label}{name}_ns"] = each_ns(lambda: ok(cu.cuMemFreeHost(ptrs.pop())), pairs)
+# 3. cuMemFreeHost while the device is busy: whether the free waits for it.
+stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+big = ok(cu.cuMemAlloc(8 << 30))
+ptr = ok(cu.cuMemHostAlloc(1 << 20, 0))
+for _ in range(4):
+    ok(cu.cuMemsetD8Async(big, 1, 8 << 30, stream))
+t = time.perf_counter_ns()
+ok(cu.cuMemFreeHost(ptr))
+res["free_while_busy_ns"] = time.perf_counter_ns() - t
+t = time.perf_counter_ns()
+ok(cu.cuStreamSynchronize(stream))
+res["busy_left_after_free_ns"] = time.perf_counter_ns() - t
+ok(cu.cuMemFree(big))
+# 4. The whole pair the old way: retain, alloc, free, release, nothing held.
+ok(cu.cuDevicePrimaryCtxRelease(dev))
+def old_pair():
+    c = ok(cu.cuDevicePrimaryCtxRetain(dev))
+    ok(cu.cuCtxSetCurrent(c))
+    p = ok(cu.cuMemHostAlloc(1 << 20, cu.CU_MEMHOSTALLOC_PORTABLE))
+    ok(cu.cuMemFreeHost(p))
+    ok(cu.cuDevicePrimaryCtxRelease(dev))
+res["old_pair_ns"] = each_ns(old_pair, 5)
+print(json.dumps(res))
+"""
+
+_PINNED_GPUPTR_CHILD = r"""
+import json, time
+import gpuptr
+# A fresh process holding no context: alloc_host holds it from its first call.
+first = []
+for _ in range(5):
+    t = time.perf_counter_ns()
+    gpuptr.alloc_host(1 << 20, portable=True).free()
+    first.append(time.perf_counter_ns() - t)
+from gpuptr.bench import best_ns
+ns = best_ns(lambda: gpuptr.alloc_host(1 << 20, portable=True).free(), 2000, 5)
+print(json.dumps({"first_pairs_ns": first, "pair_ns": ns, "host": gpuptr.stats()[0]["host"]}))
+"""
+
+
+def _pinned_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
+    """Pinned host memory: CuPy's ``alloc_pinned_memory`` under gpuptr
+    against CuPy's own pinned pool (each in its own process, alternating
+    rounds), ``gpuptr.alloc_host`` against raw ``cuMemHostAlloc`` +
+    ``cuMemFreeHost``, and the probe of what a pinned pair cost before the
+    host cache: the old path timed raw in a fresh process, with alloc
+    alone, free alone, portable or not, a free while the device is busy,
+    and the context's retain and release when nothing else holds it."""
+    name, label = "cupy alloc_pinned_memory(1 MiB)+free, gpuptr", "CuPy's own pinned pool"
+    if b.wants(name, label, "pinned"):
+        print(f"  measuring: {name} vs {label} ...", file=b.out, flush=True)
+        n = 2000 if quick else 20000
+        best, failed = _best_of_rounds("cupy", ["gpuptr", "own"], 2 if quick else 3, n, b.repeat, on_gpu,
+                                       measure=_pinned_ns)
+        if "gpuptr" in best and "own" in best:
+            b.add(Result(name, label, round(best["gpuptr"], 1), round(best["own"], 1),
+                         round(best["own"] / best["gpuptr"], 2)))
+        else:
+            b.add(Result(name, label, skipped=failed.get("gpuptr") or failed.get("own") or "not measured"))
+
+    def raw_setup(portable: bool) -> Callable[[], Pair]:
+        def setup() -> Pair:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            import gpuptr
+            from cuda.bindings import driver as cu
+
+            ctx = gpuptr.context(0)
+            ctx.push()  # gpuptr's context (the primary one) is current for the raw calls
+            flags = cu.CU_MEMHOSTALLOC_PORTABLE if portable else 0
+
+            def theirs() -> None:
+                _, p = cu.cuMemHostAlloc(1 << 20, flags)
+                cu.cuMemFreeHost(p)
+
+            def ours() -> None:
+                gpuptr.alloc_host(1 << 20, portable=portable).free()
+
+            setup.keep = ctx  # type: ignore[attr-defined]  # held for the row
+            return ours, theirs
+
+        return setup
+
+    b.row("gpuptr.alloc_host(1 MiB)+free (pinned)", "cuMemHostAlloc+cuMemFreeHost (cuda.bindings)",
+          raw_setup(False), scale=0.1)
+    b.row("gpuptr.alloc_host(1 MiB, portable=True)+free (pinned)",
+          "cuMemHostAlloc(PORTABLE)+cuMemFreeHost (cuda.bindings)", raw_setup(True), scale=0.1)
+
+    name, label = "pinned probe: gpuptr pair in a fresh process", "the old path: retain+alloc+free+release"
+    if b.wants(name, label):
+        print(f"  measuring: {name} vs {label} ...", file=b.out, flush=True)
+        try:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            __import__("cuda.bindings.driver")
+            probe = json.loads(_child_out(_PINNED_PROBE_CHILD, 20 if quick else 100))
+            ours = json.loads(_child_out(_PINNED_GPUPTR_CHILD))
+            b.add(Result(name, label, round(ours["pair_ns"], 1), round(probe["old_pair_ns"], 1),
+                         round(probe["old_pair_ns"] / ours["pair_ns"], 2), extra={"probe": probe, "gpuptr": ours}))
+        except Exception as e:
+            b.add(Result(name, label, skipped=f"{type(e).__name__}: {e}"))
+
+
+def _child_out(script: str, *args: object) -> str:
+    """Run ``script`` in a child process with ``args``; its last line of
+    output. ``RuntimeError`` with its last error line if it fails."""
+    out = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                         timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "child failed")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _ipc_rows(b: Bench) -> None:
+    """What one ``ipc_handle()`` costs after 100,000 exports of one buffer
+    (each handle dropped), against the first 1,000: the export's books must
+    not grow with the exports made."""
+    name, label = "ipc_handle() per export, after 100,000 exports of one buffer", "the first 1,000 exports"
+    if not b.wants(name, label, "ipc"):
+        return
+    print(f"  measuring: {name} ...", file=b.out, flush=True)
+    try:
+        import gpuptr
+
+        mem = gpuptr.alloc(1 << 20)
+        export = mem.ipc_handle
+        first = _run_ns(export, 1000)
+        for _ in range(98_000):
+            export()
+        late = min(_run_ns(export, 1000) for _ in range(2))
+        b.add(Result(name, label, round(late, 1), round(first, 1), round(first / late, 2)))
+    except Exception as e:
+        b.add(Result(name, label, skipped=f"{type(e).__name__}: {e}"))
+
+
 def _meta(info: DriverInfo, quick: bool) -> Dict[str, Any]:
     """The report's ``meta``: when, on what, and the peers' versions."""
     import gpuptr
@@ -949,6 +1143,20 @@ def format_table(report: Dict[str, Any]) -> str:
                 f" p99 {mine['p99_ns'] / 1e3:.1f} vs {other['p99_ns'] / 1e3:.1f} us;"
                 f" worst {mine['worst_ns'] / 1e3:.1f} vs {other['worst_ns'] / 1e3:.1f} us;"
                 f" kernel still running after the loop: {mine['busy']} / {other['busy']}"
+            )
+        if not r["skipped"] and "probe" in e:
+            p, g = e["probe"], e["gpuptr"]
+
+            def us(k: str) -> str:
+                return f"{p[k] / 1e3:.1f}"
+
+            lines.append(
+                f"{'':{w[0]}}  context retain+release with no other holder {us('retain_release_cold_ns')} us"
+                f" (held: {us('retain_release_held_ns')}); cuMemHostAlloc 4 KiB/1 MiB {us('alloc_4k_ns')}/{us('alloc_1m_ns')} us"
+                f" (portable {us('alloc_4k_portable_ns')}/{us('alloc_1m_portable_ns')}); cuMemFreeHost"
+                f" {us('free_4k_ns')}/{us('free_1m_ns')} us (portable {us('free_4k_portable_ns')}/{us('free_1m_portable_ns')});"
+                f" free while busy {us('free_while_busy_ns')} us, {us('busy_left_after_free_ns')} us of work left after it;"
+                f" gpuptr's first pairs {', '.join(f'{x / 1e3:.0f}' for x in g['first_pairs_ns'])} us"
             )
     if reasons:
         lines.append("")
@@ -1051,7 +1259,7 @@ def run_command(args: argparse.Namespace) -> int:
     report = run(quick=args.quick, only=args.only)
     if args.only and not report["rows"]:
         print(f"error: no row matches {args.only!r} (--only picks the rows whose name or baseline contains it,"
-              " in any case; e.g. alloc, launch, context, graph)", file=sys.stderr)
+              " in any case; e.g. alloc, launch, context, graph, pinned, ipc)", file=sys.stderr)
         return 1
     if args.json == "-":
         print(json.dumps(report, indent=2))

@@ -322,7 +322,8 @@ impl Pool {
     }
 
     /// Forget every block without freeing it (the context was reset and the
-    /// memory is gone), and zero the live counts; the blocks it held.
+    /// memory is gone), and zero the live counts; the blocks it held (the
+    /// host cache's are forgotten too).
     pub(crate) fn forget(&self) -> Vec<Allocation> {
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);
@@ -334,6 +335,7 @@ impl Pool {
                 (k.live_bytes, k.live_count) = (0, 0);
             }
         }
+        self.host_forget();
         let gone: Vec<Allocation> = {
             let mut held = lock(&self.held);
             held.carved.clear();

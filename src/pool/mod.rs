@@ -56,6 +56,7 @@ mod class;
 mod fence;
 mod held;
 mod helper;
+mod host;
 mod oom;
 mod shard;
 #[cfg(test)]
@@ -75,6 +76,8 @@ use class::{class_index, class_of_index, FastMap, SMALL_CLASSES};
 use fence::Fencer;
 pub(crate) use held::{Allocation, Block};
 use held::{Growth, Held, CARVE_MAX};
+pub(crate) use host::HostBlock;
+use host::HostCache;
 use shard::{ticket, Padded, Shard};
 
 /// How a pool batches fences and splits its cache.
@@ -102,6 +105,11 @@ pub struct PoolConfig {
     /// Growth ahead also stops while it would leave less than a quarter of
     /// the device's memory free.
     pub ahead_total: usize,
+    /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
+    /// caches for reuse, under the same fence as device memory; classes
+    /// larger than this are not cached. Zero: no host cache (every free
+    /// goes to the driver).
+    pub host_cache_bytes: usize,
 }
 
 impl Default for PoolConfig {
@@ -115,6 +123,7 @@ impl Default for PoolConfig {
             fence_pace: Duration::from_micros(20),
             ahead_bytes: 64 << 20,
             ahead_total: 512 << 20,
+            host_cache_bytes: 512 << 20,
         }
     }
 }
@@ -145,6 +154,8 @@ pub(crate) struct Pool {
     /// (`false`), before any of its blocks is handed out and before the
     /// driver may hand its addresses to someone else ([`Pool::on_segments`]).
     segments: Option<SegmentEvents>,
+    /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
+    host: HostCache,
 }
 
 /// What [`Pool::on_segments`] calls.
@@ -189,6 +200,7 @@ impl Pool {
                 })
                 .collect(),
             segments: None,
+            host: HostCache::new(config.host_cache_bytes),
         }
     }
 

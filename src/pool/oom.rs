@@ -2,7 +2,7 @@
 //! seal every shard, wait for the fence, and take a cached block. The next
 //! rung, returning the cache to the driver and asking again, is the
 //! device's ([`DeviceState`](crate::device::DeviceState)), which keeps the
-//! registry entries.
+//! registry entries. [`Pool::seal_all_and_wait`] covers the host cache too.
 
 use super::Pool;
 use crate::driver::{DevicePtr, RawContext};
@@ -17,11 +17,19 @@ impl Pool {
             sh.seal(&self.fencer, context, true);
             newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
         }
+        // The host cache's blocks wait for the same fence.
+        self.host.each(|sh| {
+            sh.seal(&self.fencer, context, false);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
+        });
         let ok = newest == 0 || self.fencer.wait(newest);
         let done = self.fencer.done();
         for i in 0..self.shards.len() {
             self.shard(i).promote(done);
         }
+        self.host.each(|sh| {
+            sh.promote(done);
+        });
         ok
     }
 

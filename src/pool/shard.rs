@@ -115,6 +115,27 @@ impl Shard {
         self.ready_bytes += class;
     }
 
+    /// Any ready block, with its class (the host cache's cap gives them
+    /// back to the driver).
+    pub(super) fn take_any_ready(&mut self) -> Option<(DevicePtr, usize)> {
+        let found = match self
+            .ready
+            .iter_mut()
+            .enumerate()
+            .find(|(_, v)| !v.is_empty())
+        {
+            Some((i, v)) => v.pop().map(|p| (p, class_of_index(i))),
+            None => self
+                .large
+                .iter_mut()
+                .find_map(|(class, v)| v.pop().map(|p| (p, *class))),
+        };
+        if let Some((_, class)) = found {
+            self.ready_bytes -= class;
+        }
+        found
+    }
+
     pub(super) fn class_count(&mut self, class: usize) -> &mut ClassCount {
         match class_index(class) {
             Some(i) => &mut self.class_live[i],

@@ -26,6 +26,23 @@ pub(crate) fn device_context(device: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<
     Ok(rt.context(d)?)
 }
 
+/// [`device_context`], held by the runtime until a reset or exit (see
+/// [`Runtime::held_context`](crate::Runtime::held_context)): for memory that
+/// goes back to a cache (pinned host memory), which the context's last drop
+/// would otherwise give back to the driver at every free, with the context
+/// itself.
+pub(crate) fn held_device_context(
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Arc<crate::Context>> {
+    let device = optional_device(device)?;
+    let rt = runtime()?;
+    let d = match device {
+        Some(d) => d,
+        None => rt.current_device()?,
+    };
+    Ok(rt.held_context(d)?)
+}
+
 /// An optional device ordinal (`None` or Python's ``None``: the current
 /// device).
 pub(crate) fn optional_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {

@@ -10,7 +10,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::args::{device_context, pointer_arg, runtime, size_arg};
+use super::args::{device_context, held_device_context, pointer_arg, runtime, size_arg};
 use super::pointer::{keep_finalizer, PyMemoryPointer};
 use super::py_context::{context_arg, lazy_context, py_context, PyContext};
 use crate::{Error, HostFlags, HostMemory};
@@ -511,6 +511,10 @@ impl PyManagedMemory {
 /// Allocate ``nbytes`` of pinned host memory on ``device`` (default: the
 /// current one). With ``mapped``, it is mapped into the device and returned
 /// as a `MappedMemory`, else as a `PinnedMemory`.
+///
+/// It comes from the device pool's cache of pinned memory: a block freed
+/// earlier with the same ``mapped``, ``portable`` and ``wc`` flags, reused
+/// only once all work queued before its free, on every stream, is done.
 #[pyfunction]
 #[pyo3(signature = (nbytes, mapped=false, portable=false, wc=false, device=None))]
 pub(crate) fn alloc_host(
@@ -521,7 +525,10 @@ pub(crate) fn alloc_host(
     wc: bool,
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    let ctx = device_context(device)?;
+    // Held: without the hold, freeing the last block would end the context
+    // (cuDevicePrimaryCtxRelease, and the next allocation's retain creates
+    // it again, when no one else holds it) and give the cache back with it.
+    let ctx = held_device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,

@@ -155,8 +155,10 @@ fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
 
 /// Allocation statistics per device: live bytes and count, peak, the number
 /// of allocations made, the pool's cached bytes, hits, misses and fences,
-/// and ``clients``: live bytes and count, and allocations made, per client
-/// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``).
+/// ``clients``: live bytes and count, and allocations made, per client
+/// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``), and
+/// ``host``: the cache of pinned host memory (held, live, cached and pending
+/// bytes, hits, misses, and its limit).
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let _log = logging::Deliver(py);
@@ -188,6 +190,17 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("reserved_bytes", s.reserved_bytes)?;
         d.set_item("num_ooms", s.num_ooms)?;
         d.set_item("num_alloc_retries", s.num_alloc_retries)?;
+        let h = &s.host;
+        let host = PyDict::new(py);
+        host.set_item("held_bytes", h.held_bytes)?;
+        host.set_item("live_bytes", h.live_bytes)?;
+        host.set_item("live_count", h.live_count)?;
+        host.set_item("cached_bytes", h.cached_bytes)?;
+        host.set_item("pending_bytes", h.pending_bytes)?;
+        host.set_item("hits", h.hits)?;
+        host.set_item("misses", h.misses)?;
+        host.set_item("cache_limit", h.cache_limit)?;
+        d.set_item("host", host)?;
         list.append(d)?;
     }
     Ok(list)

@@ -1,0 +1,296 @@
+//! The pool's cache of pinned host memory (`cuMemHostAlloc`), beside the
+//! device cache: the same size classes, the same shard type, and the same
+//! reuse rule through the same fence. A freed host block is *pending* until
+//! the device's fence thread has seen `cuCtxSynchronize` return after the
+//! free (an asynchronous copy queued before the free, on any stream of the
+//! context, may still read or write it), then *ready*.
+//!
+//! One shard per flag combination (mapped, portable, write-combined), so a
+//! block made with one combination never serves a request for another.
+//! Registered memory (`cuMemHostRegister`) is someone else's and is never
+//! cached. The cache holds at most [`PoolConfig::host_cache_bytes`]: a free
+//! past it gives ready blocks back to the driver; classes larger than it
+//! are not cached at all.
+//!
+//! [`PoolConfig::host_cache_bytes`]: super::PoolConfig::host_cache_bytes
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use super::class::size_class;
+use super::shard::Shard;
+use super::Pool;
+use crate::driver::{relaxed, DevicePtr, HostPtr, RawContext};
+use crate::error::Result;
+use crate::stats::{Client, HostStats};
+use crate::sync::lock;
+
+/// Flag combinations (`HOST_ALLOC_PORTABLE | DEVICEMAP | WRITECOMBINED`
+/// are bits 0 to 2): one shard each.
+const HOST_KINDS: usize = 8;
+
+/// A pinned host block handed out by [`Pool::host_alloc`]: where it is, its
+/// size class, and the `HOST_ALLOC_*` flags it was made with (its shard).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HostBlock {
+    pub address: HostPtr,
+    pub class: usize,
+    pub flags: u32,
+}
+
+/// The host cache of one device's pool.
+pub(super) struct HostCache {
+    shards: Box<[Mutex<Shard>]>,
+    /// Bytes of pinned blocks held from the driver (handed out or cached).
+    held: AtomicUsize,
+    /// Bytes of cached blocks (ready or waiting for a fence).
+    cached: AtomicUsize,
+    /// The most `cached` may be ([`PoolConfig::host_cache_bytes`](super::PoolConfig::host_cache_bytes)).
+    cap: usize,
+}
+
+impl HostCache {
+    pub(super) fn new(cap: usize) -> Self {
+        HostCache {
+            shards: (0..HOST_KINDS)
+                .map(|_| Mutex::new(Shard::default()))
+                .collect(),
+            held: AtomicUsize::new(0),
+            cached: AtomicUsize::new(0),
+            cap,
+        }
+    }
+
+    fn shard(&self, flags: u32) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[flags as usize & (HOST_KINDS - 1)])
+    }
+
+    /// Every shard, one after the other.
+    pub(super) fn each(&self, mut f: impl FnMut(&mut Shard)) {
+        for s in self.shards.iter() {
+            f(&mut lock(s));
+        }
+    }
+}
+
+impl Pool {
+    /// Whether a host allocation of `size` bytes comes from the cache (its
+    /// class fits under the cap).
+    pub(crate) fn host_caches(&self, size: usize) -> bool {
+        size != 0 && size_class(size) <= self.host.cap
+    }
+
+    /// A pinned host block of at least `size` bytes made with `flags`
+    /// (`HOST_ALLOC_*`): a ready cached block of its class and flags, else a
+    /// new one from the driver (`cuMemHostAlloc` of the class). Out of
+    /// memory gives the ready cache back once and asks again.
+    pub(crate) fn host_alloc(
+        &self,
+        context: RawContext,
+        size: usize,
+        flags: u32,
+    ) -> Result<HostBlock> {
+        let class = size_class(size);
+        let block = |address| HostBlock {
+            address,
+            class,
+            flags,
+        };
+        {
+            let mut sh = self.host.shard(flags);
+            if let Some(p) = sh.take(class, None, self.fencer.done()) {
+                self.host.cached.fetch_sub(class, Ordering::Relaxed);
+                Self::handed_out(&mut sh, size, class, true, Client::Direct);
+                return Ok(block(p as HostPtr));
+            }
+            // A miss: start the fence for what this shard holds back, so
+            // that it is ready for a later request. Nothing waits for it.
+            sh.seal(&self.fencer, context, false);
+        }
+        let p = match self.host_new(context, class, flags) {
+            Err(e) if e.is_oom() => {
+                // Pinned memory is the host's: what the cache holds ready
+                // goes back, and the driver is asked once more.
+                let _ = self.host_shrink(context, 0);
+                self.host_new(context, class, flags)?
+            }
+            r => r?,
+        };
+        Self::handed_out(
+            &mut self.host.shard(flags),
+            size,
+            class,
+            false,
+            Client::Direct,
+        );
+        Ok(block(p))
+    }
+
+    /// One `cuMemHostAlloc` of `class` bytes, counted as held.
+    fn host_new(&self, context: RawContext, class: usize, flags: u32) -> Result<HostPtr> {
+        // Relaxed: a capture under way on another thread neither refuses
+        // this allocation nor is invalidated by it.
+        // SAFETY: the pool's owner passes its live, retained context.
+        let p = relaxed(self.driver.as_ref(), || unsafe {
+            self.driver.host_alloc(context, class, flags)
+        })?;
+        self.host.held.fetch_add(class, Ordering::Relaxed);
+        Ok(p)
+    }
+
+    /// Take back `block`, handed out by [`Pool::host_alloc`] for `size`
+    /// bytes: it waits for the next fence. `still_valid` is asked under the
+    /// shard lock, which a reset's [`Pool::forget`] takes too: a block of a
+    /// context reset since is refused, its memory gone. No wait; a driver
+    /// call only when the cache is past its cap (ready blocks go back).
+    pub(crate) fn host_release(
+        &self,
+        context: RawContext,
+        block: HostBlock,
+        size: usize,
+        still_valid: impl FnOnce() -> bool,
+    ) {
+        {
+            let mut sh = self.host.shard(block.flags);
+            if !still_valid() {
+                return;
+            }
+            // Saturating: no panic in a deleter.
+            sh.live_bytes = sh.live_bytes.saturating_sub(size);
+            let c = sh.class_count(block.class);
+            c.live = c.live.saturating_sub(1);
+            sh.put_pending(block.address as DevicePtr, block.class);
+            self.host.cached.fetch_add(block.class, Ordering::Relaxed);
+            if sh.fence_due(&self.config) {
+                sh.seal(&self.fencer, context, false);
+            }
+        }
+        if self.host.cached.load(Ordering::Relaxed) > self.host.cap {
+            let _ = self.host_shrink(context, self.host.cap);
+        }
+    }
+
+    /// Give ready host blocks (their fence done) back to the driver until
+    /// the cache holds at most `keep` bytes; the bytes freed, and the first
+    /// driver error (a block whose free failed stays cached).
+    fn host_shrink(&self, context: RawContext, keep: usize) -> (usize, Result<()>) {
+        let done = self.fencer.done();
+        let mut freed = 0;
+        let mut first_err = Ok(());
+        for flags in 0..HOST_KINDS as u32 {
+            while self.host.cached.load(Ordering::Relaxed) > keep {
+                let Some((p, class)) = ({
+                    let mut sh = self.host.shard(flags);
+                    sh.promote(done);
+                    sh.take_any_ready()
+                }) else {
+                    break;
+                };
+                self.host.cached.fetch_sub(class, Ordering::Relaxed);
+                match self.host_free(context, p, class) {
+                    Ok(()) => freed += class,
+                    Err(e) => {
+                        self.host.shard(flags).put_ready(p, class);
+                        self.host.cached.fetch_add(class, Ordering::Relaxed);
+                        if first_err.is_ok() {
+                            first_err = Err(e);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        (freed, first_err)
+    }
+
+    /// One `cuMemFreeHost` of a cached block, counted.
+    fn host_free(&self, context: RawContext, p: DevicePtr, class: usize) -> Result<()> {
+        // SAFETY: a block this pool made in `context`, cached (no owner),
+        // so no one uses it after this.
+        relaxed(self.driver.as_ref(), || unsafe {
+            self.driver.host_free(context, p as HostPtr)
+        })?;
+        self.host.held.fetch_sub(class, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Return the host cache to the driver; the bytes freed, and the first
+    /// driver error (what failed stays cached). Unless `everything` (the
+    /// context is ending), blocks waiting for a fence are fenced first and
+    /// freed once it is done; during a capture no fence runs, and they stay.
+    pub(crate) fn host_trim(&self, context: RawContext, everything: bool) -> (usize, Result<()>) {
+        if everything {
+            // Every block, whatever its fence: the context and its memory go.
+            let mut freed = 0;
+            let mut first_err = Ok(());
+            for flags in 0..HOST_KINDS as u32 {
+                let mut cached = Vec::new();
+                self.host.shard(flags).drain(&mut cached);
+                for (p, class, fenced) in cached {
+                    self.host.cached.fetch_sub(class, Ordering::Relaxed);
+                    if let Err(e) = self.host_free(context, p, class) {
+                        // Cached again in its own shard; the next trim retries.
+                        let mut sh = self.host.shard(flags);
+                        if fenced {
+                            sh.put_ready(p, class);
+                        } else {
+                            sh.put_pending(p, class);
+                            sh.seal(&self.fencer, context, false);
+                        }
+                        self.host.cached.fetch_add(class, Ordering::Relaxed);
+                        if first_err.is_ok() {
+                            first_err = Err(e);
+                        }
+                    } else {
+                        freed += class;
+                    }
+                }
+            }
+            return (freed, first_err);
+        }
+        let mut newest = 0;
+        self.host.each(|sh| {
+            sh.seal(&self.fencer, context, false);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
+        });
+        if newest != 0 {
+            // `false` (a capture, a failed fence): what waits stays.
+            let _ = self.fencer.wait(newest);
+        }
+        self.host_shrink(context, 0)
+    }
+
+    /// Forget every cached host block without freeing it (the context was
+    /// reset and its pinned memory is gone), and zero the live counts.
+    pub(super) fn host_forget(&self) {
+        self.host.each(|sh| {
+            sh.drain(&mut Vec::new());
+            sh.live_bytes = 0;
+            sh.class_live.iter_mut().for_each(|c| c.live = 0);
+            sh.large_live.clear();
+        });
+        self.host.held.store(0, Ordering::Relaxed);
+        self.host.cached.store(0, Ordering::Relaxed);
+    }
+
+    /// The host cache's statistics.
+    pub(crate) fn host_stats(&self) -> HostStats {
+        let done = self.fencer.done();
+        let mut s = HostStats {
+            held_bytes: self.host.held.load(Ordering::Relaxed),
+            cache_limit: self.host.cap,
+            ..HostStats::default()
+        };
+        self.host.each(|sh| {
+            sh.promote(done);
+            s.live_bytes += sh.live_bytes;
+            s.live_count += sh.live_count();
+            let waiting = sh.pending_bytes + sh.sealed_bytes;
+            s.pending_bytes += waiting;
+            s.cached_bytes += sh.ready_bytes + waiting;
+            s.hits += sh.hits;
+            s.misses += sh.misses;
+        });
+        s
+    }
+}

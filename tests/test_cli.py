@@ -242,6 +242,20 @@ def test_bench_table_columns_align_with_long_names():
     assert lines[1].index("512 ns") + len("512 ns") == lines[2].index("123456 ns") + len("123456 ns")
 
 
+def test_bench_table_prints_the_pinned_probe_row_whose_extra_has_no_baseline():
+    # The probe row's extra holds "probe" and "gpuptr" (no "baseline"): the
+    # busy rows' line must not be tried on it (it raised KeyError on the GPU).
+    probe = {k: 1000.0 for k in (
+        "retain_release_cold_ns", "retain_release_held_ns", "alloc_4k_ns", "alloc_1m_ns", "alloc_4k_portable_ns",
+        "alloc_1m_portable_ns", "free_4k_ns", "free_1m_ns", "free_4k_portable_ns", "free_1m_portable_ns",
+        "free_while_busy_ns", "busy_left_after_free_ns")}
+    row = _row("pinned probe", "old path", 2000.0)
+    row["extra"] = {"probe": probe, "gpuptr": {"pair_ns": 2000.0, "first_pairs_ns": [5000.0, 1000.0]}}
+    lines = bench.format_table({"meta": {"driver": "cuda"}, "rows": [row]}).splitlines()
+    assert len(lines) == 3 and "context retain+release with no other holder 1.0 us" in lines[2], lines
+    assert "gpuptr's first pairs 5, 1 us" in lines[2]
+
+
 def test_bench_table_marks_skipped_rows_and_lists_the_reasons_below():
     report = {"meta": {}, "rows": [
         _row("r1", "b1", skipped="RuntimeError: needs the GPU"),

@@ -829,7 +829,46 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
 
         return ours, theirs
 
+    def floor_setup() -> Pair:
+        # What any Python MemoryResource pays in cuda.core itself: a resource
+        # whose allocate hands out one fixed address and whose deallocate does
+        # nothing, against gpuptr's.
+        if not on_gpu:
+            raise RuntimeError("needs the GPU")
+        from cuda.core import Buffer, Device, MemoryResource as Base
+
+        from gpuptr.cuda_core import MemoryResource
+
+        dev = Device(0)
+        dev.set_current()
+        stream = dev.create_stream()
+        import gpuptr
+
+        fixed = gpuptr.alloc(1 << 20)
+
+        class Nothing(Base):  # type: ignore[misc]
+            def allocate(self, size: int, *, stream: Any = None) -> Any:
+                return Buffer.from_handle(fixed.device_pointer_value, size, mr=self, stream=stream)
+
+            def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+                pass
+
+            is_device_accessible, is_host_accessible, is_managed, device_id = True, False, False, 0
+
+        ours_mr, floor_mr = MemoryResource(0), Nothing()
+        floor_setup.keep = fixed  # type: ignore[attr-defined]  # held for the row
+
+        def ours() -> None:
+            ours_mr.allocate(1 << 20, stream=stream).close()
+
+        def floor() -> None:
+            floor_mr.allocate(1 << 20, stream=stream).close()
+
+        return ours, floor
+
     b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
+    b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core",
+          "cuda.core's floor: a Python resource that allocates nothing", floor_setup, scale=0.5)
 
     name = "numba-cuda-mlir device_array(1 MiB) alloc+free"
     label = "numba-cuda-mlir default manager"
@@ -1136,7 +1175,7 @@ def format_table(report: Dict[str, Any]) -> str:
     for r, c in zip(rows, cells):
         lines.append(line(c))
         e = r.get("extra") or {}
-        if not r["skipped"] and "gpuptr" in e:
+        if not r["skipped"] and "gpuptr" in e and "baseline" in e:  # the busy rows
             mine, other = e["gpuptr"], e["baseline"]
             lines.append(
                 f"{'':{w[0]}}  median {mine['median_ns'] / 1e3:.1f} vs {other['median_ns'] / 1e3:.1f} us;"

@@ -185,3 +185,20 @@ def test_many_threads_allocate_and_close_through_one_resource(fake_buffer, no_le
     for t in ts:
         t.join()
     assert errors == [] and mr._live == {}
+
+
+def test_deallocate_takes_the_address_as_cuda_core_may_pass_it(fake_buffer, no_leaks):
+    # cuda.core passes an int; a user (or a cuda.bindings CUdeviceptr) may pass
+    # anything int() takes. Either frees exactly once.
+    class DevPtr:
+        def __init__(self, v):
+            self.v = v
+
+        def __int__(self):
+            return self.v
+
+    mr = cuda_core.MemoryResource(0)
+    buf = mr.allocate(4096, stream=None)
+    mr.deallocate(DevPtr(buf.ptr), 4096, stream=None)
+    assert mr._live == {}
+    mr.deallocate(buf.ptr, 4096, stream=None)  # again: ignored

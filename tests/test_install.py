@@ -257,7 +257,11 @@ def test_cupy_allocator_hands_out_pool_memory_owned_by_gpuptr(fake_cupy):
     del mp
     assert client("cupy")["live_bytes"] == before and _core._hooks_state() == (live0, failures0)
     pinned = fake_cupy.pinned_allocator(4096)
-    assert pinned.ptr == pinned.mem.mem.host_pointer and pinned.mem.size == 4096
+    # CuPy's PinnedMemoryPointer holds gpuptr's PinnedMemory itself (its
+    # ptr and size are CuPy's names); a zero-byte one has a null address.
+    assert isinstance(pinned.mem, gpuptr.PinnedMemory)
+    assert pinned.ptr == pinned.mem.host_pointer == pinned.mem.ptr and pinned.mem.size == 4096
+    assert fake_cupy.pinned_allocator(0).ptr == 0
     zero = fake_cupy.allocator(0)
     assert zero.ptr == 0 and zero.mem.device_id == 0
     # gpuptr.cupy.malloc is the same allocator, for code that calls it itself.

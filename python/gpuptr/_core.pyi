@@ -320,6 +320,11 @@ class PinnedMemory:
     def context(self) -> Context:
         """The context the memory is pinned in."""
     @property
+    def ptr(self) -> int:
+        """The host address (an int): CuPy's name for it (``host_pointer``), so
+        a ``cupy.cuda.PinnedMemoryPointer`` can hold this memory directly.
+        """
+    @property
     def host_pointer(self) -> int:
         """The host address (an int)."""
     @property

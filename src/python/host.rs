@@ -361,6 +361,13 @@ impl PyPinnedMemory {
 
 #[pymethods]
 impl PyPinnedMemory {
+    /// The host address (an int): CuPy's name for it (``host_pointer``), so
+    /// a ``cupy.cuda.PinnedMemoryPointer`` can hold this memory directly.
+    #[getter]
+    fn ptr(&self) -> usize {
+        self.inner.host_pointer()
+    }
+
     /// The context the memory is pinned in.
     #[getter]
     fn context(&self, py: Python<'_>) -> PyResult<Py<PyContext>> {

@@ -114,15 +114,28 @@ class _Resource(_cc.MemoryResource):  # type: ignore[misc]  # cuda.core ships a 
         if kept is not _MISSING:
             self._release(address, kept)
 
+    # What the resource's buffers are, per class.
+    _device_accessible, _host_accessible, _managed = True, False, False
+
     @property
     def device_id(self) -> int:
         """The device the memory belongs to."""
         return self._device
 
     @property
+    def is_device_accessible(self) -> bool:
+        """Whether buffers are device-accessible (True for all three)."""
+        return self._device_accessible
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """Whether buffers are host-accessible (pinned and managed memory)."""
+        return self._host_accessible
+
+    @property
     def is_managed(self) -> bool:
         """Whether buffers are CUDA managed (unified) memory."""
-        return False
+        return self._managed
 
     def __repr__(self) -> str:
         return f"gpuptr.cuda_core.{type(self).__name__}(device={self._device})"
@@ -175,57 +188,26 @@ class MemoryResource(_Resource):
         if kept is None:
             _pool_free(ptr)
 
-    @property
-    def is_device_accessible(self) -> bool:
-        """Buffers are device memory: True."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """Buffers are device memory: False."""
-        return False
-
 
 class PinnedMemoryResource(_Resource):
     """Pinned host memory from gpuptr (portable, mapped into every device's
     address space), as a cuda.core memory resource: host and device
     accessible."""
 
+    _host_accessible = True
+
     def _new(self, size: int) -> Tuple[int, Any]:
         return _host_address(_gpuptr.alloc_host(size, mapped=True, portable=True, device=self._device))
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """Mapped pinned memory: True."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """Pinned host memory: True."""
-        return True
 
 
 class ManagedMemoryResource(_Resource):
     """Managed (unified) memory from gpuptr, attached globally, as a
     cuda.core memory resource."""
 
+    _host_accessible, _managed = True, True
+
     def _new(self, size: int) -> Tuple[int, Any]:
         return _host_address(_gpuptr.alloc_managed(size, attach_global=True, device=self._device))
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """Managed memory: True."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """Managed memory: True."""
-        return True
-
-    @property
-    def is_managed(self) -> bool:
-        """Managed memory: True."""
-        return True
 
 
 _installed: Dict[int, MemoryResource] = {}

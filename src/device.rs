@@ -418,6 +418,7 @@ impl DeviceState {
     /// Fill the pool with about `bytes` of ready blocks of `size`'s class;
     /// the bytes reserved (an unpooled device reserves nothing).
     pub(crate) fn reserve(&self, ctx: &Arc<Context>, size: usize, bytes: usize) -> Result<usize> {
+        Error::check_request(self.device, size)?;
         let Some(pool) = &self.pool else {
             return Ok(0);
         };

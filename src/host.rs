@@ -166,6 +166,7 @@ impl HostMemory {
     /// back to the driver at a trim, a reset, or the context's last drop.
     pub fn alloc(context: &Arc<Context>, size: usize, flags: HostFlags) -> Result<Arc<Self>> {
         crate::fork::check()?;
+        Error::check_request(context.device(), size)?;
         let oom = |e: Error| e.oom_on(context.device(), size);
         let (ptr, block) = if size == 0 {
             (0, None)

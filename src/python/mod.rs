@@ -492,8 +492,7 @@ mod _core {
         dlpack::{_dlpack_consume, _dtype_info},
         hooks::{
             _cupy_free, _cupy_malloc, _cupy_set_oom_error, _hooks_configure, _hooks_state,
-            _pool_free, _pool_malloc,
-            _hooks_torch_errors,
+            _hooks_torch_errors, _pool_free, _pool_malloc,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
     };

@@ -318,16 +318,32 @@ impl Snapshot {
         let name = path.file_name().ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file")
         })?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        tmp_name.push(format!(
-            ".{}.{}.tmp",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let tmp = path.with_file_name(tmp_name);
+        // A fresh file of our own (O_EXCL: never one someone put there
+        // first, nor a symlink's target), under the next free name; a
+        // directory that is full of such names is an error, not a spin.
+        let mut tries = 0;
+        let (tmp, mut f) = loop {
+            let mut tmp_name = std::ffi::OsString::from(".");
+            tmp_name.push(name);
+            tmp_name.push(format!(
+                ".{}.{}.tmp",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            let tmp = path.with_file_name(tmp_name);
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+            {
+                Ok(f) => break (tmp, f),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 64 => {
+                    tries += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let r = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&self.to_pickle())?;
             f.sync_data()?;
             std::fs::rename(&tmp, path)

@@ -350,3 +350,34 @@ print("dumped")
     assert out.returncode == 0, out.stderr
     assert victim.read_bytes() == b"precious", "the dump wrote through a planted symlink"
     assert not (tmp_path / "snap.pickle").is_symlink()
+
+
+def test_dump_snapshot_writes_into_a_fifo_and_through_a_symlink_replacing_neither(tmp_path):
+    # As torch's open(path, "wb") does: a FIFO (or /dev/null) gets the bytes
+    # and stays what it is, and a symlink's file is the one replaced.
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = {}
+
+    def reader():
+        with open(fifo, "rb") as f:
+            got["data"] = f.read()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    gpuptr.dump_snapshot(fifo)
+    t.join(30)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    assert "segments" in pickle.loads(got.get("data", b"")), "the reader got no snapshot"
+    real = tmp_path / "runs" / "real.pickle"
+    real.parent.mkdir()
+    real.write_bytes(b"old")
+    link = tmp_path / "latest.pickle"
+    link.symlink_to(real)
+    gpuptr.dump_snapshot(link)
+    assert link.is_symlink(), "the symlink was replaced"
+    assert "segments" in pickle.loads(real.read_bytes())
+    assert not [p for p in tmp_path.rglob("*.tmp")]

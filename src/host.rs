@@ -169,6 +169,10 @@ impl HostMemory {
     /// its last free, on every stream of the context, is done (the device
     /// pool's fence). Its release gives it back to the cache, which goes
     /// back to the driver at a trim, a reset, or the context's last drop.
+    ///
+    /// A context that is no longer current (a reset came since it was
+    /// retained, before or during this call) is refused with
+    /// [`Error::InvalidPointer`]: allocate through the device's new one.
     pub fn alloc(context: &Arc<Context>, size: usize, flags: HostFlags) -> Result<Arc<Self>> {
         crate::fork::check()?;
         Error::check_request(context.device(), size)?;

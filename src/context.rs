@@ -88,6 +88,13 @@ impl Context {
         self.state.invalidate();
     }
 
+    /// Whether this is still the device's context: no reset (see
+    /// [`Context::invalidate`]) happened since it was retained. Memory
+    /// allocated through a context that is not current is refused.
+    pub fn is_current(&self) -> bool {
+        self.born == self.state.epoch()
+    }
+
     /// The device's reset epoch when this context was retained.
     #[inline]
     pub(crate) fn born(&self) -> u64 {

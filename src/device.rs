@@ -418,6 +418,7 @@ impl DeviceState {
     /// Fill the pool with about `bytes` of ready blocks of `size`'s class;
     /// the bytes reserved (an unpooled device reserves nothing).
     pub(crate) fn reserve(&self, ctx: &Arc<Context>, size: usize, bytes: usize) -> Result<usize> {
+        Error::check_request(self.device, size)?;
         let Some(pool) = &self.pool else {
             return Ok(0);
         };
@@ -514,7 +515,9 @@ impl DeviceState {
     /// A pinned host block of `size` bytes made with `flags`
     /// (`HOST_ALLOC_*`) from the pool's host cache; `None` when the device
     /// has no pool or the size is not cached (the caller then asks the
-    /// driver itself).
+    /// driver itself). A context of an epoch a reset ended (before or
+    /// during the call) gets no block: the error a stale context's memory
+    /// gives.
     pub(crate) fn host_alloc(
         &self,
         ctx: &Context,
@@ -522,7 +525,18 @@ impl DeviceState {
         flags: u32,
     ) -> Option<Result<HostBlock>> {
         let pool = self.pool.as_ref().filter(|p| p.host_caches(size))?;
-        Some(pool.host_alloc(ctx.raw(), size, flags))
+        let born = ctx.born();
+        Some(
+            pool.host_alloc(ctx.raw(), size, flags, || self.epoch() == born)
+                .and_then(|b| {
+                    b.ok_or_else(|| {
+                        Error::InvalidPointer(format!(
+                            "the context of device {} was reset; pinned memory comes from the new one",
+                            self.device
+                        ))
+                    })
+                }),
+        )
     }
 
     /// Give `block` (handed out for `size` bytes in `epoch`) back to the

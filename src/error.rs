@@ -128,6 +128,21 @@ impl Error {
     }
 
     /// Turn a raw `CUDA_ERROR_OUT_OF_MEMORY` into the typed variant.
+    /// `Ok` unless `size` is past the largest request any allocation can
+    /// meet (`isize::MAX` bytes, Rust's own bound and the Python binding's):
+    /// such a size is out of memory at once, before any size class (whose
+    /// rounding would overflow) or counter sees it.
+    pub(crate) fn check_request(device: usize, size: usize) -> Result<()> {
+        if size > isize::MAX as usize {
+            return Err(Error::OutOfMemory {
+                device,
+                requested: size,
+                detail: "; no allocation can be larger than isize::MAX bytes".into(),
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn oom_on(self, device: usize, requested: usize) -> Self {
         if self.is_oom() {
             Error::OutOfMemory {

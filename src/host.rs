@@ -132,7 +132,12 @@ impl HostMemory {
             readonly: flags.read_only,
             marked: false,
             device_address: None,
-            generation: context.generation(),
+            // The epoch the context was retained in, not the device's
+            // epoch now: memory pinned through a context is that context's,
+            // and a reset between the pinning and this line (another
+            // thread's) must leave it stale, never let its release put an
+            // old context's block into the new context's cache.
+            generation: context.born(),
             life: Lifetime::default(),
             keepalive: Mutex::new(keepalive),
         };
@@ -164,8 +169,19 @@ impl HostMemory {
     /// its last free, on every stream of the context, is done (the device
     /// pool's fence). Its release gives it back to the cache, which goes
     /// back to the driver at a trim, a reset, or the context's last drop.
+    ///
+    /// A context that is no longer current (a reset came since it was
+    /// retained, before or during this call) is refused with
+    /// [`Error::InvalidPointer`]: allocate through the device's new one.
     pub fn alloc(context: &Arc<Context>, size: usize, flags: HostFlags) -> Result<Arc<Self>> {
         crate::fork::check()?;
+        Error::check_request(context.device(), size)?;
+        if context.born() != context.generation() {
+            return Err(Error::InvalidPointer(format!(
+                "the context of device {} was reset; pinned memory comes from the new one",
+                context.device()
+            )));
+        }
         let oom = |e: Error| e.oom_on(context.device(), size);
         let (ptr, block) = if size == 0 {
             (0, None)

@@ -312,22 +312,57 @@ impl Snapshot {
     }
 
     /// Write [`Snapshot::to_pickle`] to `path`: into a new file beside it,
-    /// then renamed over it, so a reader never sees half a snapshot.
+    /// then renamed over it, so a reader never sees half a snapshot. A
+    /// symlink is followed (the file it names is replaced, the link stays),
+    /// and a file that is not a regular one (a FIFO, `/dev/null`, a
+    /// terminal) is written into as `open(path, "wb")` would: never
+    /// replaced by a regular file.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        match std::fs::metadata(path) {
+            Ok(m) if !m.is_file() && !m.is_dir() => {
+                let mut f = std::fs::OpenOptions::new().write(true).open(path)?;
+                return f.write_all(&self.to_pickle());
+            }
+            Ok(m) if m.is_file() && path.is_symlink() => {
+                return self.replace(&std::fs::canonicalize(path)?);
+            }
+            _ => {}
+        }
+        self.replace(path)
+    }
+
+    /// Write to a new file beside `path`, renamed over it.
+    fn replace(&self, path: &Path) -> std::io::Result<()> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let name = path.file_name().ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file")
         })?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        tmp_name.push(format!(
-            ".{}.{}.tmp",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let tmp = path.with_file_name(tmp_name);
+        // A fresh file of our own (O_EXCL: never one someone put there
+        // first, nor a symlink's target), under the next free name; a
+        // directory that is full of such names is an error, not a spin.
+        let mut tries = 0;
+        let (tmp, mut f) = loop {
+            let mut tmp_name = std::ffi::OsString::from(".");
+            tmp_name.push(name);
+            tmp_name.push(format!(
+                ".{}.{}.tmp",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            let tmp = path.with_file_name(tmp_name);
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+            {
+                Ok(f) => break (tmp, f),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 64 => {
+                    tries += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let r = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&self.to_pickle())?;
             f.sync_data()?;
             std::fs::rename(&tmp, path)

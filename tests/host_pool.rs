@@ -440,3 +440,17 @@ fn test_a_forked_child_neither_caches_nor_frees_host_memory() {
     drop(live);
     assert_eq!(rt.stats()[0].host.live_count, 0);
 }
+
+#[test]
+fn test_a_host_size_near_the_top_of_the_address_space_is_an_error_not_a_panic() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    for size in [usize::MAX, usize::MAX - (1 << 20), usize::MAX / 2 + 1] {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ctx.alloc_host(size, HostFlags::default())
+        }));
+        let r = r.unwrap_or_else(|_| panic!("alloc_host({size}) panicked"));
+        assert!(r.is_err(), "alloc_host({size}) succeeded");
+    }
+    assert_eq!(rt.stats()[0].host.held_bytes, 0);
+}

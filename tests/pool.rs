@@ -348,3 +348,25 @@ fn test_the_out_of_memory_message_names_the_request_the_pool_and_its_limit() {
     }
     drop(live);
 }
+
+#[test]
+fn test_a_device_size_near_the_top_of_the_address_space_is_an_error_not_a_panic() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    for size in [usize::MAX, usize::MAX - (1 << 20), usize::MAX / 2 + 1] {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.alloc(size)));
+        let r = r.unwrap_or_else(|_| panic!("alloc({size}) panicked"));
+        assert!(r.is_err(), "alloc({size}) succeeded");
+    }
+    assert_eq!(rt.stats()[0].live_bytes, 0);
+}
+
+#[test]
+fn test_reserving_blocks_of_a_size_near_the_top_of_the_address_space_is_an_error() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ctx.reserve(usize::MAX, 1 << 20)
+    }));
+    assert!(r.expect("reserve panicked").is_err());
+}

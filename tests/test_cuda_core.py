@@ -202,3 +202,45 @@ def test_deallocate_takes_the_address_as_cuda_core_may_pass_it(fake_buffer, no_l
     mr.deallocate(DevPtr(buf.ptr), 4096, stream=None)
     assert mr._live == {}
     mr.deallocate(buf.ptr, 4096, stream=None)  # again: ignored
+
+
+def test_pool_free_never_frees_what_cupys_or_torchs_hook_handed_out(no_leaks):
+    import ctypes
+
+    from gpuptr import _core
+
+    lib = ctypes.CDLL(_core.__file__)
+    lib.gpuptr_torch_alloc.restype = ctypes.c_void_p
+    lib.gpuptr_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.gpuptr_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    cupy_block = _core._cupy_malloc(4096, 0)
+    torch_block = lib.gpuptr_torch_alloc(4096, 0, None)
+    live, failures = _core._hooks_state()
+    # A cuda.core resource's free (or a stale address it still holds) of
+    # another library's live memory releases nothing.
+    assert not _core._pool_free(cupy_block)
+    assert not _core._pool_free(torch_block)
+    assert _core._hooks_state() == (live, failures + 2)
+    # And each library's own free still releases its own, once.
+    ours = _core._pool_malloc("cuda_core", 4096, 0)
+    _core._cupy_free(ours, 0)
+    lib.gpuptr_torch_free(ours, 0, 0, None)
+    assert _core._hooks_state()[0] == live + 1, "CuPy's and torch's frees left the pool's block alone"
+    assert _core._pool_free(ours)
+    _core._cupy_free(cupy_block, 0)
+    lib.gpuptr_torch_free(torch_block, 4096, 0, None)
+    assert _core._hooks_state()[0] == live - 2
+
+
+@pytest.mark.parametrize("kind", ["float", "numpy"])
+def test_deallocate_of_an_address_that_hashes_as_the_int_frees_it_once(fake_buffer, no_leaks, kind):
+    # A float or a numpy integer equal to the address finds its entry as the
+    # int does; the free must then go through, not raise with the entry gone.
+    import numpy as np
+
+    mr = cuda_core.MemoryResource(0)
+    buf = mr.allocate(4096, stream=None)
+    ptr = float(buf.ptr) if kind == "float" else np.uint64(buf.ptr)
+    mr.deallocate(ptr, 4096, stream=None)
+    assert mr._live == {}
+    assert gpuptr.stats()[0]["clients"]["cuda_core"]["live_bytes"] == 0

@@ -297,3 +297,19 @@ def test_where_numba_cuda_mlir_is_the_only_numba_the_plugin_works():
     r = subprocess.run([sys.executable, "-c", _ONLY_MLIR], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["installed", "True"], r.stdout
+
+
+def test_star_import_works_where_numba_cuda_mlir_is_the_only_numba():
+    # The launcher's names (for numba-cuda) are in __all__ only where
+    # numba-cuda is: a star import must not raise the launcher's ImportError.
+    if not _importable("numba-cuda-mlir"):
+        pytest.skip("numba-cuda-mlir is not importable here")
+    code = _ONLY_MLIR.split("from numba_cuda_mlir")[0] + (
+        "ns = {}\n"
+        "exec('from gpuptr.numba import *', ns)\n"
+        "assert 'MemoryManager' in ns and 'as_cuda_array' not in ns, sorted(ns)\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["ok"], r.stdout

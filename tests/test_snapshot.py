@@ -327,3 +327,57 @@ def test_dump_snapshot_raises_a_typed_error_for_a_path_it_cannot_write(tmp_path)
     with pytest.raises(IsADirectoryError):
         gpuptr.dump_snapshot(tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")], "no half-written file left"
+
+
+def test_dump_snapshot_never_writes_through_a_file_planted_at_its_temporary_name(tmp_path):
+    # The temporary name beside the target is predictable (the pid and a
+    # counter): in a shared directory someone else may put a symlink there
+    # first. The dump must not follow it and clobber what it points at.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    code = f"""
+import os, pathlib, pickle, gpuptr
+d = pathlib.Path({str(tmp_path)!r})
+for n in range(4):
+    os.symlink(d / "victim", d / f".snap.pickle.{{os.getpid()}}.{{n}}.tmp")
+gpuptr.dump_snapshot(d / "snap.pickle")
+with open(d / "snap.pickle", "rb") as f:
+    assert "segments" in pickle.load(f)
+print("dumped")
+"""
+    env = dict(os.environ, GPUPTR_DRIVER="sim")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert victim.read_bytes() == b"precious", "the dump wrote through a planted symlink"
+    assert not (tmp_path / "snap.pickle").is_symlink()
+
+
+def test_dump_snapshot_writes_into_a_fifo_and_through_a_symlink_replacing_neither(tmp_path):
+    # As torch's open(path, "wb") does: a FIFO (or /dev/null) gets the bytes
+    # and stays what it is, and a symlink's file is the one replaced.
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = {}
+
+    def reader():
+        with open(fifo, "rb") as f:
+            got["data"] = f.read()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    gpuptr.dump_snapshot(fifo)
+    t.join(30)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    assert "segments" in pickle.loads(got.get("data", b"")), "the reader got no snapshot"
+    real = tmp_path / "runs" / "real.pickle"
+    real.parent.mkdir()
+    real.write_bytes(b"old")
+    link = tmp_path / "latest.pickle"
+    link.symlink_to(real)
+    gpuptr.dump_snapshot(link)
+    assert link.is_symlink(), "the symlink was replaced"
+    assert "segments" in pickle.loads(real.read_bytes())
+    assert not [p for p in tmp_path.rglob("*.tmp")]

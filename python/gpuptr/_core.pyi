@@ -667,9 +667,9 @@ def _pool_malloc(client: str, nbytes: int, device: int) -> int:
     """
 def _pool_free(address: int) -> bool:
     """Release what ``_pool_malloc`` returned at ``address``; whether it was
-    live. Anything else is ignored (and counted as a failure), never freed;
-    it never raises (cuda.core calls it from a destructor). The caller
-    frees only addresses it was given: the entry points share one map.
+    live. Anything else (CuPy's and PyTorch's allocations through their
+    hooks included) is ignored (and counted as a failure), never freed; it
+    never raises (cuda.core calls it from a destructor).
     """
 def _cupy_free(address: int, device: int) -> None:
     """CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``

@@ -181,11 +181,11 @@ class MemoryResource(_Resource):
         any stream: the block is reused only after the work queued before
         this call, on every stream, is done. An address this resource did not
         hand out (or freed already) is ignored: cuda.core never passes one."""
-        kept = self._live.pop(ptr, _MISSING)
-        if kept is _MISSING and type(ptr) is not int:
-            kept = self._live.pop(int(ptr), _MISSING)
+        if type(ptr) is not int:
+            # Made an int first: a float or numpy integer equal to the
+            # address would find its entry too, and then fail the free.
             ptr = int(ptr)
-        if kept is None:
+        if self._live.pop(ptr, _MISSING) is None:
             _pool_free(ptr)
 
 

@@ -322,6 +322,23 @@ _numba_memory_manager = MemoryManager
 _default_backend()
 
 _LAUNCH_NAMES = ("ArgCache", "Launcher", "as_cuda_array", "foreign_args", "from_cuda_array_interface_numba")
+
+
+def _numba_cuda_found() -> bool:
+    # Its EMM backend (built already where numba-cuda is the default): the
+    # launcher itself stays unimported until first use.
+    try:
+        _backend("numba-cuda")
+    except ImportError:
+        return False
+    return True
+
+
+if not _numba_cuda_found():
+    # ``from gpuptr.numba import *`` must work where numba-cuda-mlir is the
+    # only numba: the launcher's names are not exported there.
+    __all__ = [n for n in __all__ if n not in _LAUNCH_NAMES]
+
 _PER_BACKEND: Dict[str, Tuple[str, str]] = {
     f"_{kind}_{n.replace('-', '_')}": (n, kind) for n in _DRIVERS for kind in ("MemoryManager", "OutOfMemoryError")
 }

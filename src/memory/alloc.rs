@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{ordering_stream, DevicePointer, Origin};
 use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream, MEM_ATTACH_GLOBAL, MEM_ATTACH_HOST};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::registry::Registration;
 use crate::stats::Client;
 use crate::track::Site;
@@ -162,6 +162,7 @@ impl DevicePointer {
     /// [`DevicePointer::allocate`] before the leak report hears of it.
     fn make(context: &Arc<Context>, req: AllocRequest) -> Result<Arc<Self>> {
         crate::fork::check()?;
+        Error::check_request(context.device(), req.size)?;
         let state = context.state();
         state.graphs().bury();
         let p = match req.source {

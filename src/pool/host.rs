@@ -84,12 +84,21 @@ impl Pool {
     /// (`HOST_ALLOC_*`): a ready cached block of its class and flags, else a
     /// new one from the driver (`cuMemHostAlloc` of the class). Out of
     /// memory gives the ready cache back once and asks again.
+    ///
+    /// `still_valid` is asked under the shard lock, which a reset's
+    /// [`Pool::forget`] takes too, before a block is handed out: `false`
+    /// (the context was reset since the caller's context was retained) is
+    /// `Ok(None)`, and nothing is taken, counted or kept (a new block goes
+    /// straight back to the driver). So a block handed out is always the
+    /// caller's context's, and is counted in the statistics a later reset
+    /// clears, never in the next context's.
     pub(crate) fn host_alloc(
         &self,
         context: RawContext,
         size: usize,
         flags: u32,
-    ) -> Result<HostBlock> {
+        still_valid: impl Fn() -> bool,
+    ) -> Result<Option<HostBlock>> {
         let class = size_class(size);
         let block = |address| HostBlock {
             address,
@@ -98,10 +107,13 @@ impl Pool {
         };
         {
             let mut sh = self.host.shard(flags);
+            if !still_valid() {
+                return Ok(None);
+            }
             if let Some(p) = sh.take(class, None, self.fencer.done()) {
                 self.host.cached.fetch_sub(class, Ordering::Relaxed);
                 Self::handed_out(&mut sh, size, class, true, Client::Direct);
-                return Ok(block(p as HostPtr));
+                return Ok(Some(block(p as HostPtr)));
             }
             // A miss: start the fence for what this shard holds back, so
             // that it is ready for a later request. Nothing waits for it.
@@ -116,26 +128,34 @@ impl Pool {
             }
             r => r?,
         };
-        Self::handed_out(
-            &mut self.host.shard(flags),
-            size,
-            class,
-            false,
-            Client::Direct,
-        );
-        Ok(block(p))
+        {
+            let mut sh = self.host.shard(flags);
+            if still_valid() {
+                // Counted held here, under the lock a reset's forget takes
+                // after its new epoch: never after the forget zeroed it.
+                self.host.held.fetch_add(class, Ordering::Relaxed);
+                Self::handed_out(&mut sh, size, class, false, Client::Direct);
+                return Ok(Some(block(p)));
+            }
+        }
+        // Reset while the driver pinned it: this block is of no cache, and
+        // was never counted.
+        // SAFETY: pinned just now in `context`, still retained by the
+        // caller, and handed to no one.
+        let _ = relaxed(self.driver.as_ref(), || unsafe {
+            self.driver.host_free(context, p)
+        });
+        Ok(None)
     }
 
-    /// One `cuMemHostAlloc` of `class` bytes, counted as held.
+    /// One `cuMemHostAlloc` of `class` bytes (the caller counts it held).
     fn host_new(&self, context: RawContext, class: usize, flags: u32) -> Result<HostPtr> {
         // Relaxed: a capture under way on another thread neither refuses
         // this allocation nor is invalidated by it.
         // SAFETY: the pool's owner passes its live, retained context.
-        let p = relaxed(self.driver.as_ref(), || unsafe {
+        relaxed(self.driver.as_ref(), || unsafe {
             self.driver.host_alloc(context, class, flags)
-        })?;
-        self.host.held.fetch_add(class, Ordering::Relaxed);
-        Ok(p)
+        })
     }
 
     /// Take back `block`, handed out by [`Pool::host_alloc`] for `size`
@@ -210,7 +230,13 @@ impl Pool {
         relaxed(self.driver.as_ref(), || unsafe {
             self.driver.host_free(context, p as HostPtr)
         })?;
-        self.host.held.fetch_sub(class, Ordering::Relaxed);
+        // Saturating: a reset's forget may have zeroed it meanwhile.
+        let _ = self
+            .host
+            .held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                Some(h.saturating_sub(class))
+            });
         Ok(())
     }
 

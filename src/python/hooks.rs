@@ -27,9 +27,26 @@ use crate::{Client, DevicePointer, RawStream, Runtime, Site};
 
 const SHARDS: usize = 64;
 
+/// Which entry points handed an allocation out: only their own free takes
+/// it back, so one library's free (or a stale address it still holds)
+/// never releases memory another library is using.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Entry {
+    /// `gpuptr_torch_alloc` / `gpuptr_torch_free`.
+    Torch,
+    /// `_cupy_malloc` / `_cupy_free`.
+    Cupy,
+    /// `_pool_malloc` / `_pool_free` (gpuptr's own plugins).
+    Pool,
+}
+
+/// A live map's shard: address to allocation and the entry points that
+/// handed it out.
+type LiveShard = HashMap<u64, (Arc<DevicePointer>, Entry)>;
+
 /// The allocations handed out through the C entry points, by address,
 /// in shards so that threads rarely share a lock.
-struct Live([Mutex<HashMap<u64, Arc<DevicePointer>>>; SHARDS]);
+struct Live([Mutex<LiveShard>; SHARDS]);
 
 fn live() -> &'static Live {
     static LIVE: OnceLock<Live> = OnceLock::new();
@@ -37,7 +54,7 @@ fn live() -> &'static Live {
 }
 
 impl Live {
-    fn shard(&self, address: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<DevicePointer>>> {
+    fn shard(&self, address: u64) -> std::sync::MutexGuard<'_, LiveShard> {
         crate::sync::lock(&self.0[crate::sync::shard_of(address, SHARDS)])
     }
 }
@@ -55,14 +72,16 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate
         )));
     };
     let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    allocate(client, size, device, ordered, Some(stream))
+    allocate(client, Entry::Torch, size, device, ordered, Some(stream))
 }
 
 /// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
-/// kept in the live map until [`take`] hands them back; 0 for zero bytes.
-/// `seen` is the caller's stream when it is known live (PyTorch's).
+/// kept in the live map until [`take`] for the same `entry` hands them
+/// back; 0 for zero bytes. `seen` is the caller's stream when it is known
+/// live (PyTorch's).
 fn allocate(
     client: Client,
+    entry: Entry,
     size: usize,
     device: usize,
     stream: Option<RawStream>,
@@ -82,7 +101,7 @@ fn allocate(
         None => ctx.alloc_at(size, stream, client, caller_site)?,
     };
     let address = mem.address();
-    live().shard(address).insert(address, mem);
+    live().shard(address).insert(address, (mem, entry));
     Ok(address)
 }
 
@@ -148,11 +167,18 @@ fn torch_message(e: &crate::Error) -> String {
     }
 }
 
-/// The allocation handed out at `address`, out of the live map (dropping it
-/// releases it); None, counted as a failure, for an address the entry points
-/// did not hand out or that was freed already.
-fn take(address: u64) -> Option<Arc<DevicePointer>> {
-    let mem = live().shard(address).remove(&address);
+/// The allocation `entry`'s entry points handed out at `address`, out of
+/// the live map (dropping it releases it); None, counted as a failure, for
+/// an address they did not hand out (another library's is left alone) or
+/// that was freed already.
+fn take(address: u64, entry: Entry) -> Option<Arc<DevicePointer>> {
+    let mem = {
+        let mut shard = live().shard(address);
+        match shard.get(&address) {
+            Some((_, e)) if *e == entry => shard.remove(&address).map(|(m, _)| m),
+            _ => None,
+        }
+    };
     if mem.is_none() {
         FAILURES.fetch_add(1, Ordering::Relaxed);
     }
@@ -181,7 +207,7 @@ fn free(ptr: *mut c_void, stream: RawStream) {
         return;
     }
     // Not ours (or freed twice): never touched.
-    let Some(mem) = take(ptr as usize as u64) else {
+    let Some(mem) = take(ptr as usize as u64, Entry::Torch) else {
         return;
     };
     if STREAM_ORDERED.load(Ordering::Relaxed) {
@@ -245,7 +271,7 @@ pub(crate) fn _cupy_malloc(
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
     let stream = super::args::stream_arg(stream)?;
-    allocate(Client::Cupy, size, device, stream, None).map_err(cupy_error)
+    allocate(Client::Cupy, Entry::Cupy, size, device, stream, None).map_err(cupy_error)
 }
 
 /// CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``
@@ -259,7 +285,7 @@ pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bo
     let _log = super::logging::Deliver(py);
     match address.extract::<u64>() {
         Ok(0) => {}
-        Ok(a) => drop(take(a)),
+        Ok(a) => drop(take(a, Entry::Cupy)),
         Err(_) => {
             FAILURES.fetch_add(1, Ordering::Relaxed);
         }
@@ -283,17 +309,17 @@ pub(crate) fn _pool_malloc(
         .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown client {client:?}")))?;
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
-    Ok(allocate(client, size, device, None, None)?)
+    Ok(allocate(client, Entry::Pool, size, device, None, None)?)
 }
 
 /// Release what ``_pool_malloc`` returned at ``address``; whether it was
-/// live. Anything else is ignored (and counted as a failure), never freed;
-/// it never raises (cuda.core calls it from a destructor). The caller
-/// frees only addresses it was given: the entry points share one map.
+/// live. Anything else (CuPy's and PyTorch's allocations through their
+/// hooks included) is ignored (and counted as a failure), never freed; it
+/// never raises (cuda.core calls it from a destructor).
 #[pyfunction]
 pub(crate) fn _pool_free(py: Python<'_>, address: u64) -> bool {
     let _log = super::logging::Deliver(py);
-    address != 0 && take(address).is_some()
+    address != 0 && take(address, Entry::Pool).is_some()
 }
 
 /// The exception class CuPy's hook raises for out of memory (set by

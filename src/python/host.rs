@@ -535,7 +535,7 @@ pub(crate) fn alloc_host(
     // Held: without the hold, freeing the last block would end the context
     // (cuDevicePrimaryCtxRelease, and the next allocation's retain creates
     // it again, when no one else holds it) and give the cache back with it.
-    let ctx = held_device_context(device)?;
+    let mut ctx = held_device_context(device)?;
     let flags = HostFlags {
         mapped,
         portable,
@@ -543,8 +543,21 @@ pub(crate) fn alloc_host(
         read_only: false,
     };
     let size = size_arg(nbytes, "nbytes")?;
-    // Pinning takes a while for large sizes: let other threads run.
-    let host = py.detach(|| HostMemory::alloc(&ctx, size, flags))?;
+    // Pinning takes a while for large sizes: let other threads run. A
+    // reset on another thread meanwhile refuses the old context: the
+    // memory then comes from the new one.
+    let host = py.detach(|| {
+        let mut tries = 0;
+        loop {
+            match HostMemory::alloc(&ctx, size, flags) {
+                Err(_) if !ctx.is_current() && tries < 16 => {
+                    tries += 1;
+                    ctx = runtime()?.held_context(ctx.device())?;
+                }
+                r => return r.map_err(PyErr::from),
+            }
+        }
+    })?;
     host_object(py, host, Owned::default(), mapped)
 }
 

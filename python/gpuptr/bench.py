@@ -187,10 +187,13 @@ print(best_ns(pair, n, repeat))
 """
 
 
-def _launch_kernel(nargs: int) -> Any:
-    """A trivial @cuda.jit kernel of ``nargs`` float32 array arguments."""
-    from numba import cuda
+def _launch_kernel(nargs: int, cuda: Any = None) -> Any:
+    """A trivial ``@cuda.jit`` kernel of ``nargs`` float32 array arguments,
+    from ``cuda`` (default: numba-cuda's ``numba.cuda``)."""
+    if cuda is None:
+        import numba.cuda
 
+        cuda = numba.cuda
     names = ", ".join(f"a{i}" for i in range(nargs))
     body = " + ".join(f"a{i}[i]" for i in range(nargs))
     src = f"def k({names}):\n    i = cuda.grid(1)\n    if i < a0.size:\n        a0[i] = {body}\n"
@@ -559,45 +562,49 @@ def _alloc_rows(b: Bench, on_gpu: bool) -> None:
     b.row("alloc+free 1 MiB", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
 
 
+def _launch_setup(lib: str, nargs: int, against: str, on_gpu: bool) -> Callable[[], Pair]:
+    """A launch on ``nargs`` ``lib`` arrays through gpuptr.numba.foreign_args,
+    and the same kernel given them directly (``against="direct"``) or on
+    native numba arrays (``"native"``)."""
+
+    def setup() -> Pair:
+        if not on_gpu:
+            raise RuntimeError("needs the GPU")
+        import numpy as np
+        from numba import cuda
+
+        from gpuptr.numba import foreign_args
+
+        kernel = _launch_kernel(nargs)
+        if lib == "cupy":
+            import cupy as cp
+
+            args = [cp.zeros(1024, dtype=cp.float32) for _ in range(nargs)]
+        else:
+            import torch
+
+            args = [torch.zeros(1024, dtype=torch.float32, device="cuda") for _ in range(nargs)]
+        fast = foreign_args(kernel)[4, 256]
+        if against == "direct":
+            direct = kernel[4, 256]
+            return (lambda: fast(*args)), (lambda: direct(*args))
+        native = [cuda.to_device(np.zeros(1024, dtype=np.float32)) for _ in range(nargs)]
+        direct = kernel[4, 256]
+        return (lambda: fast(*args)), (lambda: direct(*native))
+
+    return setup
+
+
 def _launch_rows(b: Bench, on_gpu: bool) -> None:
     """Kernel launches on foreign arrays (the numba-cuda #536 complaint): 1
     and 8 array arguments, CuPy and torch, through gpuptr.numba.foreign_args
     against passing them directly, and against native numba arrays."""
-
-    def launch_setup(lib: str, nargs: int, against: str) -> Callable[[], Pair]:
-        def setup() -> Pair:
-            if not on_gpu:
-                raise RuntimeError("needs the GPU")
-            import numpy as np
-            from numba import cuda
-
-            from gpuptr.numba import foreign_args
-
-            kernel = _launch_kernel(nargs)
-            if lib == "cupy":
-                import cupy as cp
-
-                args = [cp.zeros(1024, dtype=cp.float32) for _ in range(nargs)]
-            else:
-                import torch
-
-                args = [torch.zeros(1024, dtype=torch.float32, device="cuda") for _ in range(nargs)]
-            fast = foreign_args(kernel)[4, 256]
-            if against == "direct":
-                direct = kernel[4, 256]
-                return (lambda: fast(*args)), (lambda: direct(*args))
-            native = [cuda.to_device(np.zeros(1024, dtype=np.float32)) for _ in range(nargs)]
-            direct = kernel[4, 256]
-            return (lambda: fast(*args)), (lambda: direct(*native))
-
-        return setup
-
     for nargs in (1, 8):
         for lib in ("cupy", "torch"):
             b.row(f"launch, {nargs} {lib} arg(s) via foreign_args", f"{lib} arrays passed directly",
-                  launch_setup(lib, nargs, "direct"), scale=0.05)
+                  _launch_setup(lib, nargs, "direct", on_gpu), scale=0.05)
             b.row(f"launch, {nargs} {lib} arg(s) via foreign_args", "native numba arrays",
-                  launch_setup(lib, nargs, "native"), scale=0.05)
+                  _launch_setup(lib, nargs, "native", on_gpu), scale=0.05)
 
 
 def _numba_manager_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
@@ -789,12 +796,8 @@ import sys
 nargs, n, repeat = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 import cupy as cp
 from numba_cuda_mlir import cuda
-from gpuptr.bench import best_ns
-names = ", ".join(f"a{i}" for i in range(nargs))
-body = " + ".join(f"a{i}[i]" for i in range(nargs))
-ns = {"cuda": cuda}
-exec(f"def k({names}):\n    i = cuda.grid(1)\n    if i < a0.size:\n        a0[i] = {body}\n", ns)
-kernel = cuda.jit(ns["k"])[4, 256]
+from gpuptr.bench import _launch_kernel, best_ns
+kernel = _launch_kernel(nargs, cuda)[4, 256]
 args = [cp.zeros(1024, dtype=cp.float32) for _ in range(nargs)]
 kernel(*args); cuda.synchronize()
 print(best_ns(lambda: kernel(*args), n, repeat))
@@ -809,66 +812,53 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
     numba-cuda-mlir launch on 8 CuPy arrays (its own launcher reads them)
     against numba-cuda's through gpuptr.numba.foreign_args."""
 
-    def core_setup() -> Pair:
-        if not on_gpu:
-            raise RuntimeError("needs the GPU")
-        from cuda.core import Device, DeviceMemoryResource
+    def against(baseline: Callable[[], Any]) -> Callable[[], Pair]:
+        # gpuptr's resource and ``baseline()``, each allocating and closing
+        # 1 MiB buffers on one stream.
+        def setup() -> Pair:
+            if not on_gpu:
+                raise RuntimeError("needs the GPU")
+            from cuda.core import Device
 
-        from gpuptr.cuda_core import MemoryResource
+            from gpuptr.cuda_core import MemoryResource
 
-        dev = Device(0)
-        dev.set_current()
-        stream = dev.create_stream()
-        ours_mr, theirs_mr = MemoryResource(0), DeviceMemoryResource(0)
+            dev = Device(0)
+            dev.set_current()
+            stream = dev.create_stream()
+            ours_mr, theirs_mr = MemoryResource(0), baseline()
+            return (lambda: ours_mr.allocate(1 << 20, stream=stream).close(),
+                    lambda: theirs_mr.allocate(1 << 20, stream=stream).close())
 
-        def ours() -> None:
-            ours_mr.allocate(1 << 20, stream=stream).close()
+        return setup
 
-        def theirs() -> None:
-            theirs_mr.allocate(1 << 20, stream=stream).close()
+    def device_memory_resource() -> Any:
+        from cuda.core import DeviceMemoryResource
 
-        return ours, theirs
+        return DeviceMemoryResource(0)
 
-    def floor_setup() -> Pair:
+    def nothing() -> Any:
         # What any Python MemoryResource pays in cuda.core itself: a resource
         # whose allocate hands out one fixed address and whose deallocate does
-        # nothing, against gpuptr's.
-        if not on_gpu:
-            raise RuntimeError("needs the GPU")
-        from cuda.core import Buffer, Device, MemoryResource as Base
-
-        from gpuptr.cuda_core import MemoryResource
-
-        dev = Device(0)
-        dev.set_current()
-        stream = dev.create_stream()
+        # nothing.
         import gpuptr
-
-        fixed = gpuptr.alloc(1 << 20)
+        from cuda.core import Buffer, MemoryResource as Base
 
         class Nothing(Base):  # type: ignore[misc]
+            fixed = gpuptr.alloc(1 << 20)
+            is_device_accessible, is_host_accessible, is_managed, device_id = True, False, False, 0
+
             def allocate(self, size: int, *, stream: Any = None) -> Any:
-                return Buffer.from_handle(fixed.device_pointer_value, size, mr=self, stream=stream)
+                return Buffer.from_handle(self.fixed.device_pointer_value, size, mr=self, stream=stream)
 
             def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
                 pass
 
-            is_device_accessible, is_host_accessible, is_managed, device_id = True, False, False, 0
+        return Nothing()
 
-        ours_mr, floor_mr = MemoryResource(0), Nothing()
-        floor_setup.keep = fixed  # type: ignore[attr-defined]  # held for the row
-
-        def ours() -> None:
-            ours_mr.allocate(1 << 20, stream=stream).close()
-
-        def floor() -> None:
-            floor_mr.allocate(1 << 20, stream=stream).close()
-
-        return ours, floor
-
-    b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core DeviceMemoryResource", core_setup, scale=0.5)
+    b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core DeviceMemoryResource",
+          against(device_memory_resource), scale=0.5)
     b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core",
-          "cuda.core's floor: a Python resource that allocates nothing", floor_setup, scale=0.5)
+          "cuda.core's floor: a Python resource that allocates nothing", against(nothing), scale=0.5)
 
     name = "numba-cuda-mlir device_array(1 MiB) alloc+free"
     label = "numba-cuda-mlir default manager"
@@ -893,28 +883,13 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
             if not on_gpu:
                 raise RuntimeError("needs the GPU")
             mlir = _child_ns(_MLIR_LAUNCH_CHILD, 8, n_child, b.repeat)
-            fast, _ = launch_setup_foreign(8)
+            fast, _ = _launch_setup("cupy", 8, "direct", on_gpu)()
             ours = min(runs_ns(fast, n_child, b.repeat))
             # Above 1: numba-cuda with foreign_args launches faster than
             # numba-cuda-mlir's launcher does on the same kind of arrays.
             b.add(Result(name, label, round(ours, 1), round(mlir, 1), round(mlir / ours, 2)))
         except Exception as e:
             b.add(Result(name, label, skipped=f"{type(e).__name__}: {e}"))
-
-
-def launch_setup_foreign(nargs: int) -> Pair:
-    """A numba-cuda launch on ``nargs`` CuPy arrays through
-    gpuptr.numba.foreign_args, and the same kernel given them directly."""
-    import cupy as cp
-
-    from gpuptr.numba import foreign_args
-
-    kernel = _launch_kernel(nargs)
-    args = [cp.zeros(1024, dtype=cp.float32) for _ in range(nargs)]
-    fast = foreign_args(kernel)[4, 256]
-    direct = kernel[4, 256]
-    fast(*args)
-    return (lambda: fast(*args)), (lambda: direct(*args))
 
 
 _PINNED_CHILD = r"""

@@ -76,15 +76,14 @@ class _Resource(_cc.MemoryResource):  # type: ignore[misc]  # cuda.core ships a 
     def __init__(self, device: Any = None) -> None:
         self._device = _device_id(device)
         _gpuptr.context(self._device)  # fails here, typed, if there is no such device
-        # address -> what keeps it (None where the pool's entry points keep it)
+        # address -> what keeps it (None where the pool's entry points do)
         self._live: Dict[int, Any] = {}
 
     def _new(self, size: int) -> Tuple[int, Any]:
         raise NotImplementedError
 
     def _release(self, address: int, kept: Any) -> None:
-        if kept is not None:
-            kept.free()
+        kept.free()
 
     def allocate(self, size: int, *, stream: Any = None) -> Any:
         """A ``cuda.core`` ``Buffer`` of ``size`` bytes, freed back to gpuptr
@@ -109,7 +108,9 @@ class _Resource(_cc.MemoryResource):  # type: ignore[misc]  # cuda.core ships a 
         any stream: the block is reused only after the work queued before
         this call, on every stream, is done. An address this resource did not
         hand out (or freed already) is ignored: cuda.core never passes one."""
-        address = int(ptr)
+        # Made an int first: a float or numpy integer equal to the address
+        # would find its entry too, and then fail the free.
+        address = ptr if type(ptr) is int else int(ptr)
         kept = self._live.pop(address, _MISSING)
         if kept is not _MISSING:
             self._release(address, kept)
@@ -153,40 +154,13 @@ class MemoryResource(_Resource):
     ``Device``; default: the current one), as a cuda.core memory resource.
     Counted under the client ``"cuda_core"`` in :func:`gpuptr.stats`."""
 
-    # allocate and deallocate in one frame each, through the pool's raw entry
-    # points (as CuPy's hooks): no Python object per buffer, and the free is
-    # one call. cuda.core's own machinery costs about 1 us per buffer (see
-    # the bench), so every call saved here shows.
+    def _new(self, size: int) -> Tuple[int, Any]:
+        # The pool's raw entry points (as CuPy's hooks): no Python object per
+        # buffer, and the free is one call.
+        return _pool_malloc("cuda_core", size, self._device), None
 
-    def allocate(self, size: int, *, stream: Any = None) -> Any:
-        """A ``cuda.core`` ``Buffer`` of ``size`` bytes from gpuptr's pool,
-        freed back to it when it is closed or dropped. ``stream`` orders its
-        deallocation as cuda.core records it; gpuptr's memory is usable on
-        every stream at once. :class:`gpuptr.OutOfMemoryError` when none is
-        left."""
-        address = _pool_malloc("cuda_core", size, self._device)
-        if address:
-            self._live[address] = None
-        try:
-            if stream is not None and type(stream) not in _STREAM_TYPES:
-                stream = _stream(stream)
-            return _Buffer.from_handle(address, size, mr=self, stream=stream)
-        except BaseException:
-            if address and self._live.pop(address, _MISSING) is None:
-                _pool_free(address)
-            raise
-
-    def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
-        """Free what :meth:`allocate` gave at ``ptr`` back to the pool. Safe on
-        any stream: the block is reused only after the work queued before
-        this call, on every stream, is done. An address this resource did not
-        hand out (or freed already) is ignored: cuda.core never passes one."""
-        if type(ptr) is not int:
-            # Made an int first: a float or numpy integer equal to the
-            # address would find its entry too, and then fail the free.
-            ptr = int(ptr)
-        if self._live.pop(ptr, _MISSING) is None:
-            _pool_free(ptr)
+    def _release(self, address: int, kept: Any) -> None:
+        _pool_free(address)
 
 
 class PinnedMemoryResource(_Resource):

@@ -1,8 +1,7 @@
-"""gpuptr.cuda_core's memory resources on the simulator. cuda.core imports
-without a GPU, but its Buffer needs the CUDA driver to record a stream, so
-here a stand-in for Buffer.from_handle records what the resource passes
-and calls back as cuda.core does; the real Buffer is in
-gpu/test_cuda_core_gpu.py."""
+"""gpuptr.cuda_core's memory resources on the simulator, with cuda.core's
+real Buffer: a gpuptr buffer owns its allocation (cuda.core's ``owner``), so
+making and closing one needs no driver. What needs one (a stream, a kernel,
+DLPack) is in gpu/test_cuda_core_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,32 +15,9 @@ cc = pytest.importorskip("cuda.core", reason="cuda.core is in the test extra")
 from gpuptr import cuda_core  # noqa: E402
 
 
-class FakeBuffer:
-    """What cuda.core's Buffer does with a resource: keeps it, and calls
-    ``mr.deallocate(ptr, size, stream=...)`` once, on close."""
-
-    made: list = []
-
-    def __init__(self, ptr, size, mr, stream):
-        self.ptr, self.size, self.mr, self.stream, self.closed = ptr, size, mr, stream, False
-
-    @classmethod
-    def from_handle(cls, ptr, size, mr=None, owner=None, *, stream=None):
-        b = cls(ptr, size, mr, stream)
-        cls.made.append(b)
-        return b
-
-    def close(self, stream=None):
-        if not self.closed:
-            self.closed = True
-            self.mr.deallocate(self.ptr, self.size, stream=stream or self.stream)
-
-
-@pytest.fixture
-def fake_buffer(monkeypatch):
-    FakeBuffer.made = []
-    monkeypatch.setattr(cuda_core, "_Buffer", FakeBuffer)
-    return FakeBuffer
+def live(device: int = 0) -> int:
+    gc.collect()
+    return gpuptr.stats()[device]["clients"]["cuda_core"]["live_bytes"]
 
 
 def test_the_resources_are_cuda_core_memory_resources_with_the_right_properties():
@@ -54,6 +30,11 @@ def test_the_resources_are_cuda_core_memory_resources_with_the_right_properties(
         assert isinstance(mr, cc.MemoryResource)
         assert (mr.device_id, mr.is_device_accessible, mr.is_host_accessible, mr.is_managed) == (1, dev, host, managed)
         assert repr(mr) == f"gpuptr.cuda_core.{cls.__name__}(device=1)"
+        buf = mr.allocate(256)
+        # The buffer answers as its resource, with no driver query.
+        assert isinstance(buf, cc.Buffer) and buf.memory_resource is mr
+        assert (buf.device_id, buf.is_device_accessible, buf.is_host_accessible, buf.is_managed) == (1, dev, host, managed)
+        buf.close()
 
 
 def test_a_device_that_does_not_exist_or_is_not_a_device_is_refused():
@@ -65,75 +46,110 @@ def test_a_device_that_does_not_exist_or_is_not_a_device_is_refused():
         cuda_core.MemoryResource(True)
 
 
-def test_allocate_gives_a_pool_block_and_closing_the_buffer_frees_it(fake_buffer, no_leaks):
+def test_allocate_gives_a_pool_block_that_closing_the_buffer_frees(no_leaks):
     mr = cuda_core.MemoryResource(0)
     before = gpuptr.stats()[0]["clients"]["cuda_core"]
     buf = mr.allocate(1 << 20, stream=None)
-    assert buf.size == 1 << 20 and buf.mr is mr and buf.ptr != 0
-    s = gpuptr.stats()[0]
-    assert s["clients"]["cuda_core"]["live_bytes"] == before["live_bytes"] + (1 << 20)
-    assert s["clients"]["cuda_core"]["alloc_count"] == before["alloc_count"] + 1
+    assert type(buf).__mro__[-2] is cc.Buffer
+    assert buf.size == 1 << 20 and buf.handle != 0
+    # Its owner is the gpuptr allocation, at the buffer's address.
+    assert isinstance(buf.owner, gpuptr.MemoryPointer)
+    assert buf.owner.device_pointer_value == buf.handle and buf.owner.size == 1 << 20
+    s = gpuptr.stats()[0]["clients"]["cuda_core"]
+    assert s["live_bytes"] == before["live_bytes"] + (1 << 20)
+    assert s["alloc_count"] == before["alloc_count"] + 1
     # The address is gpuptr's: memory written through it reads back.
-    gpuptr.wrap(buf.ptr, 16).memset(9)
-    assert gpuptr.wrap(buf.ptr, 4).copy_to_host() == b"\t\t\t\t"
+    gpuptr.wrap(buf.handle, 16).memset(9)
+    assert gpuptr.wrap(buf.handle, 4).copy_to_host() == b"\t\t\t\t"
     buf.close()
-    assert gpuptr.stats()[0]["clients"]["cuda_core"]["live_bytes"] == before["live_bytes"]
+    assert live() == before["live_bytes"]
+    assert buf.is_closed and buf.memory_resource is None and buf.owner is None
+    with pytest.raises(RuntimeError, match="closed"):
+        buf.device_id
     buf.close()  # once only: cuda.core's close is idempotent, and so is the free
+    assert live() == before["live_bytes"]
 
 
-def test_the_pool_reuses_what_a_closed_buffer_gave_back(fake_buffer):
+def test_a_dropped_buffer_frees_its_block_too(no_leaks):
+    mr = cuda_core.MemoryResource(0)
+    base = live()
+    bufs = [mr.allocate(4096) for _ in range(10)]
+    assert live() == base + 10 * 4096
+    del bufs
+    assert live() == base
+
+
+def test_the_pool_reuses_what_a_closed_buffer_gave_back():
     mr = cuda_core.MemoryResource(0)
     a = mr.allocate(4096, stream=None)
-    addr = a.ptr
+    addr = a.handle
     a.close()
     gpuptr.flush_pool(0)
     b = mr.allocate(4096, stream=None)
-    assert b.ptr == addr, "the freed block went back to the pool"
+    assert b.handle == addr, "the freed block went back to the pool"
     b.close()
 
 
-def test_deallocate_of_an_address_it_does_not_own_frees_nothing(fake_buffer, no_leaks):
+def test_deallocate_frees_nothing_so_no_address_can_free_live_memory(no_leaks):
     mr = cuda_core.MemoryResource(0)
     keep = gpuptr.alloc(4096)
     mr.deallocate(keep.device_pointer_value, 4096, stream=None)  # not mr's
     keep.memset(1)  # still live and usable
-    other = cuda_core.MemoryResource(0)
-    buf = other.allocate(64, stream=None)
-    mr.deallocate(buf.ptr, 64, stream=None)  # another resource's buffer
-    assert gpuptr.stats()[0]["clients"]["cuda_core"]["live_bytes"] >= 64
+    buf = mr.allocate(64, stream=None)
+    base = live()
+    # Its own buffer's address, as an int, a float or a numpy integer, twice:
+    # the buffer keeps its block until it is closed.
+    import numpy as np
+
+    for ptr in (buf.handle, float(buf.handle), np.uint64(buf.handle), buf.handle):
+        mr.deallocate(ptr, 64, stream=None)
+    assert live() == base
+    gpuptr.wrap(buf.handle, 64).memset(3)
     buf.close()
+    assert live() == base - 64
     del keep
 
 
-def test_a_failed_buffer_leaves_nothing_allocated(monkeypatch, no_leaks):
-    class Broken:
-        @staticmethod
-        def from_handle(*a, **k):
-            raise RuntimeError("cuda.core refused")
-
-    monkeypatch.setattr(cuda_core, "_Buffer", Broken)
+def test_a_buffer_made_before_a_reset_never_frees_one_made_after(no_leaks):
+    # The buffer owns its exact allocation, not an address: after a reset a
+    # new allocation may get the same address, and closing the old buffer
+    # must leave the new one alone.
     mr = cuda_core.MemoryResource(0)
+    old = mr.allocate(1 << 16)
+    gpuptr.reset_context(0)
+    new = mr.allocate(1 << 16)
+    base = live()
+    old.close()
+    assert live() == base, "the stale buffer freed nothing"
+    gpuptr.wrap(new.handle, 16).memset(5)
+    assert gpuptr.wrap(new.handle, 2).copy_to_host() == b"\x05\x05"
+    new.close()
+
+
+def test_a_failed_buffer_leaves_nothing_allocated(monkeypatch, no_leaks):
+    mr = cuda_core.MemoryResource(0)
+
+    def broken(*a, **k):
+        raise RuntimeError("cuda.core refused")
+
+    monkeypatch.setattr(mr, "_make", broken)
+    base = live()
     with pytest.raises(RuntimeError, match="refused"):
         mr.allocate(1 << 16, stream=None)
-    assert mr._live == {}
+    assert live() == base
 
 
-def test_out_of_memory_is_gpuptrs_typed_error_and_nothing_is_kept(fake_buffer, no_leaks):
+def test_out_of_memory_is_gpuptrs_typed_error_and_nothing_is_kept(no_leaks):
     mr = cuda_core.MemoryResource(0)
+    base = live()
     with pytest.raises(gpuptr.OutOfMemoryError):
         mr.allocate(1 << 50, stream=None)
-    assert mr._live == {} and fake_buffer.made == []
+    with pytest.raises((OverflowError, ValueError, TypeError)):
+        mr.allocate(-1)
+    assert live() == base
 
 
-def test_streams_are_passed_as_cuda_core_takes_them(fake_buffer, monkeypatch):
-    seen = []
-    class FakeStream:  # cuda.core's Stream.from_handle needs the driver
-        @staticmethod
-        def from_handle(h):
-            seen.append(h)
-            return ("stream", h)
-
-    monkeypatch.setattr(cuda_core, "_Stream", FakeStream)
+def test_streams_of_any_library_are_taken_and_anything_else_refused(no_leaks):
     mr = cuda_core.MemoryResource(0)
 
     class NumbaLike:
@@ -143,39 +159,63 @@ def test_streams_are_passed_as_cuda_core_takes_them(fake_buffer, monkeypatch):
         def __cuda_stream__(self):
             return (0, 0x5678)
 
-    for stream, want in [(None, None), (0x42, ("stream", 0x42)), (NumbaLike(), ("stream", 0x1234)), (Protocol(), ("stream", 0x5678))]:
-        buf = mr.allocate(256, stream=stream)
-        assert buf.stream == want
-        buf.close()
-    assert seen == [0x42, 0x1234, 0x5678]
-    with pytest.raises(TypeError, match="stream"):
-        mr.allocate(256, stream="s")
-    assert mr._live == {}
+    for stream in (None, 0x42, NumbaLike(), Protocol()):
+        mr.allocate(256, stream=stream).close()
+    for junk in ("s", 1.5, object()):
+        with pytest.raises(TypeError, match="stream"):
+            mr.allocate(256, stream=junk)
 
 
-def test_pinned_and_managed_resources_give_host_accessible_memory(fake_buffer, no_leaks):
+def test_pinned_and_managed_resources_give_host_accessible_memory(no_leaks):
     import ctypes
 
-    for cls in (cuda_core.PinnedMemoryResource, cuda_core.ManagedMemoryResource):
+    for cls, owner in ((cuda_core.PinnedMemoryResource, "Memory"), (cuda_core.ManagedMemoryResource, "ManagedMemory")):
         mr = cls(0)
         buf = mr.allocate(64, stream=None)
-        ctypes.memset(buf.ptr, 7, 64)  # host-accessible at the address cuda.core gets
-        assert ctypes.string_at(buf.ptr, 4) == b"\x07" * 4
+        assert type(buf.owner).__name__.endswith(owner)
+        ctypes.memset(buf.handle, 7, 64)  # host-accessible at the address cuda.core gets
+        assert ctypes.string_at(buf.handle, 4) == b"\x07" * 4
         buf.close()
-        gc.collect()
-        assert mr._live == {}
+        assert buf.owner is None
 
 
-def test_many_threads_allocate_and_close_through_one_resource(fake_buffer, no_leaks):
+def test_managed_buffers_are_cuda_cores_managed_buffers():
+    managed = getattr(cc, "ManagedBuffer", None)
+    if managed is None:
+        pytest.skip("this cuda.core has no ManagedBuffer")
+    buf = cuda_core.ManagedMemoryResource(0).allocate(4096)
+    assert isinstance(buf, managed) and buf.is_managed
+    buf.close()
+
+
+def test_zero_bytes_give_an_empty_buffer_that_owns_nothing(no_leaks):
+    for cls in (cuda_core.MemoryResource, cuda_core.PinnedMemoryResource, cuda_core.ManagedMemoryResource):
+        buf = cls(0).allocate(0)
+        assert buf.size == 0 and buf.handle == 0 and buf.owner is None
+        buf.close()
+
+
+def test_buffers_outlive_their_resource(no_leaks):
+    buf = cuda_core.MemoryResource(0).allocate(4096)
+    gc.collect()
+    assert buf.memory_resource.device_id == 0
+    gpuptr.wrap(buf.handle, 8).memset(1)
+    buf.close()
+
+
+def test_many_threads_allocate_and_close_through_one_resource(no_leaks):
     import threading
 
     mr = cuda_core.MemoryResource(0)
     errors = []
+    base = live()
 
     def work():
         try:
             for _ in range(200):
                 mr.allocate(512, stream=None).close()
+                b = mr.allocate(256)
+                del b
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -184,63 +224,17 @@ def test_many_threads_allocate_and_close_through_one_resource(fake_buffer, no_le
         t.start()
     for t in ts:
         t.join()
-    assert errors == [] and mr._live == {}
+    assert errors == [] and live() == base
 
 
-def test_deallocate_takes_the_address_as_cuda_core_may_pass_it(fake_buffer, no_leaks):
-    # cuda.core passes an int; a user (or a cuda.bindings CUdeviceptr) may pass
-    # anything int() takes. Either frees exactly once.
-    class DevPtr:
-        def __init__(self, v):
-            self.v = v
-
-        def __int__(self):
-            return self.v
-
+def test_without_cuda_cores_private_entry_point_buffers_still_own_their_memory(no_leaks):
+    # Another cuda.core version may lack Buffer._init: the public
+    # from_handle is used then, and the buffer still frees its block.
     mr = cuda_core.MemoryResource(0)
-    buf = mr.allocate(4096, stream=None)
-    mr.deallocate(DevPtr(buf.ptr), 4096, stream=None)
-    assert mr._live == {}
-    mr.deallocate(buf.ptr, 4096, stream=None)  # again: ignored
-
-
-def test_pool_free_never_frees_what_cupys_or_torchs_hook_handed_out(no_leaks):
-    import ctypes
-
-    from gpuptr import _core
-
-    lib = ctypes.CDLL(_core.__file__)
-    lib.gpuptr_torch_alloc.restype = ctypes.c_void_p
-    lib.gpuptr_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    lib.gpuptr_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    cupy_block = _core._cupy_malloc(4096, 0)
-    torch_block = lib.gpuptr_torch_alloc(4096, 0, None)
-    live, failures = _core._hooks_state()
-    # A cuda.core resource's free (or a stale address it still holds) of
-    # another library's live memory releases nothing.
-    assert not _core._pool_free(cupy_block)
-    assert not _core._pool_free(torch_block)
-    assert _core._hooks_state() == (live, failures + 2)
-    # And each library's own free still releases its own, once.
-    ours = _core._pool_malloc("cuda_core", 4096, 0)
-    _core._cupy_free(ours, 0)
-    lib.gpuptr_torch_free(ours, 0, 0, None)
-    assert _core._hooks_state()[0] == live + 1, "CuPy's and torch's frees left the pool's block alone"
-    assert _core._pool_free(ours)
-    _core._cupy_free(cupy_block, 0)
-    lib.gpuptr_torch_free(torch_block, 4096, 0, None)
-    assert _core._hooks_state()[0] == live - 2
-
-
-@pytest.mark.parametrize("kind", ["float", "numpy"])
-def test_deallocate_of_an_address_that_hashes_as_the_int_frees_it_once(fake_buffer, no_leaks, kind):
-    # A float or a numpy integer equal to the address finds its entry as the
-    # int does; the free must then go through, not raise with the entry gone.
-    import numpy as np
-
-    mr = cuda_core.MemoryResource(0)
-    buf = mr.allocate(4096, stream=None)
-    ptr = float(buf.ptr) if kind == "float" else np.uint64(buf.ptr)
-    mr.deallocate(ptr, 4096, stream=None)
-    assert mr._live == {}
-    assert gpuptr.stats()[0]["clients"]["cuda_core"]["live_bytes"] == 0
+    make = cuda_core._buffer_maker(mr, type("Buffer", (), {}))
+    base = live()
+    buf = cuda_core._core._cuda_core_buffer(make, 4096, 0)
+    assert type(buf) is cc.Buffer and isinstance(buf.owner, gpuptr.MemoryPointer)
+    assert live() == base + 4096
+    buf.close()
+    assert live() == base

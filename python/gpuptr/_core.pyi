@@ -68,9 +68,8 @@ __all__ = [
     "_hooks_configure",
     "_hooks_state",
     "_cupy_malloc",
+    "_cuda_core_buffer",
     "_cupy_free",
-    "_pool_malloc",
-    "_pool_free",
     "_cupy_set_oom_error",
     "_hooks_torch_errors",
     "_dtype_info",
@@ -573,6 +572,15 @@ class IpcHandle:
     def open(self) -> MemoryPointer:
         """The memory this handle names (see the class)."""
 
+def _cuda_core_buffer(make: Callable[[int, int, None, None, Optional[MemoryPointer]], _Buffer], nbytes: int, device: int) -> _Buffer:
+    """gpuptr.cuda_core's allocation: ``nbytes`` from ``device``'s pool under
+    the ``"cuda_core"`` client, handed to ``make(address, nbytes, None, None,
+    owner)`` (the shape of cuda.core's ``Buffer._init``: no memory resource,
+    an owner), whose result is returned. ``owner`` is the MemoryPointer that
+    owns the block: the Buffer frees it into the pool (through the fence)
+    when cuda.core drops the owner, with no Python call. Zero bytes give
+    ``make(0, 0, None, None, None)``. If ``make`` raises, the block is freed.
+    """
 def open_ipc(handle: IpcHandle) -> MemoryPointer:
     """``handle.open()``: the memory an ``IpcHandle`` names."""
 def set_pool_limit(nbytes: Union[int, float, str, None], device: Optional[int] = None) -> None:
@@ -658,18 +666,6 @@ def _cupy_malloc(nbytes: int, device: int, stream: _Stream = None) -> int:
     bytes), counted under ``"cupy"``. With ``stream``, allocated and freed on
     that stream; without, freed through the fence. Errors are gpuptr's typed
     exceptions (``OutOfMemoryError`` and so on), which CuPy passes on.
-    """
-def _pool_malloc(client: str, nbytes: int, device: int) -> int:
-    """gpuptr's own allocator plugins (``gpuptr.cuda_core``'s memory
-    resources): ``nbytes`` on ``device`` from the pool, as an address (0 for
-    zero bytes), counted under ``client``, freed through the fence by
-    ``_pool_free``. Errors are gpuptr's typed exceptions.
-    """
-def _pool_free(address: int) -> bool:
-    """Release what ``_pool_malloc`` returned at ``address``; whether it was
-    live. Anything else (CuPy's and PyTorch's allocations through their
-    hooks included) is ignored (and counted as a failure), never freed; it
-    never raises (cuda.core calls it from a destructor).
     """
 def _cupy_free(address: int, device: int) -> None:
     """CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``

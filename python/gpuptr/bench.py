@@ -812,20 +812,20 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
     numba-cuda-mlir launch on 8 CuPy arrays (its own launcher reads them)
     against numba-cuda's through gpuptr.numba.foreign_args."""
 
-    def against(baseline: Callable[[], Any]) -> Callable[[], Pair]:
-        # gpuptr's resource and ``baseline()``, each allocating and closing
-        # 1 MiB buffers on one stream.
+    def against(baseline: Callable[[], Any], ours: str = "MemoryResource") -> Callable[[], Pair]:
+        # gpuptr's resource ``ours`` and ``baseline()``, each allocating and
+        # closing 1 MiB buffers on one stream.
         def setup() -> Pair:
             if not on_gpu:
                 raise RuntimeError("needs the GPU")
             from cuda.core import Device
 
-            from gpuptr.cuda_core import MemoryResource
+            from gpuptr import cuda_core
 
             dev = Device(0)
             dev.set_current()
             stream = dev.create_stream()
-            ours_mr, theirs_mr = MemoryResource(0), baseline()
+            ours_mr, theirs_mr = getattr(cuda_core, ours)(0), baseline()
             return (lambda: ours_mr.allocate(1 << 20, stream=stream).close(),
                     lambda: theirs_mr.allocate(1 << 20, stream=stream).close())
 
@@ -837,8 +837,9 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
         return DeviceMemoryResource(0)
 
     def nothing() -> Any:
-        # What any Python MemoryResource pays in cuda.core itself: a resource
-        # whose allocate hands out one fixed address and whose deallocate does
+        # What any Python MemoryResource pays in cuda.core when its buffers
+        # free through it (Buffer.from_handle(mr=), then cuda.core's callback
+        # into mr.deallocate): one fixed address, a deallocate that does
         # nothing.
         import gpuptr
         from cuda.core import Buffer, MemoryResource as Base
@@ -855,10 +856,36 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
 
         return Nothing()
 
+    def owning_nothing() -> Any:
+        # cuda.core's own part of a buffer that owns its memory, as
+        # gpuptr's do: the same Buffer subclass, made over one fixed address
+        # with a plain object as its owner, so nothing is allocated or freed.
+        import gpuptr
+        from gpuptr.cuda_core import MemoryResource
+
+        fixed, owner = gpuptr.alloc(1 << 20), object()
+        make = MemoryResource(0)._make
+
+        class Floor:
+            def allocate(self, size: int, *, stream: Any = None) -> Any:
+                return make(fixed.device_pointer_value, size, None, None, owner)
+
+        return Floor()
+
+    def pinned() -> Any:
+        from cuda.core import PinnedMemoryResource
+
+        return PinnedMemoryResource()
+
     b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core DeviceMemoryResource",
           against(device_memory_resource), scale=0.5)
     b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core",
-          "cuda.core's floor: a Python resource that allocates nothing", against(nothing), scale=0.5)
+          "cuda.core's floor for an owning Buffer: one that owns a plain object", against(owning_nothing), scale=0.5)
+    b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core",
+          "cuda.core's floor for a resource's Buffer: a Python resource that frees nothing",
+          against(nothing), scale=0.5)
+    b.row("cuda.core pinned mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core PinnedMemoryResource",
+          against(pinned, "PinnedMemoryResource"), scale=0.5)
 
     name = "numba-cuda-mlir device_array(1 MiB) alloc+free"
     label = "numba-cuda-mlir default manager"

@@ -3,7 +3,8 @@
 :class:`MemoryResource` is a real ``cuda.core`` ``MemoryResource``:
 ``mr.allocate(size, stream=s)`` returns a ``cuda.core`` ``Buffer`` over a
 block of gpuptr's per-device pool, and closing the buffer (or dropping it)
-frees the block back into the pool. :func:`install` makes it a device's
+frees the block back into the pool. The buffer owns its block (its
+``owner`` is the gpuptr allocation), so the free runs no Python code. :func:`install` makes it a device's
 memory resource, so ``Device.allocate`` (and numba-cuda-mlir's copies of
 host-array kernel arguments, which allocate through it) use the pool too.
 :class:`PinnedMemoryResource` and :class:`ManagedMemoryResource` give
@@ -18,7 +19,7 @@ closed on any stream, or none, while kernels on other streams still use it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 try:
     import cuda.core as _cc
@@ -29,12 +30,13 @@ except ImportError as _e:
 
 import gpuptr as _gpuptr
 from gpuptr import _core
-from gpuptr._core import _pool_free, _pool_malloc
+from gpuptr._core import _cuda_core_buffer
 
 __all__ = ["ManagedMemoryResource", "MemoryResource", "PinnedMemoryResource", "install"]
 
 _GraphBuilder: Any = getattr(getattr(_cc, "graph", None), "GraphBuilder", None) or getattr(_cc, "GraphBuilder", None)
 _STREAM_TYPES: Tuple[type, ...] = tuple(t for t in (_Stream, _GraphBuilder) if isinstance(t, type))
+_ManagedBuffer: Any = getattr(_cc, "ManagedBuffer", None)
 
 
 def _device_id(device: Any) -> int:
@@ -47,73 +49,131 @@ def _device_id(device: Any) -> int:
     return device
 
 
-def _stream(stream: Any) -> Any:
-    """``stream`` as cuda.core's ``Buffer.from_handle`` takes it: a cuda.core
-    ``Stream`` or ``GraphBuilder`` as is, None for cuda.core's default, an
-    int handle, or an object with ``__cuda_stream__`` or ``handle`` (numba's,
-    CuPy's and torch's streams)."""
-    if stream is None or isinstance(stream, _STREAM_TYPES):
-        return stream
-    if hasattr(stream, "__cuda_stream__"):
-        return _Stream.from_handle(int(stream.__cuda_stream__()[1]))
+def _check_stream(stream: Any) -> None:
+    """Refuse what is not a stream: a cuda.core ``Stream`` or
+    ``GraphBuilder``, None, an int handle, or an object with
+    ``__cuda_stream__`` or ``handle`` (numba's, CuPy's and torch's streams).
+    gpuptr's memory needs no stream to be freed safely, so none is kept."""
+    if stream is None or isinstance(stream, _STREAM_TYPES) or hasattr(stream, "__cuda_stream__"):
+        return
     handle = getattr(stream, "handle", getattr(stream, "cuda_stream", stream))
     value = getattr(handle, "value", handle)  # numba's ctypes handles
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, (bool, float)) or not isinstance(value, int):
         try:
-            value = int(value)  # cuda.bindings CUstream
+            if isinstance(value, (bool, float)):
+                raise TypeError
+            int(value)  # cuda.bindings CUstream
         except (TypeError, ValueError):
             raise TypeError(f"stream must be a cuda.core Stream or a stream handle, not {type(stream).__name__}") from None
-    return _Stream.from_handle(value)
 
 
-_MISSING = object()
+class _Buffers:
+    """What the buffers of a gpuptr resource add to cuda.core's ``Buffer``:
+    their memory resource, and its properties, without a driver query.
+
+    Each buffer owns its gpuptr allocation (cuda.core's ``owner``), so
+    closing or dropping it frees the memory with no Python call, which is
+    where most of the time of a Python memory resource goes in cuda.core.
+    """
+
+    __slots__ = ()
+    _resource: Any = None  # set on each resource's own subclass
+
+    def _open(self) -> Any:
+        if self.is_closed:  # type: ignore[attr-defined]
+            raise RuntimeError("Buffer has been closed")  # cuda.core's words
+        return self._resource
+
+    @property
+    def memory_resource(self) -> Any:
+        """The gpuptr resource that allocated this buffer (None once closed)."""
+        return None if self.is_closed else self._resource  # type: ignore[attr-defined]
+
+    @property
+    def device_id(self) -> int:
+        """The device the memory belongs to."""
+        return int(self._open().device_id)
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """Whether the GPU can access the memory (always)."""
+        return bool(self._open().is_device_accessible)
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """Whether the CPU can access the memory (pinned and managed)."""
+        return bool(self._open().is_host_accessible)
+
+    @property
+    def is_managed(self) -> bool:
+        """Whether the memory is CUDA managed memory."""
+        return bool(self._open().is_managed)
+
+    def copy_to(self, dst: Any = None, *, stream: Any, **options: Any) -> Any:
+        """cuda.core's ``copy_to``; without ``dst``, the copy goes into a new
+        buffer from this buffer's resource, as cuda.core's own buffers do."""
+        if dst is None and not self.is_closed:  # type: ignore[attr-defined]
+            dst = self._resource.allocate(self.size, stream=stream)  # type: ignore[attr-defined]
+        return super().copy_to(dst, stream=stream, **options)  # type: ignore[misc]
+
+
+def _buffer_maker(resource: Any, base: Any) -> Callable[..., Any]:
+    """``make(address, size, None, None, owner)``: a Buffer of ``resource``
+    (cuda.core's ``Buffer._init`` on a subclass of ``base`` that knows its
+    resource), or, where this cuda.core lacks that entry point, a plain
+    ``Buffer.from_handle(address, size, owner=owner)``, whose
+    ``memory_resource`` is None."""
+    cls = type(
+        base.__name__,
+        (_Buffers, base),
+        {"__slots__": (), "_resource": resource, "__module__": __name__, "__qualname__": f"{type(resource).__name__}.Buffer"},
+    )
+    make: Any = getattr(cls, "_init", None)
+    if make is not None:
+        try:
+            probe: Any = make(0, 0, None, None, resource)
+            ok = probe.owner is resource and probe.size == 0 and type(probe) is cls
+            probe.close()
+        except Exception:  # noqa: BLE001 - another cuda.core: the public path then
+            ok = False
+        if ok:
+            return make  # type: ignore[no-any-return]
+
+    def from_handle(address: int, size: int, mr: None, ipc: None, owner: Any) -> Any:
+        return _Buffer.from_handle(address, size, None, owner)
+
+    return from_handle
 
 
 class _Resource(_cc.MemoryResource):  # type: ignore[misc]  # cuda.core ships a Cython base
-    """What the three resources share: the addresses this resource handed
-    out, each freed once, when cuda.core deallocates it."""
+    """What the three resources share."""
+
+    _buffer_base: Any = _Buffer
 
     def __init__(self, device: Any = None) -> None:
         self._device = _device_id(device)
         _gpuptr.context(self._device)  # fails here, typed, if there is no such device
-        # address -> what keeps it (None where the pool's entry points do)
-        self._live: Dict[int, Any] = {}
+        self._make = _buffer_maker(self, self._buffer_base)
 
-    def _new(self, size: int) -> Tuple[int, Any]:
+    def _buffer(self, size: int) -> Any:
         raise NotImplementedError
 
-    def _release(self, address: int, kept: Any) -> None:
-        kept.free()
-
     def allocate(self, size: int, *, stream: Any = None) -> Any:
-        """A ``cuda.core`` ``Buffer`` of ``size`` bytes, freed back to gpuptr
-        when it is closed or dropped. ``stream`` orders its deallocation as
-        cuda.core records it; gpuptr's memory is usable on every stream at
-        once. :class:`gpuptr.OutOfMemoryError` when none is left."""
-        address, kept = self._new(size)
-        live = self._live
-        if address:
-            live[address] = kept
-        try:
-            if stream is not None and type(stream) not in _STREAM_TYPES:
-                stream = _stream(stream)
-            return _Buffer.from_handle(address, size, mr=self, stream=stream)
-        except BaseException:
-            if address and live.pop(address, _MISSING) is not _MISSING:
-                self._release(address, kept)
-            raise
+        """A ``cuda.core`` ``Buffer`` of ``size`` bytes that owns its gpuptr
+        memory: closing or dropping it frees the memory back to gpuptr.
+        ``stream`` may be any stream (or None): gpuptr's memory is usable on
+        every stream at once, and freed safely whichever stream used it, so
+        no stream is recorded. :class:`gpuptr.OutOfMemoryError` when none is
+        left."""
+        if stream is not None and type(stream) not in _STREAM_TYPES:
+            _check_stream(stream)
+        return self._buffer(size)
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
-        """Free what :meth:`allocate` gave at ``ptr`` back to gpuptr. Safe on
-        any stream: the block is reused only after the work queued before
-        this call, on every stream, is done. An address this resource did not
-        hand out (or freed already) is ignored: cuda.core never passes one."""
-        # Made an int first: a float or numpy integer equal to the address
-        # would find its entry too, and then fail the free.
-        address = ptr if type(ptr) is int else int(ptr)
-        kept = self._live.pop(address, _MISSING)
-        if kept is not _MISSING:
-            self._release(address, kept)
+        """Does nothing: a gpuptr resource's buffer frees its own memory when
+        it is closed or dropped, and cuda.core never calls this for one. So
+        neither a stray address nor a repeated call can free memory a live
+        buffer (or another library) still uses."""
 
     # What the resource's buffers are, per class.
     _device_accessible, _host_accessible, _managed = True, False, False
@@ -142,46 +202,60 @@ class _Resource(_cc.MemoryResource):  # type: ignore[misc]  # cuda.core ships a 
         return f"gpuptr.cuda_core.{type(self).__name__}(device={self._device})"
 
 
-def _host_address(mem: Any) -> Tuple[int, Any]:
-    value = mem.device_pointer_value
-    if value is None:
-        value = getattr(mem, "host_pointer", 0)
-    return int(value or 0), mem
-
-
 class MemoryResource(_Resource):
     """Device memory from gpuptr's pool on ``device`` (an int or a cuda.core
     ``Device``; default: the current one), as a cuda.core memory resource.
-    Counted under the client ``"cuda_core"`` in :func:`gpuptr.stats`."""
+    Counted under the client ``"cuda_core"`` in :func:`gpuptr.stats`.
+    A buffer's ``owner`` is its gpuptr ``MemoryPointer``."""
 
-    def _new(self, size: int) -> Tuple[int, Any]:
-        # The pool's raw entry points (as CuPy's hooks): no Python object per
-        # buffer, and the free is one call.
-        return _pool_malloc("cuda_core", size, self._device), None
+    def _buffer(self, size: int) -> Any:
+        return _cuda_core_buffer(self._make, size, self._device)
 
-    def _release(self, address: int, kept: Any) -> None:
-        _pool_free(address)
+    def allocate(self, size: int, *, stream: Any = None) -> Any:
+        # _Resource.allocate, with _buffer inlined: one Python call fewer on
+        # the path every cuda.core allocation takes.
+        if stream is not None and type(stream) not in _STREAM_TYPES:
+            _check_stream(stream)
+        return _cuda_core_buffer(self._make, size, self._device)
+
+    allocate.__doc__ = _Resource.allocate.__doc__
 
 
-class PinnedMemoryResource(_Resource):
+class _HostResource(_Resource):
+    def _alloc(self, size: int) -> Any:
+        raise NotImplementedError
+
+    def _buffer(self, size: int) -> Any:
+        mem = self._alloc(size)
+        value = mem.device_pointer_value
+        if value is None:
+            value = getattr(mem, "host_pointer", 0)
+        address = int(value or 0)
+        return self._make(address, size, None, None, mem if address else None)
+
+
+class PinnedMemoryResource(_HostResource):
     """Pinned host memory from gpuptr (portable, mapped into every device's
     address space), as a cuda.core memory resource: host and device
-    accessible."""
+    accessible. A buffer's ``owner`` is its gpuptr ``PinnedMemory``."""
 
     _host_accessible = True
 
-    def _new(self, size: int) -> Tuple[int, Any]:
-        return _host_address(_gpuptr.alloc_host(size, mapped=True, portable=True, device=self._device))
+    def _alloc(self, size: int) -> Any:
+        return _gpuptr.alloc_host(size, mapped=True, portable=True, device=self._device)
 
 
-class ManagedMemoryResource(_Resource):
+class ManagedMemoryResource(_HostResource):
     """Managed (unified) memory from gpuptr, attached globally, as a
-    cuda.core memory resource."""
+    cuda.core memory resource. Its buffers are cuda.core ``ManagedBuffer``
+    objects where cuda.core has them (``read_mostly``, ``prefetch`` ...); a
+    buffer's ``owner`` is its gpuptr ``ManagedMemory``."""
 
     _host_accessible, _managed = True, True
+    _buffer_base = _ManagedBuffer or _Buffer
 
-    def _new(self, size: int) -> Tuple[int, Any]:
-        return _host_address(_gpuptr.alloc_managed(size, attach_global=True, device=self._device))
+    def _alloc(self, size: int) -> Any:
+        return _gpuptr.alloc_managed(size, attach_global=True, device=self._device)
 
 
 _installed: Dict[int, MemoryResource] = {}

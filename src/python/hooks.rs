@@ -36,8 +36,6 @@ enum Entry {
     Torch,
     /// `_cupy_malloc` / `_cupy_free`.
     Cupy,
-    /// `_pool_malloc` / `_pool_free` (gpuptr's own plugins).
-    Pool,
 }
 
 /// A live map's shard: address to allocation and the entry points that
@@ -290,36 +288,6 @@ pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bo
             FAILURES.fetch_add(1, Ordering::Relaxed);
         }
     }
-}
-
-/// gpuptr's own allocator plugins (``gpuptr.cuda_core``'s memory
-/// resources): ``nbytes`` on ``device`` from the pool, as an address (0 for
-/// zero bytes), counted under ``client``, freed through the fence by
-/// ``_pool_free``. Errors are gpuptr's typed exceptions.
-#[pyfunction]
-#[pyo3(signature = (client, nbytes, device))]
-pub(crate) fn _pool_malloc(
-    py: Python<'_>,
-    client: &str,
-    nbytes: &Bound<'_, PyAny>,
-    device: &Bound<'_, PyAny>,
-) -> PyResult<u64> {
-    let _log = super::logging::Deliver(py);
-    let client = Client::from_name(client)
-        .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown client {client:?}")))?;
-    let size = super::args::size_arg(nbytes, "nbytes")?;
-    let device = super::args::device_arg(device)?;
-    Ok(allocate(client, Entry::Pool, size, device, None, None)?)
-}
-
-/// Release what ``_pool_malloc`` returned at ``address``; whether it was
-/// live. Anything else (CuPy's and PyTorch's allocations through their
-/// hooks included) is ignored (and counted as a failure), never freed; it
-/// never raises (cuda.core calls it from a destructor).
-#[pyfunction]
-pub(crate) fn _pool_free(py: Python<'_>, address: u64) -> bool {
-    let _log = super::logging::Deliver(py);
-    address != 0 && take(address, Entry::Pool).is_some()
 }
 
 /// The exception class CuPy's hook raises for out of memory (set by

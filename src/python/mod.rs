@@ -90,6 +90,31 @@ fn _alloc_for(
     alloc_as(py, client, nbytes, device, stream)
 }
 
+/// gpuptr.cuda_core's allocation: ``nbytes`` from ``device``'s pool under
+/// the ``"cuda_core"`` client, handed to ``make(address, nbytes, None, None,
+/// owner)`` (the shape of cuda.core's ``Buffer._init``: no memory resource,
+/// an owner), whose result is returned. ``owner`` is the MemoryPointer that
+/// owns the block: the Buffer frees it into the pool (through the fence)
+/// when cuda.core drops the owner, with no Python call. Zero bytes give
+/// ``make(0, 0, None, None, None)``. If ``make`` raises, the block is freed.
+#[pyfunction]
+fn _cuda_core_buffer<'py>(
+    py: Python<'py>,
+    make: &Bound<'py, PyAny>,
+    nbytes: &Bound<'py, PyAny>,
+    device: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let size = size_arg(nbytes, "nbytes")?;
+    let none = py.None();
+    if size == 0 {
+        return make.call1((0u64, 0usize, &none, &none, &none));
+    }
+    let mem = alloc_as(py, crate::Client::CudaCore, nbytes, Some(device), None)?;
+    let address = mem.view.address();
+    let owner = Bound::new(py, mem)?;
+    make.call1((address, size, &none, &none, owner))
+}
+
 /// Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a
 /// MemoryPointer that keeps ``owner`` alive. Without ``context``, the
 /// context is resolved from the address itself, never from the current one.
@@ -488,11 +513,11 @@ mod _core {
     // The hooks of gpuptr's own Python modules: allocator plugins, interop.
     #[pymodule_export]
     use super::{
-        _alloc_for,
+        _alloc_for, _cuda_core_buffer,
         dlpack::{_dlpack_consume, _dtype_info},
         hooks::{
             _cupy_free, _cupy_malloc, _cupy_set_oom_error, _hooks_configure, _hooks_state,
-            _hooks_torch_errors, _pool_free, _pool_malloc,
+            _hooks_torch_errors,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
     };

@@ -78,6 +78,34 @@ def test_buffers_feed_a_cuda_core_kernel_and_cupy_and_torch_through_dlpack(dev, 
     assert got["gpuptr"][3] == n and got["cuda.core"][3] == 0, "only gpuptr's resource uses gpuptr's pool"
 
 
+def test_buffers_copy_close_on_a_stream_and_own_their_memory_as_cuda_cores_do(dev, kernels):
+    # What a cuda.core user does with a buffer beyond allocate: copy_to with
+    # no destination (a new buffer from the same resource), copy_from,
+    # close on a given stream, set_deallocation_stream.
+    from gpuptr import cuda_core
+
+    fill, _ = kernels
+    stream = dev.create_stream()
+    n = 1 << 16
+    host = np.empty(n, dtype=np.uint8)
+    before = gpuptr.stats()[0]["clients"]["cuda_core"]["live_bytes"]
+    for name, mr in [("gpuptr", cuda_core.MemoryResource(0)), ("cuda.core", cc.DeviceMemoryResource(0))]:
+        src = mr.allocate(n, stream=stream)
+        _fill(stream, fill, src, 4, n)
+        dst = src.copy_to(stream=stream)
+        assert dst.memory_resource is mr and dst.size == n, name
+        back = mr.allocate(n, stream=stream)
+        back.copy_from(dst, stream=stream)
+        _copy_out(back, host, stream)
+        assert (host == 4).all(), name
+        src.set_deallocation_stream(stream)
+        for b in (src, dst, back):
+            b.close(stream)
+        assert src.is_closed and src.memory_resource is None, name
+    stream.sync()
+    assert gpuptr.stats()[0]["clients"]["cuda_core"]["live_bytes"] == before
+
+
 def test_installed_as_the_devices_resource_device_allocate_uses_the_pool(dev, kernels):
     from gpuptr import cuda_core
 

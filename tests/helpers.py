@@ -10,7 +10,22 @@ import sys
 
 from gpuptr.check import run_plugin
 
-__all__ = ["DLDataType", "DLDevice", "DLManagedTensor", "DLManagedTensorVersioned", "DLTensor", "run_plugin", "soak"]
+__all__ = ["DLDataType", "DLDevice", "DLManagedTensor", "DLManagedTensorVersioned", "DLTensor", "hide_modules", "run_plugin", "soak"]
+
+
+def hide_modules(*names: str) -> str:
+    """The first lines of a child script (unindented) in which ``names`` and
+    their submodules cannot be imported, as if not installed: a finder first
+    on ``sys.meta_path`` raises ``ImportError`` for them (numba-cuda hidden
+    where numba-cuda-mlir is the only numba, an extra missing)."""
+    return (
+        "import sys\n"
+        "class _Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if any(name == m or name.startswith(m + '.') for m in {list(names)!r}):\n"
+        "            raise ImportError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Hide())\n"
+    )
 
 
 class DLDevice(ctypes.Structure):

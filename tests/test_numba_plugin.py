@@ -14,6 +14,7 @@ import sys
 import pytest
 
 import gpuptr
+from helpers import hide_modules
 
 np = pytest.importorskip("numpy")
 try:
@@ -252,13 +253,7 @@ def test_out_of_memory_is_numbas_own_error_and_gpuptrs(mm, backend):
 
 
 
-_ONLY_MLIR = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name == "numba" or name.startswith("numba."):
-            raise ImportError(f"No module named {name!r}", name=name)
-sys.meta_path.insert(0, Block())
+_ONLY_MLIR = hide_modules("numba") + """
 try:
     import numba
 except ImportError:

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 import gpuptr
+from helpers import hide_modules
 
 DRIVER = gpuptr.driver_info()["driver"]
 sim = pytest.mark.skipif(DRIVER != "sim", reason="the simulator's device size is known")
@@ -104,26 +105,18 @@ def test_a_bad_setting_is_an_error_that_names_it(name, value):
     assert r.stdout.startswith("refused:") and name in r.stdout, r.stdout
 
 
-_BLOCK = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if any(name == m or name.startswith(m + ".") for m in {mod!r}.split()):
-            raise ImportError(f"No module named {{name!r}}", name=name)
-sys.meta_path.insert(0, Block())
-"""
 
 
 # gpuptr.numba serves numba-cuda and numba-cuda-mlir: it is missing only when both are.
 @pytest.mark.parametrize("module,missing,extra", [("gpuptr.numba", "numba numba_cuda_mlir", "gpuptr[numba]"), ("gpuptr.numba", "numba numba_cuda_mlir", "gpuptr[numba-mlir]"), ("gpuptr.dask", "distributed", "gpuptr[dask]")])
 def test_a_missing_extra_says_which_to_install(module, missing, extra):
-    r = _child(_BLOCK.format(mod=missing) + f"import {module}\n")
+    r = _child(hide_modules(*missing.split()) + f"import {module}\n")
     assert r.returncode != 0
     assert f'pip install "{extra}"' in r.stderr, r.stderr[-800:]
 
 
 def test_install_names_the_extra_for_numba():
-    r = _child(_BLOCK.format(mod="numba numba_cuda_mlir") + "import gpuptr\nprint(gpuptr.install(cupy=False, torch=False)['numba'])\n")
+    r = _child(hide_modules("numba", "numba_cuda_mlir") + "import gpuptr\nprint(gpuptr.install(cupy=False, torch=False)['numba'])\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("skipped:") and 'pip install "gpuptr[numba]"' in r.stdout, r.stdout
 

@@ -6,8 +6,10 @@ manager once per process."""
 from __future__ import annotations
 
 import importlib.util
+import textwrap
 
 import pytest
+from helpers import hide_modules
 from helpers import run_plugin as _run_plugin
 
 pytestmark = pytest.mark.gpu
@@ -224,13 +226,9 @@ def test_where_numba_cuda_mlir_is_the_only_numba():
     if importlib.util.find_spec("numba_cuda_mlir") is None:
         pytest.skip("numba_cuda_mlir is not installed here")
     out = _run_plugin(
-        """
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name == "numba" or name.startswith("numba."):
-                    raise ImportError(f"No module named {name!r}", name=name)
-        sys.meta_path.insert(0, Block())
+        hide_modules("numba")
+        + textwrap.dedent(
+            """
         try:
             import numba
             sys.exit("numba-cuda is still importable")
@@ -256,5 +254,6 @@ def test_where_numba_cuda_mlir_is_the_only_numba():
               clients["numba"]["alloc_count"] >= 2,
               isinstance(cuda.current_context().device._dev.memory_resource, gpuptr.cuda_core.MemoryResource))
         """
+        )
     )
     assert out.split() == ["True", "True", "True", "True"]

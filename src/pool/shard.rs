@@ -143,25 +143,33 @@ impl Shard {
         }
     }
 
-    /// Blocks of each class this shard holds for reuse.
-    pub(super) fn cached_by_class(&self, out: &mut FastMap<usize, usize>) {
-        for (i, v) in self.ready.iter().enumerate() {
-            if !v.is_empty() {
-                *out.entry(class_of_index(i)).or_default() += v.len();
-            }
-        }
-        for (class, v) in &self.large {
-            *out.entry(*class).or_default() += v.len();
-        }
-        for (_, class) in self
+    /// Every block this shard holds for reuse: its address, its class, and
+    /// whether its fence is done (ready for anyone now).
+    fn blocks(&self) -> impl Iterator<Item = (DevicePtr, usize, bool)> + '_ {
+        let unfenced = self
             .pending
             .iter()
             .chain(self.sealed.iter().flat_map(|b| &b.blocks))
-        {
-            *out.entry(*class).or_default() += 1;
-        }
-        for ((_, class), v) in &self.on_stream {
-            *out.entry(*class).or_default() += v.len();
+            .map(|&(p, class)| (p, class, false));
+        let on_stream = self
+            .on_stream
+            .iter()
+            .flat_map(|(&(_, class), v)| v.iter().map(move |&p| (p, class, false)));
+        let ready = self.ready.iter().enumerate().flat_map(|(i, v)| {
+            let class = class_of_index(i);
+            v.iter().map(move |&p| (p, class, true))
+        });
+        let large = self
+            .large
+            .iter()
+            .flat_map(|(&class, v)| v.iter().map(move |&p| (p, class, true)));
+        unfenced.chain(on_stream).chain(ready).chain(large)
+    }
+
+    /// Blocks of each class this shard holds for reuse.
+    pub(super) fn cached_by_class(&self, out: &mut FastMap<usize, usize>) {
+        for (_, class, _) in self.blocks() {
+            *out.entry(class).or_default() += 1;
         }
     }
 
@@ -272,39 +280,18 @@ impl Shard {
     /// Every block the shard holds, into `out`, with whether its fence is
     /// done (ready for anyone now); the cache stays as it is (snapshots).
     pub(super) fn cached(&self, out: &mut FastMap<DevicePtr, bool>) {
-        for (p, _) in self
-            .pending
-            .iter()
-            .chain(self.sealed.iter().flat_map(|b| &b.blocks))
-        {
-            out.insert(*p, false);
-        }
-        for p in self.on_stream.values().flatten() {
-            out.insert(*p, false);
-        }
-        for p in self.ready.iter().chain(self.large.values()).flatten() {
-            out.insert(*p, true);
-        }
+        out.extend(self.blocks().map(|(p, _, ready)| (p, ready)));
     }
 
     /// Empty the cache into `out`: every block the shard holds, with its
     /// class and whether its fence is done (safe for anyone now).
     pub(super) fn drain(&mut self, out: &mut Vec<(DevicePtr, usize, bool)>) {
-        let unfenced = |(p, class)| (p, class, false);
-        out.extend(self.pending.drain(..).map(unfenced));
-        for ((_, class), v) in self.on_stream.drain() {
-            out.extend(v.into_iter().map(|p| (p, class, false)));
-        }
-        for batch in self.sealed.drain(..) {
-            out.extend(batch.blocks.into_iter().map(unfenced));
-        }
-        for (i, v) in self.ready.iter_mut().enumerate() {
-            let class = class_of_index(i);
-            out.extend(v.drain(..).map(|p| (p, class, true)));
-        }
-        for (class, v) in self.large.drain() {
-            out.extend(v.into_iter().map(|p| (p, class, true)));
-        }
+        out.extend(self.blocks());
+        self.pending.clear();
+        self.on_stream.clear();
+        self.sealed.clear();
+        self.ready.iter_mut().for_each(Vec::clear);
+        self.large.clear();
         self.pending_bytes = 0;
         self.stream_bytes = 0;
         self.sealed_bytes = 0;

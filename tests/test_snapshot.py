@@ -268,6 +268,10 @@ def test_stopping_records_no_more():
 def test_out_of_memory_writes_the_snapshot_and_the_error_names_it(tmp_path):
     path = tmp_path / "oom.pickle"
     gpuptr.record_history(True, oom_snapshot=path)
+    # Nothing cached that a 64 MiB request could take under the limit
+    # (earlier tests in this process may have left such a block).
+    gpuptr.flush_pool(0)
+    gpuptr.trim()
     limit = gpuptr.stats()[0]["pool_bytes"] + (4 << 20)
     gpuptr.set_pool_limit(limit, device=0)
     try:

@@ -15,28 +15,16 @@ Usage: python benches/cuda_core_why.py [calls]   (on the GPU)
 """
 
 import sys
-import time
-
-
-def best_ns(f, n, repeat=7):
-    for _ in range(n // 10):
-        f()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter_ns()
-        for _ in range(n):
-            f()
-        best = min(best, (time.perf_counter_ns() - t) / n)
-    return best
 
 
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
     from cuda.bindings import driver as cu
-    from cuda.core import Buffer, Device, DeviceMemoryResource, MemoryResource as Base
+    from cuda.core import Buffer, Device, DeviceMemoryResource
 
     import gpuptr
     from gpuptr import _core, cuda_core
+    from gpuptr.bench import _cuda_core_callback_floor, _cuda_core_owning_floor, best_ns
 
     dev = Device(0)
     dev.set_current()
@@ -44,18 +32,8 @@ def main():
     ours, dmr = cuda_core.MemoryResource(0), DeviceMemoryResource(0)
     size = 1 << 20
     fixed, owner = gpuptr.alloc(size), object()
-    address, make = fixed.device_pointer_value, ours._make
-
-    class Nothing(Base):
-        is_device_accessible, is_host_accessible, is_managed, device_id = True, False, False, 0
-
-        def allocate(self, size, *, stream=None):
-            return Buffer.from_handle(address, size, mr=self, stream=stream)
-
-        def deallocate(self, ptr, size, *, stream=None):
-            pass
-
-    nothing = Nothing()
+    address = fixed.device_pointer_value
+    owning, nothing = _cuda_core_owning_floor(), _cuda_core_callback_floor()
     pool = dmr.handle if hasattr(dmr, "handle") else None
     h = int(stream.handle)
 
@@ -67,7 +45,7 @@ def main():
         "gpuptr.cuda_core allocate+close": lambda: ours.allocate(size, stream=stream).close(),
         "DeviceMemoryResource allocate+close": lambda: dmr.allocate(size, stream=stream).close(),
         "gpuptr's part: pool alloc+free (_alloc_for)": lambda: _core._alloc_for("cuda_core", size, 0).free(),
-        "cuda.core's part: owning Buffer made+closed": lambda: make(address, size, None, None, owner).close(),
+        "cuda.core's part: owning Buffer made+closed": lambda: owning.allocate(size).close(),
         "  the same through public Buffer.from_handle(owner=)": lambda: Buffer.from_handle(address, size, owner=owner).close(),
         "a Python resource freeing through deallocate": lambda: nothing.allocate(size, stream=stream).close(),
     }
@@ -75,7 +53,7 @@ def main():
         rows["driver: cuMemAllocFromPoolAsync+cuMemFreeAsync (cuda.bindings)"] = driver
     for name, f in rows.items():
         try:
-            print(f"{best_ns(f, n):9.0f} ns  {name}", flush=True)
+            print(f"{best_ns(f, n, 7):9.0f} ns  {name}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{'-':>9}     {name}: {type(e).__name__}: {e}", flush=True)
     stream.sync()

@@ -804,6 +804,45 @@ print(best_ns(lambda: kernel(*args), n, repeat))
 """
 
 
+def _cuda_core_callback_floor() -> Any:
+    """What any Python MemoryResource pays in cuda.core when its buffers
+    free through it (Buffer.from_handle(mr=), then cuda.core's callback
+    into mr.deallocate): a resource handing out one fixed address, whose
+    deallocate does nothing. The bench and benches/cuda_core_why.py share
+    it."""
+    import gpuptr
+    from cuda.core import Buffer, MemoryResource as Base
+
+    class Nothing(Base):  # type: ignore[misc]
+        fixed = gpuptr.alloc(1 << 20)
+        is_device_accessible, is_host_accessible, is_managed, device_id = True, False, False, 0
+
+        def allocate(self, size: int, *, stream: Any = None) -> Any:
+            return Buffer.from_handle(self.fixed.device_pointer_value, size, mr=self, stream=stream)
+
+        def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+            pass
+
+    return Nothing()
+
+
+def _cuda_core_owning_floor() -> Any:
+    """cuda.core's own part of a buffer that owns its memory, as gpuptr's
+    do: a resource making the same Buffer subclass over one fixed address
+    with a plain object as its owner, so nothing is allocated or freed."""
+    import gpuptr
+    from gpuptr.cuda_core import MemoryResource
+
+    fixed, owner = gpuptr.alloc(1 << 20), object()
+    make = MemoryResource(0)._make
+
+    class Floor:
+        def allocate(self, size: int, *, stream: Any = None) -> Any:
+            return make(fixed.device_pointer_value, size, None, None, owner)
+
+    return Floor()
+
+
 def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
     """The next numba and cuda.core: a cuda.core ``mr.allocate(1 MiB)`` +
     close through gpuptr.cuda_core against cuda.core's own resource (over the
@@ -836,42 +875,6 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
 
         return DeviceMemoryResource(0)
 
-    def nothing() -> Any:
-        # What any Python MemoryResource pays in cuda.core when its buffers
-        # free through it (Buffer.from_handle(mr=), then cuda.core's callback
-        # into mr.deallocate): one fixed address, a deallocate that does
-        # nothing.
-        import gpuptr
-        from cuda.core import Buffer, MemoryResource as Base
-
-        class Nothing(Base):  # type: ignore[misc]
-            fixed = gpuptr.alloc(1 << 20)
-            is_device_accessible, is_host_accessible, is_managed, device_id = True, False, False, 0
-
-            def allocate(self, size: int, *, stream: Any = None) -> Any:
-                return Buffer.from_handle(self.fixed.device_pointer_value, size, mr=self, stream=stream)
-
-            def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
-                pass
-
-        return Nothing()
-
-    def owning_nothing() -> Any:
-        # cuda.core's own part of a buffer that owns its memory, as
-        # gpuptr's do: the same Buffer subclass, made over one fixed address
-        # with a plain object as its owner, so nothing is allocated or freed.
-        import gpuptr
-        from gpuptr.cuda_core import MemoryResource
-
-        fixed, owner = gpuptr.alloc(1 << 20), object()
-        make = MemoryResource(0)._make
-
-        class Floor:
-            def allocate(self, size: int, *, stream: Any = None) -> Any:
-                return make(fixed.device_pointer_value, size, None, None, owner)
-
-        return Floor()
-
     def pinned() -> Any:
         from cuda.core import PinnedMemoryResource
 
@@ -880,10 +883,10 @@ def _next_numba_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
     b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core DeviceMemoryResource",
           against(device_memory_resource), scale=0.5)
     b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core",
-          "cuda.core's floor for an owning Buffer: one that owns a plain object", against(owning_nothing), scale=0.5)
+          "cuda.core's floor for an owning Buffer: one that owns a plain object", against(_cuda_core_owning_floor), scale=0.5)
     b.row("cuda.core mr.allocate+close 1 MiB, gpuptr.cuda_core",
           "cuda.core's floor for a resource's Buffer: a Python resource that frees nothing",
-          against(nothing), scale=0.5)
+          against(_cuda_core_callback_floor), scale=0.5)
     b.row("cuda.core pinned mr.allocate+close 1 MiB, gpuptr.cuda_core", "cuda.core PinnedMemoryResource",
           against(pinned, "PinnedMemoryResource"), scale=0.5)
 

@@ -53,19 +53,24 @@ fn alloc(
     device: Option<&Bound<'_, PyAny>>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
-    alloc_as(py, crate::Client::Direct, nbytes, device, stream)
+    alloc_as(
+        py,
+        crate::Client::Direct,
+        size_arg(nbytes, "nbytes")?,
+        device,
+        stream,
+    )
 }
 
-/// ``alloc`` counted under `client`.
+/// ``alloc`` of `size` bytes (already parsed) counted under `client`.
 fn alloc_as(
     py: Python<'_>,
     client: crate::Client,
-    nbytes: &Bound<'_, PyAny>,
+    size: usize,
     device: Option<&Bound<'_, PyAny>>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
     let _log = logging::Deliver(py);
-    let size = size_arg(nbytes, "nbytes")?;
     let ctx = device_context(device)?;
     let stream = args::stream_arg(stream)?;
     let pyctx = py_context(py, &ctx)?;
@@ -87,7 +92,7 @@ fn _alloc_for(
 ) -> PyResult<PyMemoryPointer> {
     let client = crate::Client::from_name(client)
         .ok_or_else(|| Error::InvalidArgument(format!("unknown client {client:?}")))?;
-    alloc_as(py, client, nbytes, device, stream)
+    alloc_as(py, client, size_arg(nbytes, "nbytes")?, device, stream)
 }
 
 /// gpuptr.cuda_core's allocation: ``nbytes`` from ``device``'s pool under
@@ -109,7 +114,7 @@ fn _cuda_core_buffer<'py>(
     if size == 0 {
         return make.call1((0u64, 0usize, &none, &none, &none));
     }
-    let mem = alloc_as(py, crate::Client::CudaCore, nbytes, Some(device), None)?;
+    let mem = alloc_as(py, crate::Client::CudaCore, size, Some(device), None)?;
     let address = mem.view.address();
     let owner = Bound::new(py, mem)?;
     make.call1((address, size, &none, &none, owner))

@@ -138,6 +138,13 @@ impl Pool {
             sh.ahead_cooldown -= 1;
             return false;
         }
+        // Only a busy GPU's fence holds blocks back for long: an idle one's
+        // makes them ready within microseconds, and growing ahead for it
+        // would only hold memory (an atomic load, then a clock read only
+        // while a fence runs).
+        if !self.fencer.busy() {
+            return false;
+        }
         sh.wanted |= 1 << i;
         true
     }
@@ -206,6 +213,9 @@ impl Pool {
             if sh.pending_bytes + sh.sealed_bytes == 0 {
                 return Err("no free waits for a fence");
             }
+        }
+        if !self.fencer.busy() {
+            return Err("the GPU is not busy: its fence keeps up");
         }
         let ready: usize = (0..self.shards.len())
             .map(|i| self.shard(i).ready_bytes)

@@ -2,11 +2,26 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::helper::{Helper, Shared};
 use crate::driver::{Driver, RawContext};
 use crate::sync::{lock, wait, wait_timeout};
+
+/// A fence that has run (been in `cuCtxSynchronize`) this long means a busy
+/// GPU: queued work holds the freed blocks back, and waiting for them would
+/// be slow. A fence of an idle GPU takes a few microseconds (an H200: 2-5
+/// µs; the simulator: less than one).
+pub(crate) const FENCE_BUSY: Duration = Duration::from_micros(50);
+
+/// Nanoseconds since the first call (0 is never returned: it means "not
+/// running" in [`FenceExt::started_ns`]).
+fn now_ns() -> u64 {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    let base = *BASE.get_or_init(Instant::now);
+    (base.elapsed().as_nanos() as u64).max(1)
+}
 
 /// The per-device helper that makes freed blocks safe to reuse: it runs
 /// `cuCtxSynchronize` on its own thread for every batch sealed before the
@@ -27,6 +42,8 @@ pub(crate) struct FenceExt {
     done: AtomicU64,
     /// The newest number handed out.
     requested: AtomicU64,
+    /// When the running synchronize started ([`now_ns`]); 0: none runs.
+    started_ns: AtomicU64,
 }
 
 #[derive(Default)]
@@ -54,7 +71,7 @@ pub(crate) struct FenceState {
 /// a sleeping thread would cost the allocating thread a system call. Polling
 /// with timed sleeps, not spinning, leaves the CPU to the allocating threads.
 const FENCE_IDLE_POLL: Duration = Duration::from_millis(2);
-const FENCE_POLL: Duration = Duration::from_micros(20);
+const FENCE_POLL: Duration = Duration::from_micros(5);
 
 impl Fencer {
     pub(crate) fn new(driver: Arc<dyn Driver>, pace: Duration) -> Self {
@@ -63,6 +80,7 @@ impl Fencer {
             pace,
             done: AtomicU64::new(0),
             requested: AtomicU64::new(0),
+            started_ns: AtomicU64::new(0),
         };
         Fencer {
             helper: Helper::new("gpuptr-fence", FenceState::default(), ext),
@@ -84,6 +102,42 @@ impl Fencer {
     #[inline]
     pub(crate) fn outstanding(&self) -> bool {
         self.ext().requested.load(Ordering::Relaxed) > self.done()
+    }
+
+    /// Whether the GPU is busy: a fence has been running for at least
+    /// [`FENCE_BUSY`] (queued work holds freed blocks back). A fence that
+    /// was asked for but has not started (its thread waits for a CPU, or
+    /// rests between fences) says nothing of the GPU: not busy.
+    #[inline]
+    pub(crate) fn busy(&self) -> bool {
+        let t = self.ext().started_ns.load(Ordering::Relaxed);
+        t != 0 && now_ns().saturating_sub(t) >= FENCE_BUSY.as_nanos() as u64
+    }
+
+    /// Wait until fence `n` is done, for at most `limit`; whether it is.
+    /// Unlike [`Fencer::wait`] it never synchronizes on this thread (with
+    /// no helper it returns `false` at once): a bounded wait, for a miss of
+    /// an idle GPU that would rather reuse a block than grow.
+    pub(crate) fn wait_for(&self, n: u64, limit: Duration) -> bool {
+        if self.done() >= n {
+            return true;
+        }
+        let sh = &self.helper.shared;
+        let deadline = Instant::now() + limit;
+        let mut st = lock(&sh.state);
+        while self.done() < n {
+            let now = Instant::now();
+            let held_back = st.s.captures > 0 && st.s.started < n;
+            if now >= deadline || !st.spawned || st.shutdown || held_back || st.s.failed >= n {
+                return false;
+            }
+            st.s.waiters += 1;
+            // Cut the helper's rest (or its poll) short.
+            sh.work.notify_one();
+            st = wait_timeout(&sh.done, st, deadline - now);
+            st.s.waiters -= 1;
+        }
+        true
     }
 
     /// Ask for a fence of `context` that starts after now; its number.
@@ -209,11 +263,13 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         }
         let started =
             log::log_enabled!(target: "gpuptr::fence", log::Level::Debug).then(Instant::now);
+        sh.ext.started_ns.store(now_ns(), Ordering::Relaxed);
         // SAFETY: `context` is live: the pool's owner passes its retained
         // context with each request, and a reset or teardown (which ends
         // it) shuts this helper down or drains every batch first; a call
         // on a context gone since fails with an error, never touches memory.
         let r = unsafe { sh.ext.driver.synchronize(context) };
+        sh.ext.started_ns.store(0, Ordering::Relaxed);
         st = lock(&sh.state);
         st.s.syncing = false;
         match &r {

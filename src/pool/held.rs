@@ -113,7 +113,21 @@ impl Pool {
     /// New memory from the driver for blocks of `class`: one block, or,
     /// while a fence is outstanding (a busy GPU), several carved from one
     /// allocation, so that one driver call serves several misses.
-    pub(super) fn alloc_new(&self, context: RawContext, class: usize) -> Result<Allocation> {
+    ///
+    /// `room` is what the pool may still grow by within its budget
+    /// ([`PoolConfig::headroom_bytes`](super::PoolConfig::headroom_bytes))
+    /// and `waiting` the bytes that wait for a fence ([`Pool::room`]). On
+    /// an idle GPU (its fence lags only for a moment) a carve stays within
+    /// the room; on a busy one it is at least what waits (capped at
+    /// [`CARVE_BYTES_MAX`]): frees go on being held back at that rate, and
+    /// one allocation covers the time the growth helper needs for its first.
+    pub(super) fn alloc_new(
+        &self,
+        context: RawContext,
+        class: usize,
+        room: usize,
+        waiting: usize,
+    ) -> Result<Allocation> {
         let carve = if self.fencer.outstanding() {
             let mut g = lock(&self.growth);
             let done = self.fencer.done();
@@ -123,6 +137,11 @@ impl Pool {
             }
             let bytes = (CARVE_BYTES << g.carves).min(CARVE_BYTES_MAX);
             g.carves = (g.carves + 1).min(8);
+            let bytes = if self.fencer.busy() {
+                bytes.max(waiting.min(CARVE_BYTES_MAX))
+            } else {
+                bytes.min(room)
+            };
             (bytes / class).clamp(1, CARVE_MAX)
         } else {
             1
@@ -218,6 +237,84 @@ impl Pool {
             want -= blocks;
         }
         (made, Ok(()))
+    }
+
+    /// Past the budget on an idle GPU: give back to the driver whole
+    /// allocations whose blocks are all ready (fenced, so no queued work
+    /// uses them), about `want` bytes or more, and put every other ready
+    /// block back where it was. Nothing while the GPU is busy (a
+    /// `cuMemFree` would wait for it) or a capture is under way, or when
+    /// the owner set no hook ([`Pool::on_give_back`]). The bytes freed.
+    pub(super) fn give_back(&self, context: RawContext, want: usize) -> usize {
+        let Some(hook) = &self.forget_hook else {
+            return 0;
+        };
+        if self.fencer.busy() || self.fencer.capturing() {
+            return 0;
+        }
+        let mut ready = Vec::new();
+        for i in 0..self.shards.len() {
+            let mut sh = self.shard(i);
+            while let Some((p, class)) = sh.take_any_ready() {
+                ready.push((p, class, i));
+            }
+        }
+        let mut by_base: FastMap<DevicePtr, Vec<(DevicePtr, usize, usize)>> = FastMap::default();
+        {
+            let held = lock(&self.held);
+            for b in ready {
+                by_base.entry(held.base_of(b.0)).or_default().push(b);
+            }
+        }
+        let (mut freed, mut keep) = (0, Vec::new());
+        for (base, blocks) in by_base {
+            let taken = (freed < want)
+                .then(|| {
+                    let mut held = lock(&self.held);
+                    let whole = held
+                        .allocations
+                        .get(&base)
+                        .is_some_and(|a| a.blocks == blocks.len());
+                    whole.then(|| {
+                        let a = held.forget(base);
+                        held.pending += a.bytes();
+                        a
+                    })
+                })
+                .flatten();
+            let Some(a) = taken else {
+                keep.extend(blocks);
+                continue;
+            };
+            // The owner forgets the blocks before the driver may hand the
+            // addresses to another allocation.
+            hook(&a);
+            self.segment_event(false, &a);
+            // SAFETY: an allocation this pool made in `context` (the
+            // caller's live context) whose blocks are all ready, taken out
+            // of every shard: no owner and no queued work uses it.
+            let r = relaxed(self.driver.as_ref(), || unsafe {
+                self.driver.mem_free(context, base)
+            });
+            lock(&self.held).pending -= a.bytes();
+            match r {
+                Ok(()) => freed += a.bytes(),
+                // Its registry entries are gone: it is not handed out again
+                // (the driver keeps it until the context goes).
+                Err(e) => log::warn!(
+                    target: "gpuptr::pool",
+                    "giving {} bytes back failed ({e}); they stay unused",
+                    a.bytes()
+                ),
+            }
+        }
+        for (p, class, i) in keep {
+            self.shard(i).put_ready(p, class);
+        }
+        if freed > 0 {
+            log::debug!(target: "gpuptr::pool", "gave {freed} bytes of idle cache back to the driver");
+        }
+        freed
     }
 
     /// Return every allocation whose blocks are all cached to the driver

@@ -80,6 +80,10 @@ pub(crate) use host::HostBlock;
 use host::HostCache;
 use shard::{ticket, Padded, Shard};
 
+/// A free seals its shard's pending blocks once they are at least this many
+/// bytes and at least the shard's ready bytes (see [`Pool::release`]).
+const SEAL_AT_HALF_MIN: usize = 2 << 20;
+
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -105,6 +109,14 @@ pub struct PoolConfig {
     /// Growth ahead also stops while it would leave less than a quarter of
     /// the device's memory free.
     pub ahead_total: usize,
+    /// How far past what its users hold the pool grows while the GPU is
+    /// idle: it holds at most `live + max(live / 2, headroom_bytes)` bytes
+    /// then, and gives idle cache of other classes back to stay there. Past that, a miss waits (at most 50 µs) for the fence of a
+    /// freed block of its class and reuses it rather than grow. A busy GPU
+    /// (a fence running for 50 µs or more) grows past it: the blocks its
+    /// queued work holds back are never handed out, and growth ahead of
+    /// demand runs only then.
+    pub headroom_bytes: usize,
     /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
     /// caches for reuse, under the same fence as device memory; classes
     /// larger than this are not cached. Zero: no host cache (every free
@@ -120,9 +132,10 @@ impl Default for PoolConfig {
             fence_count: 32,
             fence_bytes: 64 << 20,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
-            fence_pace: Duration::from_micros(20),
+            fence_pace: Duration::from_micros(5),
             ahead_bytes: 64 << 20,
             ahead_total: 512 << 20,
+            headroom_bytes: 32 << 20,
             host_cache_bytes: 512 << 20,
         }
     }
@@ -154,9 +167,17 @@ pub(crate) struct Pool {
     /// (`false`), before any of its blocks is handed out and before the
     /// driver may hand its addresses to someone else ([`Pool::on_segments`]).
     segments: Option<SegmentEvents>,
+    /// Told of each allocation the pool gives back on its own (idle cache
+    /// past its budget, [`Pool::give_back`]) before its free: the owner
+    /// forgets its blocks' registry entries. Without it nothing is given
+    /// back but by a trim.
+    forget_hook: Option<ForgetHook>,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
+
+/// What [`Pool::on_give_back`] calls.
+pub(crate) type ForgetHook = Box<dyn Fn(&Allocation) + Send + Sync>;
 
 /// What [`Pool::on_segments`] calls.
 pub(crate) type SegmentEvents = Box<dyn Fn(bool, &Allocation) + Send + Sync>;
@@ -200,6 +221,7 @@ impl Pool {
                 })
                 .collect(),
             segments: None,
+            forget_hook: None,
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -208,6 +230,14 @@ impl Pool {
     /// gives up (`false`): the allocation history's segment events.
     pub(crate) fn on_segments(mut self, f: SegmentEvents) -> Self {
         self.segments = Some(f);
+        self
+    }
+
+    /// Let the pool give idle cache back to the driver past its budget,
+    /// calling `f` with each allocation before its free (see
+    /// [`PoolConfig::headroom_bytes`]).
+    pub(crate) fn on_give_back(mut self, f: ForgetHook) -> Self {
+        self.forget_hook = Some(f);
         self
     }
 
@@ -397,7 +427,25 @@ impl Pool {
                 return Ok(block(p, None, false));
             }
         }
-        let new = match self.alloc_new(context, class) {
+        // Past its budget on an idle GPU, the pool reuses rather than grows:
+        // a block of this class that waits for a fence is worth the few
+        // microseconds an idle GPU's fence takes.
+        let (room, waiting) = self.room(class);
+        if room < class && !self.fencer.busy() {
+            if let Some(p) = self.wait_fence_and_take(context, own, class) {
+                Self::handed_out(&mut self.shard(own), size, class, true, client);
+                return Ok(block(p, None, false));
+            }
+            // None waits: the cache holds other classes. Give idle ones back
+            // (fenced, whole driver allocations) to make room for this one.
+            let want = class - room;
+            if self.give_back(context, want) < want && waiting > 0 {
+                // What waits for a fence may be given back once fenced.
+                self.seal_all_and_wait_for(context);
+                self.give_back(context, want);
+            }
+        }
+        let new = match self.alloc_new(context, class, room, waiting) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {
@@ -456,7 +504,13 @@ impl Pool {
             }
             None => {
                 sh.put_pending(block.address, block.class);
-                if sh.fence_due(&self.config) {
+                // Also once half the shard's stock waits (at least
+                // SEAL_AT_HALF_MIN bytes): the fence then runs while the
+                // other half is handed out, and a pool kept within its
+                // budget rarely has a miss wait for it.
+                if sh.fence_due(&self.config)
+                    || (sh.pending_bytes >= sh.ready_bytes && sh.pending_bytes >= SEAL_AT_HALF_MIN)
+                {
                     sh.seal(&self.fencer, context, false);
                 }
             }

@@ -25,25 +25,29 @@ MiB = 1 << 20
 """
 
 
-def _child(body: str) -> dict:
+def _child(body: str, **settings: str) -> dict:
     env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(DEVICE))
-    for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD"):
+    for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD", "GPUPTR_POOL_HEADROOM"):
         env.pop(k, None)
+    env.update(settings)
     r = subprocess.run([sys.executable, "-c", PRELUDE + body], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out: dict = json.loads(r.stdout.strip().splitlines()[-1])
     return out
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
-def test_three_one_mib_blocks_churned_2000_times_on_one_cpu_hold_at_most_64_mib():
-    out = _child(r"""
+LOOP = r"""
 for _ in range(2000):
     a = gpuptr.alloc(MiB); b = gpuptr.alloc(MiB); c = gpuptr.alloc(MiB)
     del a, b, c
 s = gpuptr.stats()[0]
 print(json.dumps({"held": s["pool_bytes"], "peak": s["peak_pool_bytes"], "live": s["live_bytes"]}))
-""")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_three_one_mib_blocks_churned_2000_times_on_one_cpu_hold_at_most_64_mib():
+    out = _child(LOOP)
     assert out["live"] == 0
     # Before: 787-1024 MiB, most or all of the 1 GiB device.
     assert out["peak"] <= 64 << 20, f"the pool held up to {out['peak'] >> 20} MiB for a 3 MiB working set"
@@ -69,3 +73,11 @@ print(json.dumps({"peak": s["peak_pool_bytes"], "worst_live": worst_live}))
 """)
     assert out["worst_live"] <= DEVICE // 100
     assert out["peak"] <= DEVICE // 10, f"the pool held up to {out['peak'] >> 20} MiB for a {out['worst_live'] >> 20} MiB working set"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_gpuptr_pool_headroom_sets_how_far_past_the_live_set_the_pool_grows():
+    # No headroom: the budget is 1.5 x the live set (4.5 MiB here), and the
+    # loop reuses fenced blocks rather than carve 8 MiB and more.
+    out = _child(LOOP, GPUPTR_POOL_HEADROOM="0")
+    assert out["peak"] <= 12 << 20, f"the pool held up to {out['peak'] >> 20} MiB"

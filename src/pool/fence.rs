@@ -124,6 +124,20 @@ impl Fencer {
         }
         let sh = &self.helper.shared;
         let deadline = Instant::now() + limit;
+        // A fence that runs now on an idle GPU ends within microseconds:
+        // spin for it (yielding now and then) before sleeping on it.
+        let mut spins = 0u32;
+        while self.ext().started_ns.load(Ordering::Relaxed) != 0 && spins < 4096 {
+            if self.done() >= n {
+                return true;
+            }
+            spins += 1;
+            if spins % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
         let mut st = lock(&sh.state);
         while self.done() < n {
             let now = Instant::now();
@@ -235,6 +249,25 @@ impl Fencer {
     }
 }
 
+/// How long the fence thread spins for a new request after a fence, before
+/// it polls with timed waits ([`FENCE_POLL`]).
+const FENCE_SPIN: Duration = Duration::from_micros(100);
+
+/// Spin (yielding the CPU now and then, so that one CPU still runs the
+/// threads that allocate) until a number past `started` is asked for, or
+/// for [`FENCE_SPIN`] after `since`.
+fn spin_for_request(ext: &FenceExt, started: u64, since: Instant) {
+    let mut n = 0u32;
+    while ext.requested.load(Ordering::Relaxed) == started && since.elapsed() < FENCE_SPIN {
+        n = n.wrapping_add(1);
+        if n % 64 == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
     let pace = sh.ext.pace;
     let poll = pace.max(FENCE_POLL);
@@ -243,6 +276,16 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         // Wait for a request: poll for a while (a request then needs no
         // wake-up), then sleep until a request wakes this thread.
         let idle = Instant::now();
+        if st.s.requested == st.s.started && st.s.captures == 0 && !st.shutdown {
+            // First spin, without the lock, on the newest number asked for:
+            // a loop that allocates and frees fast asks again within
+            // microseconds, and a fence that answers at once keeps the
+            // pool within its budget without a miss waiting for it.
+            let started = st.s.started;
+            drop(st);
+            spin_for_request(&sh.ext, started, idle);
+            st = lock(&sh.state);
+        }
         while (st.s.requested == st.s.started || st.s.captures > 0) && !st.shutdown {
             if idle.elapsed() < FENCE_IDLE_POLL {
                 st = wait_timeout(&sh.work, st, poll);

@@ -739,6 +739,7 @@ impl DeviceState {
             pool.map_or(0, Pool::peak_held_bytes),
             pool.map(Pool::limit).filter(|l| *l != usize::MAX),
             pool.map(Pool::host_stats).unwrap_or_default(),
+            pool.map(Pool::segment_stats).unwrap_or_default(),
         )
     }
 

@@ -211,6 +211,14 @@ impl Runtime {
         }
     }
 
+    /// Make device `device`'s peaks equal to its values now (PyTorch's
+    /// `reset_peak_memory_stats(device)`).
+    pub fn reset_device_peak_stats(&self, device: usize) -> Result<()> {
+        self.check_device(device)?;
+        self.devices[device].reset_peak();
+        Ok(())
+    }
+
     /// Whether the CUDA driver can be used here, without opening it for
     /// use: its version, or why not.
     pub fn probe_cuda() -> Result<i32> {

@@ -9,6 +9,7 @@ use super::class::{size_class, FastMap};
 use super::Pool;
 use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::stats::SegmentStats;
 use crate::sync::lock;
 
 /// When the pool grows while a fence is outstanding (a busy GPU), it carves
@@ -72,6 +73,9 @@ pub(super) struct Held {
     /// Bytes of driver allocations and frees under way: the driver may hold
     /// them beyond `bytes`, so the limit counts them.
     pub(super) pending: usize,
+    /// The allocations as PyTorch counts segments (`bytes` and `peak` by
+    /// pool, with totals).
+    pub(super) segments: SegmentStats,
 }
 
 impl Held {
@@ -82,6 +86,7 @@ impl Held {
     pub(super) fn record(&mut self, a: Allocation) {
         self.bytes += a.bytes();
         self.peak = self.peak.max(self.bytes);
+        self.segments.made(a.class, a.bytes());
         self.allocations.insert(a.base, a);
         for p in a.block_addresses().skip(1) {
             self.carved.insert(p, a.base);
@@ -95,6 +100,7 @@ impl Held {
             .remove(&base)
             .expect("a recorded allocation");
         self.bytes -= a.bytes();
+        self.segments.freed(a.class, a.bytes());
         for p in a.block_addresses().skip(1) {
             self.carved.remove(&p);
         }
@@ -340,6 +346,8 @@ impl Pool {
             let mut held = lock(&self.held);
             held.carved.clear();
             held.bytes = 0;
+            held.segments.count.clear();
+            held.segments.bytes.clear();
             held.allocations.drain().map(|(_, a)| a).collect()
         };
         for a in &gone {
@@ -384,6 +392,11 @@ impl Pool {
     /// peak reset.
     pub(crate) fn peak_held_bytes(&self) -> usize {
         lock(&self.held).peak
+    }
+
+    /// The driver allocations as PyTorch counts segments.
+    pub(crate) fn segment_stats(&self) -> SegmentStats {
+        lock(&self.held).segments
     }
 
     /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).

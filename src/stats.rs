@@ -384,7 +384,6 @@ impl DeviceStats {
         peak_pool_bytes: usize,
         pool_limit: Option<usize>,
         host: HostStats,
-        segments: SegmentStats,
     ) -> DeviceStats {
         DeviceStats {
             device,
@@ -410,7 +409,7 @@ impl DeviceStats {
             num_ooms: c.ooms.load(Ordering::Relaxed),
             num_alloc_retries: c.alloc_retries.load(Ordering::Relaxed),
             host,
-            segments,
+            segments: SegmentStats::default(),
         }
     }
 }

@@ -324,6 +324,7 @@ def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = Non
     _launch_rows(b, on_gpu)
     _numba_manager_rows(b, on_gpu, quick)
     _library_rows(b, on_gpu, quick)
+    _torch_stats_rows(b, on_gpu, quick)
     _busy_rows(b, on_gpu)
     _graph_rows(b, on_gpu, quick)
     _next_numba_rows(b, on_gpu, quick)
@@ -686,6 +687,44 @@ def _best_of_rounds(
             except Exception as e:
                 failed[allocator] = f"{type(e).__name__}: {e}"
     return best, failed
+
+
+_TORCH_STATS_CHILD = r"""
+import sys
+allocator, n, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+from gpuptr.bench import best_ns
+import torch
+if allocator == "gpuptr":
+    import gpuptr.torch
+    gpuptr.torch.install()
+keep = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]
+print(best_ns(torch.cuda.memory_allocated, n, repeat))
+"""
+
+
+def torch_stats_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
+    """``torch.cuda.memory_allocated()``, in ns, in a child process whose
+    PyTorch allocator is ``allocator`` (``"own"`` or ``"gpuptr"``), with
+    eight tensors live (``lib`` is ``"torch"``)."""
+    return _child_ns(_TORCH_STATS_CHILD, allocator, n, repeat)
+
+
+def _torch_stats_rows(b: Bench, on_gpu: bool, quick: bool) -> None:
+    """``torch.cuda.memory_allocated()`` itself: under gpuptr it reads
+    PyTorch's counts in gpuptr's hooks and the pool's segments, where
+    PyTorch's own allocator reads its own (both build the whole
+    ``memory_stats()`` dict)."""
+    row, label = "torch.cuda.memory_allocated()", "torch's own allocator"
+    if not b.wants(row, label):
+        return
+    print(f"  measuring: {row} under gpuptr and torch's own allocator ...", file=b.out, flush=True)
+    n = 500 if quick else 5000
+    best, failed = _best_of_rounds("torch", ["gpuptr", "own"], 2 if quick else 3, n, b.repeat, on_gpu,
+                                   measure=torch_stats_ns)
+    if "gpuptr" in best and "own" in best:
+        b.add(Result(row, label, round(best["gpuptr"], 1), round(best["own"], 1), round(best["own"] / best["gpuptr"], 2)))
+    else:
+        b.add(Result(row, label, skipped=failed.get("gpuptr") or failed.get("own") or "not measured"))
 
 
 def _busy_rows(b: Bench, on_gpu: bool) -> None:

@@ -388,15 +388,11 @@ impl Pool {
         lock(&self.held).bytes
     }
 
-    /// The most bytes the pool has held from the driver since its last
-    /// peak reset.
-    pub(crate) fn peak_held_bytes(&self) -> usize {
-        lock(&self.held).peak
-    }
-
-    /// The driver allocations as PyTorch counts segments.
-    pub(crate) fn segment_stats(&self) -> SegmentStats {
-        lock(&self.held).segments
+    /// Bytes held from the driver, their peak, and the driver allocations
+    /// as PyTorch counts segments, at one moment.
+    pub(crate) fn held_stats(&self) -> (usize, usize, SegmentStats) {
+        let held = lock(&self.held);
+        (held.bytes, held.peak, held.segments)
     }
 
     /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).

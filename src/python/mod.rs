@@ -531,9 +531,9 @@ mod _core {
             _cupy_free, _cupy_malloc, _cupy_set_oom_error, _hooks_configure, _hooks_state,
             _hooks_torch_errors,
         },
+        interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
         torch_oom::_hooks_torch_oom,
         torch_stats::{_torch_counts, _torch_reset_accumulated, _torch_reset_peak},
-        interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
     };
 
     #[pymodule_export]

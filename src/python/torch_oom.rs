@@ -144,7 +144,11 @@ fn find(libs: &[std::path::PathBuf]) -> bool {
                 typeinfo,
                 // The address point of a class's vtable is past its offset
                 // to top and its typeinfo pointer.
-                vtable: vtable.map(|v| (v as *const u8).add(2 * std::mem::size_of::<usize>()).cast()),
+                vtable: vtable.map(|v| {
+                    (v as *const u8)
+                        .add(2 * std::mem::size_of::<usize>())
+                        .cast()
+                }),
                 alloc_exception: std::mem::transmute::<*mut c_void, AllocException>(
                     alloc_exception,
                 ),

@@ -166,7 +166,7 @@ def record_history_args(legacy: bool, args: Sequence[Any], kwargs: Mapping[str, 
 def _device_stats(core: Any, device: int) -> Dict[str, Any]:
     for s in core.stats():
         if s["device"] == device:
-            return s
+            return dict(s)
     core._torch_counts(device)  # a device that does not exist raises here
     raise AssertionError("unreachable: stats() lists every device")
 

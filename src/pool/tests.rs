@@ -160,7 +160,7 @@ fn pool_counts_its_segments_by_pool_with_peaks_and_totals() {
     let sim = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
     let ctx = sim.primary_context_retain(0).unwrap();
     let pool = Pool::new(PoolConfig::default(), sim.clone());
-    let small = pool.alloc(ctx, 4096, None, 0, Client::Torch).unwrap();
+    let _small = pool.alloc(ctx, 4096, None, 0, Client::Torch).unwrap();
     let large = pool.alloc(ctx, 3 << 20, None, 0, Client::Torch).unwrap();
     let (bytes, peak, s) = pool.held_stats();
     assert_eq!((s.count.small.current, s.count.large.current), (1, 1));
@@ -183,5 +183,4 @@ fn pool_counts_its_segments_by_pool_with_peaks_and_totals() {
     let s = pool.held_stats().2;
     assert_eq!((s.count.all.current, s.bytes.all.current), (0, 0));
     assert_eq!(s.count.small.freed, 1);
-    drop(small);
 }

@@ -461,4 +461,10 @@ impl Runtime {
     pub fn stats(&self) -> Vec<DeviceStats> {
         self.devices.iter().map(|d| d.stats()).collect()
     }
+
+    /// Device `device`'s statistics (one entry of [`Runtime::stats`]).
+    pub fn device_stats(&self, device: usize) -> Result<DeviceStats> {
+        self.check_device(device)?;
+        Ok(self.devices[device].stats())
+    }
 }

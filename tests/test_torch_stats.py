@@ -104,7 +104,12 @@ def test_memory_stats_maps_torchs_counts_and_the_pools_segments_onto_torchs_keys
             "bytes": by_pool(all=(8 * MiB, 9 * MiB, 20 * MiB, 12 * MiB)),
         },
     }
-    nested = _torch_stats.memory_stats(counts_in, stats_in)
+    import copy
+
+    kept = copy.deepcopy(stats_in)
+    nested = _torch_stats.memory_stats(copy.deepcopy(counts_in), stats_in)
+    # The same from _torch_counts' own layout (the pool's numbers in it).
+    assert _torch_stats.memory_stats({**copy.deepcopy(counts_in), **copy.deepcopy(stats_in)}) == nested
     assert set(nested) == set(BY_POOL) | set(STATS) | set(COUNTERS)
     flat = flatten(nested)
     # What torch.cuda.memory_allocated & co. read.
@@ -129,8 +134,10 @@ def test_memory_stats_maps_torchs_counts_and_the_pools_segments_onto_torchs_keys
         for pool in ("all", "large_pool", "small_pool"):
             for k in ("current", "peak", "allocated", "freed"):
                 assert isinstance(flat[f"{metric}.{pool}.{k}"], int)
-    # The inputs are not changed (the mapping copies).
-    assert counts_in["allocation"]["all"]["current"] == 2 and stats_in["segments"]["count"]["all"]["allocated"] == 6
+    # The pool's numbers are read, not changed (gpuptr.stats() may be reused).
+    assert stats_in == kept
+    assert nested["active"] is not nested["allocation"], "each key its own dicts"
+    assert nested["inactive_split"]["all"] is not nested["inactive_split_bytes"]["all"]
 
 
 def test_torch_snapshot_takes_torchs_arguments():
@@ -384,17 +391,24 @@ FAKE_C10 = r"""
 #include <exception>
 #include <string>
 #include <sys/types.h>
+extern "C" __attribute__((visibility("default"))) int fake_destroyed = 0;
 namespace c10 {
 struct SourceLocation { const char* function; const char* file; uint32_t line; };
 class __attribute__((visibility("default"))) Error : public std::exception {
   std::string msg_;
  public:
   Error(SourceLocation loc, std::string msg);
+#ifdef INLINE_DTOR
+  ~Error() override { ++fake_destroyed; }  // as PyTorch 2.11's: not exported
+#else
   ~Error() override;
+#endif
   const char* what() const noexcept override { return msg_.c_str(); }
 };
 Error::Error(SourceLocation, std::string msg) : msg_(std::move(msg)) {}
-Error::~Error() = default;
+#ifndef INLINE_DTOR
+Error::~Error() { ++fake_destroyed; }
+#endif
 #ifndef NO_OOM
 class __attribute__((visibility("default"))) OutOfMemoryError : public Error { using Error::Error; };
 // As PyTorch's allocator, which throws it (so its vtable is emitted).
@@ -438,11 +452,13 @@ results = []
 for size in (1 << 50, 1 << 50, 1 << 20):
     rc = fake.fake_torch_call(alloc, size, buf, 4096)
     results.append([rc, buf.value.decode()])
-print(json.dumps({"found": found, "results": results, "ooms": _core._torch_counts(0)["num_ooms"]}))
+print(json.dumps({"found": found, "results": results, "ooms": _core._torch_counts(0)["num_ooms"],
+                  "destroyed": ctypes.c_int.in_dll(fake, "fake_destroyed").value,
+                  "dtor_exported": hasattr(fake, "_ZN3c105ErrorD1Ev")}))
 """
 
 
-@pytest.mark.parametrize("variant", ["oom", "no_oom"])
+@pytest.mark.parametrize("variant", ["oom", "inline_dtor", "no_oom"])
 def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_path, variant):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -450,13 +466,15 @@ def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_p
     src = tmp_path / "fake_c10.cpp"
     src.write_text(FAKE_C10)
     so = tmp_path / "libc10.so"
-    flags = ["-DNO_OOM"] if variant == "no_oom" else []
+    flags = {"oom": [], "inline_dtor": ["-DINLINE_DTOR", "-fvisibility-inlines-hidden"], "no_oom": ["-DNO_OOM"]}[variant]
     subprocess.run([cxx, "-shared", "-fPIC", "-O1", *flags, "-o", str(so), str(src)], check=True)
     out = subprocess.run([sys.executable, "-c", CALLER, str(so)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     (rc1, msg1), (rc2, _), (rc3, _) = got["results"]
-    if variant == "oom":
+    # PyTorch 2.11 exports no destructor: the vtable's is used.
+    assert got["dtor_exported"] == (variant != "inline_dtor")
+    if variant != "no_oom":
         # Caught as c10::OutOfMemoryError (torch.cuda.OutOfMemoryError in
         # Python), twice: each throw is a fresh exception.
         assert got["found"] == {"oom": True, "errors": True}
@@ -468,6 +486,7 @@ def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_p
     assert msg1.startswith("CUDA out of memory. Tried to allocate 1.00 PiB") and "gpuptr's pool holds" in msg1
     assert rc3 == 0, "the process goes on: the next allocation succeeds"
     assert got["ooms"] == 2
+    assert got["destroyed"] == 2, "each exception was destroyed once its catch was done"
 
 
 def test_the_oom_thrower_is_not_found_in_libraries_without_it():

@@ -703,7 +703,9 @@ def _torch_counts(device: int) -> dict[str, Any]:
     ``all``/``small_pool``/``large_pool`` of
     ``current``/``peak``/``allocated``/``freed``), ``num_ooms``, and the
     pool's ``segments_base`` and ``retries_base`` at the last
-    ``_torch_reset_accumulated``. A device PyTorch never used has zeros.
+    ``_torch_reset_accumulated``; and the pool's own ``segments`` and
+    ``num_alloc_retries`` on ``device`` now (as ``stats()`` has them). A
+    device PyTorch never used has zeros.
     """
 def _torch_reset_peak(device: int) -> None:
     """PyTorch's ``reset_peak_memory_stats(device)``: its peaks on ``device``

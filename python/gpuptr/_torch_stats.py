@@ -47,64 +47,63 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["memory_stats", "patch", "record_history_args", "torch_snapshot"]
 
-_STAT_KEYS = ("current", "peak", "allocated", "freed")
-_POOLS = ("all", "small_pool", "large_pool")
-
 #: ``max_split_size`` as PyTorch reports "no limit" (its default).
 NO_SPLIT_LIMIT = -1
 
 
-def _zero_stat() -> Dict[str, int]:
-    return {k: 0 for k in _STAT_KEYS}
+_ZERO = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
 
 
 def _zero_by_pool() -> Dict[str, Dict[str, int]]:
-    return {p: _zero_stat() for p in _POOLS}
+    return {"all": dict(_ZERO), "small_pool": dict(_ZERO), "large_pool": dict(_ZERO)}
 
 
-def _copy_by_pool(b: Mapping[str, Mapping[str, int]]) -> Dict[str, Dict[str, int]]:
-    return {p: {k: int(b[p][k]) for k in _STAT_KEYS} for p in _POOLS}
+def _mirror(b: Mapping[str, Mapping[str, int]]) -> Dict[str, Dict[str, int]]:
+    return {p: dict(v) for p, v in b.items()}
 
 
-def _since(b: Mapping[str, Mapping[str, int]], base: Mapping[str, Mapping[str, int]]) -> Dict[str, Dict[str, int]]:
-    """``b`` with its totals counted from ``base``'s (PyTorch's
-    ``reset_accumulated_memory_stats`` restarts them; the pool's own go on)."""
-    out = _copy_by_pool(b)
-    for p in _POOLS:
-        for k in ("allocated", "freed"):
-            out[p][k] = max(0, out[p][k] - int(base[p][k]))
-    return out
+def _since(b: Dict[str, Dict[str, int]], base: Mapping[str, Mapping[str, int]]) -> Dict[str, Dict[str, int]]:
+    """``b`` (changed in place) with its totals counted from ``base``'s
+    (PyTorch's ``reset_accumulated_memory_stats`` restarts them; the pool's
+    own go on)."""
+    for p, stat in b.items():
+        since = base[p]
+        stat["allocated"] = max(0, stat["allocated"] - since["allocated"])
+        stat["freed"] = max(0, stat["freed"] - since["freed"])
+    return b
 
 
-def memory_stats(counts: Mapping[str, Any], device_stats: Mapping[str, Any]) -> Dict[str, Any]:
+def memory_stats(counts: Dict[str, Any], device: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """``torch._C._cuda_memoryStats(device)``'s nested dict, from PyTorch's
-    counts in gpuptr's hooks (``_core._torch_counts(device)``) and the
-    device's ``gpuptr.stats()`` entry (its ``segments``: the pool's driver
-    allocations)."""
-    segments = device_stats["segments"]
+    counts in gpuptr's hooks and the pool's (``_core._torch_counts(device)``:
+    with ``segments``, the pool's driver allocations, and
+    ``num_alloc_retries``; or those two from ``device``, a
+    ``gpuptr.stats()`` entry). The dicts of ``counts`` become the result's
+    (it is built fresh for each call), so it is not used again."""
+    pool = counts if device is None else device
+    segments = pool["segments"]
     base = counts["segments_base"]
-    segment = _since(segments["count"], base["count"])
-    reserved = _since(segments["bytes"], base["bytes"])
-    allocated = _copy_by_pool(counts["allocated_bytes"])
-    allocation = _copy_by_pool(counts["allocation"])
+    segment = _since(_mirror(segments["count"]), base["count"])
+    allocation = counts["allocation"]
+    allocated = counts["allocated_bytes"]
     return {
-        "num_alloc_retries": max(0, int(device_stats["num_alloc_retries"]) - int(counts["retries_base"])),
-        "num_ooms": int(counts["num_ooms"]),
+        "num_alloc_retries": max(0, pool["num_alloc_retries"] - counts["retries_base"]),
+        "num_ooms": counts["num_ooms"],
         "max_split_size": NO_SPLIT_LIMIT,
         "num_sync_all_streams": 0,
         "num_device_alloc": segment["all"]["allocated"],
         "num_device_free": segment["all"]["freed"],
         "allocation": allocation,
         "segment": segment,
-        "active": _copy_by_pool(allocation),
+        "active": _mirror(allocation),
         "inactive_split": _zero_by_pool(),
         "allocated_bytes": allocated,
-        "reserved_bytes": reserved,
-        "active_bytes": _copy_by_pool(allocated),
+        "reserved_bytes": _since(_mirror(segments["bytes"]), base["bytes"]),
+        "active_bytes": _mirror(allocated),
         "inactive_split_bytes": _zero_by_pool(),
-        "requested_bytes": _copy_by_pool(counts["requested_bytes"]),
-        "oversize_allocations": _zero_stat(),
-        "oversize_segments": _zero_stat(),
+        "requested_bytes": counts["requested_bytes"],
+        "oversize_allocations": dict(_ZERO),
+        "oversize_segments": dict(_ZERO),
     }
 
 
@@ -163,21 +162,12 @@ def record_history_args(legacy: bool, args: Sequence[Any], kwargs: Mapping[str, 
     return True, max(0, min(int(arg(3, "max_entries", sys.maxsize)), sys.maxsize))
 
 
-def _device_stats(core: Any, device: int) -> Dict[str, Any]:
-    for s in core.stats():
-        if s["device"] == device:
-            return dict(s)
-    core._torch_counts(device)  # a device that does not exist raises here
-    raise AssertionError("unreachable: stats() lists every device")
-
-
 def entry_points(core: Any) -> Dict[str, Callable[..., Any]]:
     """The ``torch._C`` entry points gpuptr answers, by name, over the
     binding ``core`` (``gpuptr._core``)."""
 
     def _cuda_memoryStats(device: int) -> Dict[str, Any]:
-        d = int(device)
-        return memory_stats(core._torch_counts(d), _device_stats(core, d))
+        return memory_stats(core._torch_counts(device))
 
     def _cuda_resetPeakMemoryStats(device: int) -> None:
         core._torch_reset_peak(int(device))

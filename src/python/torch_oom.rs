@@ -11,12 +11,13 @@
 //! ABI, so a PyTorch built otherwise is simply not matched):
 //! - `c10::Error::Error(c10::SourceLocation, std::string)`, the
 //!   constructor `c10::OutOfMemoryError` inherits (it adds no member);
-//! - `typeinfo for c10::OutOfMemoryError`, which `catch` clauses match;
-//! - `vtable for c10::OutOfMemoryError`, so `dynamic_cast` and `typeid`
-//!   see the type too (if it is not exported, the object keeps
-//!   `c10::Error`'s, whose virtual functions are the same ones);
-//! - `c10::Error::~Error()`, the destructor the runtime calls when the
-//!   exception is done with (the same for the subclass, which adds none);
+//! - `vtable for c10::OutOfMemoryError` (exported by `libc10_cuda.so`,
+//!   `libtorch_cuda.so` and `libtorch_python.so` in PyTorch 2.11), which
+//!   gives the object its type for `dynamic_cast` and `typeid`, and leads
+//!   to the two other parts: its typeinfo, which `catch` clauses match,
+//!   and its complete-object destructor, which the C++ runtime calls when
+//!   the exception is done with (PyTorch 2.11 exports no destructor by
+//!   name: it is inline);
 //!
 //! and from the C++ runtime (`libstdc++`, loaded by PyTorch):
 //! `__cxa_allocate_exception`, `__cxa_throw`, `operator new`, `operator
@@ -60,8 +61,8 @@ struct Thrower {
     ctor: ErrorCtor,
     dtor: Dtor,
     typeinfo: *const c_void,
-    /// The vtable's address point (two words past its start), if exported.
-    vtable: Option<*const c_void>,
+    /// The vtable's address point (two words past its start).
+    vtable: *const c_void,
     alloc_exception: AllocException,
     throw: Throw,
     new: New,
@@ -84,8 +85,9 @@ const ERROR_CTORS: [&CStr; 2] = [
 ];
 /// The complete-object destructor of the subclass, then of `c10::Error`.
 const ERROR_DTORS: [&CStr; 2] = [c"_ZN3c1016OutOfMemoryErrorD1Ev", c"_ZN3c105ErrorD1Ev"];
-const OOM_TYPEINFO: &CStr = c"_ZTIN3c1016OutOfMemoryErrorE";
 const OOM_VTABLE: &CStr = c"_ZTVN3c1016OutOfMemoryErrorE";
+/// `typeid(c10::OutOfMemoryError).name()`.
+const OOM_NAME: &CStr = c"N3c1016OutOfMemoryErrorE";
 
 /// The bytes given to the exception object: more than any PyTorch 2's
 /// `c10::Error` takes (128 in 2.x), so the constructor never writes past it.
@@ -126,29 +128,32 @@ fn find(libs: &[std::path::PathBuf]) -> bool {
     let in_libs = |name: &CStr| handles.iter().find_map(|&h| symbol(h, name));
     let found = (|| {
         let ctor = ERROR_CTORS.iter().find_map(|n| in_libs(n))?;
-        let dtor = ERROR_DTORS.iter().find_map(|n| in_libs(n))?;
-        let typeinfo = in_libs(OOM_TYPEINFO)?;
-        let vtable = in_libs(OOM_VTABLE);
+        let (typeinfo, vtable, slot0) = handles.iter().find_map(|&h| {
+            // SAFETY: the symbol is a vtable (its mangled name says so), at
+            // least offset-to-top, typeinfo and the two destructors long:
+            // its first three words are read, nothing is written.
+            unsafe { oom_vtable(symbol(h, OOM_VTABLE)?) }
+        })?;
+        // The destructor by name where a library exports it (PyTorch 2.11
+        // does not: it is inline); else the vtable's, which a virtual
+        // destruction through a `c10::Error*` calls too.
+        let dtor = ERROR_DTORS.iter().find_map(|n| in_libs(n)).unwrap_or(slot0);
         let alloc_exception = symbol(std::ptr::null_mut(), c"__cxa_allocate_exception")?;
         let throw = symbol(std::ptr::null_mut(), c"__cxa_throw")?;
         let new = symbol(std::ptr::null_mut(), c"_Znwm")?;
         let delete = symbol(std::ptr::null_mut(), c"_ZdlPv")?;
         // SAFETY: each symbol is the function its mangled (or C) name says,
-        // with the signature of the type it is given: the constructor and
-        // destructor of `c10::Error`, the C++ ABI's two exception calls,
-        // and `operator new(size_t)` / `operator delete(void*)`.
+        // with the signature of the type it is given: `c10::Error`'s
+        // constructor, `c10::OutOfMemoryError`'s complete-object destructor
+        // (by name, or its vtable's first slot), the C++ ABI's two
+        // exception calls, and `operator new(size_t)` / `operator
+        // delete(void*)`.
         unsafe {
             Some(Thrower {
                 ctor: std::mem::transmute::<*mut c_void, ErrorCtor>(ctor),
                 dtor: std::mem::transmute::<*mut c_void, Dtor>(dtor),
                 typeinfo,
-                // The address point of a class's vtable is past its offset
-                // to top and its typeinfo pointer.
-                vtable: vtable.map(|v| {
-                    (v as *const u8)
-                        .add(2 * std::mem::size_of::<usize>())
-                        .cast()
-                }),
+                vtable,
                 alloc_exception: std::mem::transmute::<*mut c_void, AllocException>(
                     alloc_exception,
                 ),
@@ -165,6 +170,36 @@ fn find(libs: &[std::path::PathBuf]) -> bool {
         }
         None => false,
     }
+}
+
+/// `c10::OutOfMemoryError`'s typeinfo, vtable address point and first
+/// virtual slot (its complete-object destructor), from its vtable at
+/// `start` (Itanium C++ ABI: offset to top, typeinfo, then the virtual
+/// functions, `std::exception`'s destructors first), if the vtable is laid
+/// out so: offset 0, a typeinfo named `N3c1016OutOfMemoryErrorE`, a slot.
+///
+/// # Safety
+/// `start` is the start of a class's primary vtable of at least three
+/// words.
+unsafe fn oom_vtable(start: *mut c_void) -> Option<(*const c_void, *const c_void, *mut c_void)> {
+    let words = start.cast::<*mut c_void>();
+    // SAFETY: the caller's: three words of a vtable in a loaded library.
+    let (top, typeinfo, slot0) = unsafe { (*words, *words.add(1), *words.add(2)) };
+    if !top.is_null() || typeinfo.is_null() || slot0.is_null() {
+        return None;
+    }
+    // A typeinfo object: its vtable pointer, then its name (a C string).
+    // SAFETY: `typeinfo` is the vtable's typeinfo pointer, to a
+    // `std::type_info` of two words at least.
+    let name = unsafe { *typeinfo.cast::<*const c_char>().add(1) };
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: a type's name, NUL-terminated.
+    let name = unsafe { CStr::from_ptr(name) };
+    // SAFETY: the address point is two words in, inside the vtable.
+    let point = unsafe { words.add(2) };
+    (name == OOM_NAME).then_some((typeinfo.cast_const(), point.cast_const().cast(), slot0))
 }
 
 /// Whether [`throw`] can throw.
@@ -192,11 +227,11 @@ pub(super) fn throw(message: &CStr) {
     //   here afterwards, as the C++ caller of a by-value argument does.
     // - the exception object is the C++ runtime's, of OBJECT_BYTES (more
     //   than `c10::Error` needs); the constructor builds a `c10::Error` in
-    //   it, whose vtable pointer (the object's first word) is set to
-    //   `c10::OutOfMemoryError`'s when it is exported: the subclass adds no
-    //   member and overrides nothing, so the object is one.
+    //   it, whose vtable pointer (the object's first word) is then set to
+    //   `c10::OutOfMemoryError`'s: the subclass adds no member and
+    //   overrides nothing, so the object is one.
     // - `__cxa_throw` takes ownership and never returns; the runtime calls
-    //   `c10::Error`'s destructor when the last catch is done with it.
+    //   the destructor when the last catch is done with it.
     // The location's strings are static.
     unsafe {
         let buf = (t.new)(text.len() + 1).cast::<c_char>();
@@ -220,9 +255,7 @@ pub(super) fn throw(message: &CStr) {
             // Copied, not moved: the argument still owns its heap buffer.
             (t.delete)(msg.data.cast());
         }
-        if let Some(vtable) = t.vtable {
-            *object.cast::<*const c_void>() = vtable;
-        }
+        *object.cast::<*const c_void>() = t.vtable;
         (t.throw)(object, t.typeinfo, Some(t.dtor))
     }
 }

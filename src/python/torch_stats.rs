@@ -112,13 +112,16 @@ pub(super) fn segments_dict<'py>(
 /// ``all``/``small_pool``/``large_pool`` of
 /// ``current``/``peak``/``allocated``/``freed``), ``num_ooms``, and the
 /// pool's ``segments_base`` and ``retries_base`` at the last
-/// ``_torch_reset_accumulated``. A device PyTorch never used has zeros.
+/// ``_torch_reset_accumulated``; and the pool's own ``segments`` and
+/// ``num_alloc_retries`` on ``device`` now (as ``stats()`` has them). A
+/// device PyTorch never used has zeros.
 #[pyfunction]
 pub(crate) fn _torch_counts<'py>(
     py: Python<'py>,
     device: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let device = checked_device(device)?;
+    let pool = super::args::runtime()?.device_stats(device)?;
     let c = with_device(device, |c| *c);
     let d = PyDict::new(py);
     d.set_item("allocation", by_pool_dict(py, &c.allocation)?)?;
@@ -127,6 +130,8 @@ pub(crate) fn _torch_counts<'py>(
     d.set_item("num_ooms", c.num_ooms)?;
     d.set_item("segments_base", segments_dict(py, &c.segments_base)?)?;
     d.set_item("retries_base", c.retries_base)?;
+    d.set_item("segments", segments_dict(py, &pool.segments)?)?;
+    d.set_item("num_alloc_retries", pool.num_alloc_retries)?;
     Ok(d)
 }
 
@@ -153,11 +158,7 @@ pub(crate) fn _torch_reset_peak(device: &Bound<'_, PyAny>) -> PyResult<()> {
 pub(crate) fn _torch_reset_accumulated(device: &Bound<'_, PyAny>) -> PyResult<()> {
     let device = checked_device(device)?;
     let rt = super::args::runtime()?;
-    let s = rt
-        .stats()
-        .into_iter()
-        .find(|s| s.device == device)
-        .unwrap_or_default();
+    let s = rt.device_stats(device)?;
     with_device(device, |c| {
         for b in [
             &mut c.allocation,

@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gpuptr.bench.report import format_table, plot
+from gpuptr.bench.report import format_table, plot, plot_formats
 
 __all__ = ["DESCRIPTION", "add_arguments", "check_arguments", "main", "run_command"]
 
 
 DESCRIPTION = (
     "Time gpuptr against numba, CuPy, torch, RMM and cuda.bindings, side by side, and print "
-    "a table of ratios (a peer that is not installed, or needs a GPU, is skipped). Progress goes to stderr."
+    "a table of speed-ups (a peer that is not installed, or needs a GPU, is skipped). Progress goes to stderr."
 )
 
 
@@ -27,19 +27,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The bench's options, on its own parser or the CLI's ``bench`` command."""
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--json", metavar="FILE", help="also write the JSON report to FILE ('-': stdout, instead of the table)")
-    ap.add_argument("--plot", metavar="FILE.png", help='draw the ratios (needs matplotlib: pip install "gpuptr[plot]")')
+    ap.add_argument("--plot", metavar="FILE.png", help='draw the speed-ups (needs matplotlib: pip install "gpuptr[plot]")')
     ap.add_argument("--only", metavar="TEXT", help="only the rows whose name or baseline contains TEXT (any case)")
 
 
 def check_arguments(args: argparse.Namespace) -> Optional[str]:
     """What stops the arguments from working, found before anything is
-    measured (None: nothing): ``--plot`` without matplotlib, or a report
-    file in a directory that does not exist or cannot be written."""
+    measured (None: nothing): ``--plot`` without matplotlib or to a file
+    whose extension names no format matplotlib writes, or a report file in
+    a directory that does not exist or cannot be written."""
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             return '--plot needs matplotlib: pip install "gpuptr[plot]"'
+        problem = _plot_format_problem(args.plot)
+        if problem:
+            return problem
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if not path or (flag == "--json" and path == "-"):
             continue
@@ -49,6 +53,19 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
         if not os.access(parent, os.W_OK):
             return f"{flag} {path}: the directory {parent} cannot be written"
     return None
+
+
+def _plot_format_problem(path: str) -> Optional[str]:
+    """Why matplotlib cannot write the plot to ``path`` (None: it can):
+    ``savefig`` picks the format by the extension."""
+    formats = plot_formats()
+    ext = Path(path).suffix.lower().lstrip(".")
+    if ext in formats:
+        return None
+    names = ", ".join(f".{f}" for f in formats)
+    if not ext:
+        return f"--plot {path}: name the file with the extension of its format (one of {names})"
+    return f"--plot {path}: matplotlib cannot write .{ext} files (it writes {names})"
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 if TYPE_CHECKING:
     from gpuptr._types import DriverInfo
 
-__all__ = ["format_table", "meta", "plot"]
+__all__ = ["format_table", "meta", "plot", "plot_formats"]
+
+#: The column header of the speed-up, ``baseline / gpuptr`` (the JSON key
+#: ``ratio``); the plot's axis uses the same word.
+SPEED_UP = "speed-up"
+
 
 def meta(info: DriverInfo, quick: bool) -> Dict[str, Any]:
     """The report's ``meta``: when, on what, and the peers' versions."""
@@ -51,7 +56,7 @@ def _reason(skipped: str) -> str:
 
 def format_table(report: Dict[str, Any]) -> str:
     """The report as a table whose columns fit the longest entry. A skipped
-    row shows a numbered marker in the ratio column, and the reasons follow
+    row shows a numbered marker in the speed-up column, and the reasons follow
     the table, one per distinct reason. On the simulator the first line
     says so."""
     rows = report["rows"]
@@ -67,7 +72,7 @@ def format_table(report: Dict[str, Any]) -> str:
             cells.append(
                 (r["row"], _ns_cell(r["gpuptr_ns"]), r["baseline"], _ns_cell(r["baseline_ns"]), f"{r['ratio']:.2f}x")
             )
-    header = ("row", "gpuptr", "baseline", "baseline", "ratio")
+    header = ("row", "gpuptr", "baseline", "baseline", SPEED_UP)
     w = [max(len(c[i]) for c in [header, *cells]) for i in range(5)]
 
     def line(c: Tuple[str, str, str, str, str]) -> str:
@@ -133,7 +138,7 @@ def plot(report: Dict[str, Any], path: str) -> None:
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     for i, x in enumerate(ratios):
         ax.text(x, i, f" {x:.1f}×", va="center", fontsize=7)
-    ax.set_xlabel("speed-up (baseline time / gpuptr time)")
+    ax.set_xlabel(f"{SPEED_UP} (baseline time / gpuptr time)")
 
     h = 0.38
     for side, color, dy in (("gpuptr", "#4a7", -h / 2), ("baseline", "#888", h / 2)):
@@ -160,3 +165,9 @@ def _fmt_ns(ns: float) -> str:
         return f"{ns / 1e3:.2f} µs"
     return f"{ns:.0f} ns"
 
+
+def plot_formats() -> List[str]:
+    """The file extensions ``--plot`` can write (matplotlib's formats)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())

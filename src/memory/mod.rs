@@ -26,6 +26,7 @@ use crate::lifetime::{check_live, release_keepalive, KeepAlive, Lifetime};
 use crate::registry::Registration;
 use crate::stats::Client;
 use crate::track::{Site, Watch};
+pub(crate) use alloc::AllocRequest;
 pub use view::View;
 
 /// Memory lent to a consumer outside gpuptr ([`DevicePointer::lend`]): it

@@ -6,6 +6,9 @@
 //! Python uses [`Runtime::global`]; Rust code and tests can make their own
 //! (for example over a [`SimDriver`](crate::SimDriver)).
 
+mod ipc;
+mod wrap;
+
 use std::sync::{Arc, OnceLock};
 
 use crate::context::Context;
@@ -14,12 +17,12 @@ use crate::driver::{self, Driver, DriverChoice, DriverKind, RawStream, SimDriver
 use crate::error::Result;
 use crate::history::History;
 use crate::ipc::liveness::Exports;
-use crate::ipc::Ipc;
 use crate::pool::PoolConfig;
 use crate::registry::Registry;
 use crate::snapshot::Snapshot;
 use crate::stats::{ClassStats, DeviceStats};
 use crate::track::{Outstanding, Tracker, Watch};
+use ipc::Ipc;
 
 /// The process-wide runtime ([`Runtime::global`]).
 static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();

@@ -170,6 +170,16 @@ impl Context {
     }
 }
 
+impl crate::graph::Owner for Context {
+    fn graph_memory(&self) -> &crate::graph::GraphMemory {
+        self.state.graphs()
+    }
+
+    fn device(&self) -> usize {
+        self.device
+    }
+}
+
 impl PartialEq for Context {
     fn eq(&self, other: &Self) -> bool {
         self.raw == other.raw && self.device == other.device

@@ -29,7 +29,7 @@ use crate::history::History;
 use crate::ipc::liveness::Exports;
 use crate::pool::{Allocation, Block, HostBlock, Pool, PoolConfig};
 use crate::registry::{ReadOnlyRanges, Registry};
-use crate::stats::{ClassStats, Client, DeviceCounters, DeviceStats};
+use crate::stats::{ClassStats, DeviceCounters, DeviceStats};
 use crate::sync::lock;
 use crate::track::{Tracker, Watch};
 
@@ -190,31 +190,40 @@ impl DeviceState {
         drop(held);
     }
 
-    /// Give the block at `address` (of size class `class`, from shard
-    /// `shard`, handed out for `size` bytes in `epoch`) back to the pool
-    /// (see [`Pool::release`]); a block of an older epoch is refused, its
-    /// memory gone with the reset.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn pool_release(
-        &self,
-        raw: RawContext,
-        epoch: u64,
-        address: DevicePtr,
-        class: usize,
-        shard: u32,
-        size: usize,
-        stream: Option<RawStream>,
-        client: Client,
-    ) {
+    /// Give `block` of the context `raw` back to the pool, freed on
+    /// `stream` (see [`Pool::release`]); a block of an older epoch is
+    /// refused, its memory gone with the reset.
+    #[inline]
+    pub(crate) fn pool_release(&self, raw: RawContext, block: Block, stream: Option<RawStream>) {
         if let Some(pool) = &self.pool {
-            let block = Block {
-                address,
-                class,
-                shard,
-                new_allocation: None,
-                ahead: false,
-            };
-            pool.release(raw, block, size, stream, client, || self.epoch() == epoch);
+            pool.release(raw, block, stream, || self.epoch() == block.epoch);
+        }
+    }
+
+    /// Give back the blocks of this device's destroyed CUDA graphs, if any
+    /// (one load when none), through the pool's fence: no driver call here,
+    /// no wait.
+    #[inline]
+    pub(crate) fn bury(&self) {
+        self.graphs
+            .bury(|raw, blocks| self.give_back_kept(raw, blocks));
+    }
+
+    #[cold]
+    fn give_back_kept(&self, raw: RawContext, blocks: &mut dyn Iterator<Item = Block>) {
+        let (mut n, mut bytes) = (0, 0);
+        for b in blocks {
+            (n, bytes) = (n + 1, bytes + b.size);
+            self.pool_release(raw, b, None);
+        }
+        if n != 0 {
+            log::debug!(
+                target: "gpuptr::pool",
+                "device {}: a CUDA graph was destroyed; {} block(s) ({} bytes) go back to the pool",
+                self.device,
+                n,
+                bytes
+            );
         }
     }
 
@@ -301,8 +310,28 @@ impl DeviceState {
         }
         if self.graphs.watching() {
             if let Some(ctx) = self.existing() {
-                self.graphs.end(&ctx);
+                self.bury();
+                self.graphs.end(ctx.driver(), ctx.raw());
             }
+        }
+    }
+
+    /// The capture `stream` takes part in keeps its memory for its graph
+    /// (see [`Runtime::capture_started`](crate::Runtime::capture_started)),
+    /// which holds `ctx` until it is destroyed.
+    ///
+    /// # Safety
+    /// As [`GraphMemory::start`], for a stream of `ctx`.
+    pub(crate) unsafe fn capture_started(
+        &self,
+        ctx: &Arc<Context>,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.bury();
+        // SAFETY: this fn's contract.
+        unsafe {
+            self.graphs
+                .start(ctx.driver(), ctx.raw(), ctx.clone(), stream)
         }
     }
 

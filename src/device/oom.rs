@@ -10,7 +10,7 @@ use super::DeviceState;
 use crate::context::Context;
 use crate::driver::RawStream;
 use crate::error::{Error, Result};
-use crate::pool::Block;
+use crate::pool::Grant;
 use crate::stats::Client;
 use crate::sync::lock;
 use crate::track::Watch;
@@ -34,7 +34,7 @@ impl DeviceState {
         size: usize,
         stream: Option<RawStream>,
         client: Client,
-    ) -> Result<Block> {
+    ) -> Result<Grant> {
         let pool = self.pool.as_ref().expect("pooled device");
         let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
         if attempt.as_ref().is_err_and(Error::is_oom) {
@@ -71,7 +71,7 @@ impl DeviceState {
             false => e,
         })?;
         if block.ahead {
-            self.post_ahead(pool, ctx, block.shard as usize, block.class);
+            self.post_ahead(pool, ctx, usize::from(block.shard), block.class);
         }
         if let Some(new) = block.new_allocation {
             self.register(ctx, &new);

@@ -8,7 +8,6 @@ use super::{ordering_stream, DevicePointer, Origin};
 use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream, MEM_ATTACH_GLOBAL, MEM_ATTACH_HOST};
 use crate::error::{Error, Result};
-use crate::registry::Registration;
 use crate::stats::Client;
 use crate::track::Site;
 
@@ -75,7 +74,7 @@ impl DevicePointer {
         crate::fork::check()?;
         Error::check_request(context.device(), req.size)?;
         let state = context.state();
-        state.graphs().bury();
+        state.bury();
         let p = match req.source {
             Source::Pool if state.pooled() && req.size != 0 => {
                 let stream = req.stream.and_then(ordering_stream);
@@ -84,24 +83,22 @@ impl DevicePointer {
                     // The block belongs to an announced capture under way, if
                     // its stream takes part in one (or, with no stream
                     // known, if this thread began one).
-                    state
-                        .graphs()
-                        .tag(context, block.address, context.generation(), req.seen);
+                    state.graphs().tag(
+                        context.driver(),
+                        context.raw(),
+                        block.address,
+                        context.generation(),
+                        req.seen,
+                    );
                 }
-                let p = DevicePointer::counted(
-                    context,
-                    block.address,
-                    req.size,
-                    Origin::Pool(block.class),
-                    false,
-                    None,
-                    block.shard,
-                    req.client,
-                );
+                let origin = Origin::Pool(block.class);
+                let mut p = DevicePointer::base(context.clone(), block.address, req.size, origin);
+                p.pool_shard = block.shard;
+                p.client = req.client;
                 if let Some(s) = stream {
-                    p.stream.store(s, Ordering::Relaxed);
+                    *p.stream.get_mut() = s;
                 }
-                p
+                DevicePointer::counted(context, p)
             }
             Source::Pool | Source::Driver => DevicePointer::from_driver(context, req, |ctx| {
                 // SAFETY: `ctx.raw()` is retained by the Context.
@@ -186,44 +183,24 @@ impl DevicePointer {
             let reg = services.registry.insert(address, req.size, context);
             (address, Some(reg))
         };
-        Ok(DevicePointer::counted(
-            context,
-            address,
-            req.size,
-            Origin::Driver,
-            matches!(req.source, Source::Managed { .. }),
-            registration,
-            0,
-            req.client,
-        ))
+        let mut p = DevicePointer::base(context.clone(), address, req.size, Origin::Driver);
+        p.managed = matches!(req.source, Source::Managed { .. });
+        p.registration = registration;
+        p.client = req.client;
+        Ok(DevicePointer::counted(context, p))
     }
 
-    /// A pointer to new memory of gpuptr's, counted (the pool counts its
-    /// own blocks under its shard lock) and noted for the leak report.
-    #[allow(clippy::too_many_arguments)]
+    /// `p`, new memory of gpuptr's, counted (the pool counts its own blocks
+    /// under its shard lock) and noted for the leak report.
     #[inline]
-    fn counted(
-        context: &Arc<Context>,
-        address: DevicePtr,
-        size: usize,
-        origin: Origin,
-        managed: bool,
-        registration: Option<Registration>,
-        pool_shard: u32,
-        client: Client,
-    ) -> Arc<Self> {
-        if !matches!(origin, Origin::Pool(_)) {
-            context.state().counters().allocated(size, client);
+    fn counted(context: &Context, mut p: DevicePointer) -> Arc<Self> {
+        if !matches!(p.origin, Origin::Pool(_)) {
+            context.state().counters().allocated(p.size, p.client);
         }
-        let mut p = DevicePointer::base(context.clone(), address, size, origin);
-        p.managed = managed;
-        p.registration = registration;
-        p.pool_shard = pool_shard as u16;
-        p.client = client;
         // Noted by the leak report and the history once the caller gives
         // the site ([`DevicePointer::note_site`]): one load here while both
         // are off.
-        if address != 0 {
+        if p.address != 0 {
             p.observed = context.services().watch.get();
         }
         Arc::new(p)

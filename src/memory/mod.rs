@@ -23,6 +23,7 @@ use crate::error::Result;
 use crate::history::Live;
 use crate::host::HostMemory;
 use crate::lifetime::{check_live, release_keepalive, KeepAlive, Lifetime};
+use crate::pool::Block;
 use crate::registry::Registration;
 use crate::stats::Client;
 use crate::track::{Site, Watch};
@@ -345,6 +346,20 @@ impl DevicePointer {
         self.free()
     }
 
+    /// The pool block this memory is, of size class `class`, as it goes
+    /// back to the pool.
+    #[inline]
+    fn pool_block(&self, class: usize) -> Block {
+        Block {
+            epoch: self.generation,
+            address: self.address,
+            class,
+            shard: self.pool_shard,
+            size: self.size,
+            client: self.client,
+        }
+    }
+
     /// Note that an IPC handle of this memory went out (its liveness record
     /// is cleared when it is released).
     pub(crate) fn mark_exported(&self) {
@@ -433,16 +448,9 @@ impl DevicePointer {
             // SAFETY: a mapping `ipc_open_handle` made in this live context;
             // the release is claimed once, and no operation is in flight.
             Origin::Ipc if !stale => unsafe { release::ipc(ctx, self.address)? },
-            Origin::Pool(class) if !stale => release::pool(
-                ctx,
-                self.generation,
-                self.address,
-                class,
-                self.pool_shard,
-                self.size,
-                self.stream(),
-                self.client,
-            ),
+            Origin::Pool(class) if !stale => {
+                release::pool(ctx, self.pool_block(class), self.stream())
+            }
             // A stale block goes back to no pool; a graph's tag of it goes.
             Origin::Pool(_) => ctx.state().graphs().untag(self.address, self.generation),
             _ => {}

@@ -74,7 +74,7 @@ use ahead::{Grower, AHEAD_WAIT};
 pub use class::size_class;
 use class::{class_index, class_of_index, FastMap, SMALL_CLASSES};
 use fence::Fencer;
-pub(crate) use held::{Allocation, Block};
+pub(crate) use held::{Allocation, Block, Grant};
 use held::{Growth, Held, CARVE_MAX};
 pub(crate) use host::HostBlock;
 use host::HostCache;
@@ -355,14 +355,14 @@ impl Pool {
         stream: Option<RawStream>,
         device: usize,
         client: Client,
-    ) -> Result<Block> {
+    ) -> Result<Grant> {
         let class = size_class(size);
         let index = class_index(class);
         let own = self.own_shard();
-        let block = |address, new_allocation, ahead| Block {
+        let block = |address, new_allocation, ahead| Grant {
             address,
             class,
-            shard: own as u32,
+            shard: own as u16,
             new_allocation,
             ahead,
         };
@@ -420,24 +420,23 @@ impl Pool {
         Ok(block(new.base, Some(new), ahead))
     }
 
-    /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes,
-    /// freed on `stream` (`None`: no stream known). No driver call, and no
-    /// wait. `still_valid` is asked under the shard lock, which a reset's
+    /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`
+    /// (`None`: no stream known). No driver call, and no wait.
+    /// `still_valid` is asked under the shard lock, which a reset's
     /// [`Pool::forget`] takes too: a block of a context reset since is
     /// refused, its memory gone.
     pub(crate) fn release(
         &self,
         context: RawContext,
         block: Block,
-        size: usize,
         stream: Option<RawStream>,
-        client: Client,
         still_valid: impl FnOnce() -> bool,
     ) {
         let mut sh = self.shard(block.shard as usize & (self.shards.len() - 1));
         if !still_valid() {
             return;
         }
+        let (size, client) = (block.size, block.client);
         // Saturating: a reset racing an allocation on another thread may have
         // zeroed the counts after this block was counted (no panic in a deleter).
         sh.live_bytes = sh.live_bytes.saturating_sub(size);

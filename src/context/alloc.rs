@@ -6,8 +6,8 @@ use std::sync::Arc;
 use super::Context;
 use crate::driver::RawStream;
 use crate::error::Result;
-use crate::host::{HostFlags, HostMemory};
 use crate::memory::{AllocRequest, DevicePointer};
+use crate::memory::{HostFlags, HostMemory};
 use crate::stats::Client;
 use crate::track::Site;
 

@@ -5,11 +5,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::HostMemory;
 use super::{DevicePointer, Origin, View};
 use crate::context::Context;
 use crate::driver::DevicePtr;
 use crate::error::{Error, Result};
-use crate::host::HostMemory;
 use crate::lifetime::KeepAlive;
 use crate::registry::Registration;
 

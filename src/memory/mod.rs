@@ -10,6 +10,7 @@
 
 mod alloc;
 mod foreign;
+mod host;
 mod release;
 mod view;
 
@@ -21,13 +22,13 @@ use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream, STREAM_LEGACY, STREAM_PER_THREAD};
 use crate::error::Result;
 use crate::history::Live;
-use crate::host::HostMemory;
 use crate::lifetime::{check_live, release_keepalive, KeepAlive, Lifetime};
 use crate::pool::Block;
 use crate::registry::Registration;
 use crate::stats::Client;
 use crate::track::{Site, Watch};
 pub(crate) use alloc::AllocRequest;
+pub use host::{HostFlags, HostKind, HostMemory};
 pub use view::View;
 
 /// Memory lent to a consumer outside gpuptr ([`DevicePointer::lend`]): it
@@ -135,7 +136,7 @@ impl std::fmt::Debug for DevicePointer {
 /// it): the memory is not released until it drops.
 pub(crate) struct InUse<'a> {
     ptr: &'a DevicePointer,
-    _host: Option<crate::host::HostUse<'a>>,
+    _host: Option<host::HostUse<'a>>,
 }
 
 impl Drop for InUse<'_> {

@@ -43,19 +43,19 @@ mod stats;
 // The services a device holds, and the pool.
 mod graph;
 pub mod history;
+mod ipc;
 mod pool;
 mod registry;
+mod snapshot;
 mod track;
 
 // One owner per device, its context, and the memory made in it.
 mod context;
 mod device;
-mod ipc;
 mod memory;
 
 // The top: the façade Rust users and the binding call.
 mod runtime;
-mod snapshot;
 
 #[cfg(feature = "python")]
 mod python;

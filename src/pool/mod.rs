@@ -21,8 +21,9 @@
 //! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
 //!   [`PoolConfig::fence_bytes`] bytes are pending, and on any miss that
 //!   finds blocks pending. Out of memory seals every shard, *waits* for the
-//!   fence, and retries, before the cache is trimmed and the driver asked
-//!   once more.
+//!   fence, and retries; past that rung its owner (the device's ladder,
+//!   `device/oom.rs`) gives the cache back to the driver and asks again, up
+//!   to four rounds while each trim frees something.
 //!
 //! **Growth.** On an idle device a miss allocates one block
 //! (`cuMemAlloc`). While a fence is outstanding (a busy GPU holds freed
@@ -47,9 +48,10 @@
 //! The pool's rooms: `class` (size classes), `shard` (one lock's cache),
 //! `fence` (the fence thread), `ahead` (growth ahead, on its own thread),
 //! `helper` (the skeleton both threads share), `held` (driver allocations,
-//! carving, the limit, trim), `oom` (the fence rung of out of memory), and
-//! this façade. It knows nothing of pointers: a release hands it an
-//! address, a class and a shard.
+//! carving, the limit, trim, and [`Block`]), `oom` (the fence rung of out
+//! of memory), `host` (the cache of pinned host memory, one shard per flag
+//! combination under the same fence), and this façade. It knows nothing of
+//! pointers: a release hands it a [`Block`].
 
 mod ahead;
 mod class;

@@ -191,8 +191,9 @@ impl DevicePointer {
     }
 
     /// `p`, new memory of gpuptr's, counted (the pool counts its own blocks
-    /// under its shard lock) and noted for the leak report.
-    #[inline]
+    /// under its shard lock) and noted for the leak report. Always inlined:
+    /// `p` is then built in place (a pool pair pays for a copy).
+    #[inline(always)]
     fn counted(context: &Context, mut p: DevicePointer) -> Arc<Self> {
         if !matches!(p.origin, Origin::Pool(_)) {
             context.state().counters().allocated(p.size, p.client);

@@ -9,6 +9,7 @@ use super::class::{size_class, FastMap};
 use super::Pool;
 use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::stats::{Client, SegmentStats};
 use crate::sync::lock;
 
 /// When the pool grows while a fence is outstanding (a busy GPU), it carves
@@ -23,12 +24,31 @@ pub(super) const CARVE_MAX: usize = 64;
 /// At most this many blocks per allocation of a reservation.
 pub(super) const RESERVE_MAX: usize = 1024;
 
-/// A block handed out by [`Pool::alloc`]: where it is and where it goes back.
+/// One pool block as its owner gives it back, the same from the pointer
+/// through a CUDA graph that keeps it to [`Pool::release`]: where it is,
+/// where it goes back, and what it was handed out for.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
+    /// The device's reset epoch it was handed out in: its device refuses
+    /// it after a reset, its memory gone (the pool knows no epochs).
+    pub epoch: u64,
     pub address: DevicePtr,
     pub class: usize,
-    pub shard: u32,
+    /// The shard it goes back to (shards are at most 1024).
+    pub shard: u16,
+    /// The bytes it was handed out for.
+    pub size: usize,
+    /// Who asked for it (statistics).
+    pub client: Client,
+}
+
+/// What [`Pool::alloc`] hands out: where the block is and where it goes
+/// back, and what its owner does next.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub address: DevicePtr,
+    pub class: usize,
+    pub shard: u16,
     /// The driver allocation this request made, if it made one (this block
     /// is its first). Its owner registers each block's range.
     pub new_allocation: Option<Allocation>,
@@ -72,6 +92,9 @@ pub(super) struct Held {
     /// Bytes of driver allocations and frees under way: the driver may hold
     /// them beyond `bytes`, so the limit counts them.
     pub(super) pending: usize,
+    /// The allocations as PyTorch counts segments (`bytes` and `peak` by
+    /// pool, with totals).
+    pub(super) segments: SegmentStats,
 }
 
 impl Held {
@@ -82,6 +105,7 @@ impl Held {
     pub(super) fn record(&mut self, a: Allocation) {
         self.bytes += a.bytes();
         self.peak = self.peak.max(self.bytes);
+        self.segments.made(a.class, a.bytes());
         self.allocations.insert(a.base, a);
         for p in a.block_addresses().skip(1) {
             self.carved.insert(p, a.base);
@@ -95,6 +119,7 @@ impl Held {
             .remove(&base)
             .expect("a recorded allocation");
         self.bytes -= a.bytes();
+        self.segments.freed(a.class, a.bytes());
         for p in a.block_addresses().skip(1) {
             self.carved.remove(&p);
         }
@@ -437,6 +462,8 @@ impl Pool {
             let mut held = lock(&self.held);
             held.carved.clear();
             held.bytes = 0;
+            held.segments.count.clear();
+            held.segments.bytes.clear();
             held.allocations.drain().map(|(_, a)| a).collect()
         };
         for a in &gone {
@@ -477,10 +504,11 @@ impl Pool {
         lock(&self.held).bytes
     }
 
-    /// The most bytes the pool has held from the driver since its last
-    /// peak reset.
-    pub(crate) fn peak_held_bytes(&self) -> usize {
-        lock(&self.held).peak
+    /// Bytes held from the driver, their peak, and the driver allocations
+    /// as PyTorch counts segments, at one moment.
+    pub(crate) fn held_stats(&self) -> (usize, usize, SegmentStats) {
+        let held = lock(&self.held);
+        (held.bytes, held.peak, held.segments)
     }
 
     /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).

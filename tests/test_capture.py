@@ -25,6 +25,22 @@ def test_capturing_holds_every_fence_until_it_ends():
     assert gpuptr.flush_pool(0) is True
 
 
+def test_capturing_ends_on_the_device_it_began_on_when_the_body_switches_device():
+    # The body makes device 1 current; the end must still close device 0's gate.
+    gpuptr.context(0).push()
+    try:
+        with gpuptr.capturing():
+            assert gpuptr.is_capturing(0)
+            gpuptr.context(1).push()
+        assert not gpuptr.is_capturing(0), "device 0's gate must come down"
+        assert not gpuptr.is_capturing(1)
+        m = gpuptr.alloc(4096, device=0)
+        m.free()
+        assert gpuptr.flush_pool(0) is True
+    finally:
+        gpuptr.context(0).push()
+
+
 def test_capturing_rejects_a_device_that_does_not_exist():
     with pytest.raises(gpuptr.InvalidArgumentError):
         gpuptr.begin_capture(10_000)

@@ -662,6 +662,25 @@ impl SimDriver {
             .count()
     }
 
+    /// `cuDevicePrimaryCtxReset` of `device`, done behind gpuptr's back (as
+    /// numba's `cuda.close()` does after [`Runtime::reset`](crate::Runtime::reset)):
+    /// every allocation of the device is gone, whoever still holds it, and
+    /// its addresses are free for the next allocations to reuse, as on a
+    /// GPU; the retains stay. Nothing happens for a device that does not
+    /// exist.
+    pub fn reset_primary_context(&self, device: usize) {
+        let mut st = self.lock();
+        let gone: Vec<DevicePtr> = st
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.device == device && b.counts_as_device())
+            .map(|(s, _)| *s)
+            .collect();
+        for start in gone {
+            st.remove(start);
+        }
+    }
+
     /// The primary-context retain count of `device`.
     pub fn retain_count(&self, device: usize) -> u32 {
         self.lock().retains.get(device).copied().unwrap_or(0)

@@ -72,6 +72,9 @@ pub(crate) struct DeviceState {
     epoch: AtomicU64,
     /// Pool blocks that CUDA graphs keep.
     graphs: GraphMemory,
+    /// Captures begun on this device and not ended, by the thread that
+    /// began them: an end is only taken from a thread with one open.
+    capture_threads: Mutex<Vec<(std::thread::ThreadId, usize)>>,
 }
 
 /// A device's live context, and the runtime's own hold on it, if taken
@@ -102,6 +105,7 @@ impl DeviceState {
             raw: AtomicUsize::new(0),
             epoch: AtomicU64::new(0),
             graphs: GraphMemory::default(),
+            capture_threads: Mutex::new(Vec::new()),
         }
     }
 
@@ -351,12 +355,36 @@ impl DeviceState {
     /// A stream capture begins (or ends) on this device: see
     /// [`Runtime::begin_capture`](crate::Runtime::begin_capture).
     pub(crate) fn begin_capture(&self) {
+        let me = std::thread::current().id();
+        {
+            let mut open = lock(&self.capture_threads);
+            match open.iter_mut().find(|(t, _)| *t == me) {
+                Some((_, n)) => *n += 1,
+                None => open.push((me, 1)),
+            }
+        }
         if let Some(pool) = &self.pool {
             pool.begin_capture();
         }
     }
 
-    pub(crate) fn end_capture(&self) {
+    /// `Err` when the calling thread has no capture begun on this device
+    /// under way: an unbalanced end would close another thread's gate.
+    pub(crate) fn end_capture(&self) -> Result<()> {
+        let me = std::thread::current().id();
+        {
+            let mut open = lock(&self.capture_threads);
+            let Some(i) = open.iter().position(|(t, _)| *t == me) else {
+                return Err(Error::InvalidArgument(format!(
+                    "end_capture: no capture begun on this thread is under way on device {}",
+                    self.device
+                )));
+            };
+            open[i].1 -= 1;
+            if open[i].1 == 0 {
+                open.swap_remove(i);
+            }
+        }
         if let Some(pool) = &self.pool {
             pool.end_capture();
         }
@@ -366,6 +394,7 @@ impl DeviceState {
                 self.graphs.end(ctx.driver(), ctx.raw());
             }
         }
+        Ok(())
     }
 
     /// The capture `stream` takes part in keeps its memory for its graph

@@ -266,8 +266,9 @@ fn capture_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
 
 /// Tell gpuptr that a stream capture (a CUDA graph) begins on ``device``
 /// (default: the current device). Until the matching ``end_capture``, the
-/// pool runs no fence: CUDA refuses ``cuCtxSynchronize`` while any stream
-/// captures, in every capture mode, and that invalidates the capture. A
+/// pool runs no fence: CUDA refuses ``cuCtxSynchronize`` of a context while
+/// any stream of it captures, in every capture mode, and that invalidates
+/// the capture. A
 /// fence already running is waited for first. Blocks freed meanwhile wait
 /// for the fence after the capture; an allocation that runs out of memory
 /// meanwhile raises ``OutOfMemoryError`` without waiting for a fence. Calls
@@ -283,7 +284,8 @@ fn begin_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<
 }
 
 /// End a capture begun with ``begin_capture`` on ``device`` (default: the
-/// current device).
+/// current device) by the calling thread. ``InvalidArgumentError`` (and
+/// nothing ends) when this thread has no such capture under way there.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
 fn end_capture(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {

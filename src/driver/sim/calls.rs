@@ -110,7 +110,7 @@ impl Driver for SimDriver {
 
     unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
         let (mut st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
-        st.capture_rule("cuCtxSynchronize", true)?;
+        st.sync_capture_rule("cuCtxSynchronize", device)?;
         drop(self.wait_idle(st, device, None));
         Ok(())
     }

@@ -41,6 +41,31 @@ def test_capturing_ends_on_the_device_it_began_on_when_the_body_switches_device(
         gpuptr.context(0).push()
 
 
+def test_an_unbalanced_end_capture_is_refused_and_closes_no_other_threads_gate():
+    import threading
+
+    with pytest.raises(gpuptr.InvalidArgumentError, match="no capture begun on this thread"):
+        gpuptr.end_capture(0)
+    gpuptr.begin_capture(0)
+    try:
+        got = []
+        t = threading.Thread(target=lambda: got.append(_try(gpuptr.end_capture, 0)))
+        t.start()
+        t.join(30)
+        assert isinstance(got[0], gpuptr.InvalidArgumentError), got
+        assert gpuptr.is_capturing(0), "another thread closed this thread's gate"
+    finally:
+        gpuptr.end_capture(0)
+    assert not gpuptr.is_capturing(0)
+
+
+def _try(f, *args):
+    try:
+        return f(*args)
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return e
+
+
 def test_capturing_rejects_a_device_that_does_not_exist():
     with pytest.raises(gpuptr.InvalidArgumentError):
         gpuptr.begin_capture(10_000)

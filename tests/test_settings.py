@@ -55,6 +55,40 @@ def test_a_bad_size_names_the_argument(bad, no_limit):
         gpuptr.reserve(bad)
 
 
+@sim
+@pytest.mark.parametrize("big", ["18446744073709551615", "9223372036854775808", 2**63, 2**64 - 1, "8EiB"])
+def test_a_size_past_2_63_bytes_is_refused_as_string_and_as_int(big, no_limit):
+    # One rule for every form: at most 2**63-1 bytes; never "no limit".
+    with pytest.raises(gpuptr.InvalidArgumentError, match="nbytes"):
+        gpuptr.set_pool_limit(big)
+    assert gpuptr.stats()[0]["pool_limit"] is None
+
+
+@sim
+def test_a_share_of_less_than_one_byte_is_refused_not_a_zero_limit(no_limit):
+    with pytest.raises(gpuptr.InvalidArgumentError, match="less than one byte"):
+        gpuptr.set_pool_limit(1e-12)
+    assert gpuptr.stats()[0]["pool_limit"] is None
+    with pytest.raises(gpuptr.InvalidArgumentError, match="less than one byte"):
+        gpuptr.reserve(1e-15)
+
+
+@sim
+def test_numpy_scalar_sizes_read_as_the_python_ones(no_limit):
+    np = pytest.importorskip("numpy")
+    total = gpuptr.context(0).get_memory_info()[1]
+    for given, want in [
+        (np.float32(0.25), int(total * float(np.float32(0.25)))),
+        (np.float64(0.5), total // 2),
+        (np.int64(1 << 20), 1 << 20),
+        (np.uint32(4096), 4096),
+    ]:
+        gpuptr.set_pool_limit(given, device=0)
+        assert gpuptr.stats()[0]["pool_limit"] == want, repr(given)
+    with pytest.raises(gpuptr.InvalidArgumentError, match="nbytes"):
+        gpuptr.set_pool_limit(np.float32(1.5))
+
+
 def test_a_bool_is_not_a_size():
     with pytest.raises(TypeError):
         gpuptr.set_pool_limit(True)

@@ -455,8 +455,9 @@ def trim() -> int:
 def begin_capture(device: Optional[int] = None) -> None:
     """Tell gpuptr that a stream capture (a CUDA graph) begins on ``device``
     (default: the current device). Until the matching ``end_capture``, the
-    pool runs no fence: CUDA refuses ``cuCtxSynchronize`` while any stream
-    captures, in every capture mode, and that invalidates the capture. A
+    pool runs no fence: CUDA refuses ``cuCtxSynchronize`` of a context while
+    any stream of it captures, in every capture mode, and that invalidates
+    the capture. A
     fence already running is waited for first. Blocks freed meanwhile wait
     for the fence after the capture; an allocation that runs out of memory
     meanwhile raises ``OutOfMemoryError`` without waiting for a fence. Calls
@@ -466,7 +467,8 @@ def begin_capture(device: Optional[int] = None) -> None:
     """
 def end_capture(device: Optional[int] = None) -> None:
     """End a capture begun with ``begin_capture`` on ``device`` (default: the
-    current device).
+    current device) by the calling thread. ``InvalidArgumentError`` (and
+    nothing ends) when this thread has no such capture under way there.
     """
 def capture_started(stream: Any, device: Optional[int] = None) -> None:
     """Tell gpuptr that the capture ``stream`` takes part in has begun (call

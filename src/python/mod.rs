@@ -372,7 +372,7 @@ fn set_pool_limit(
     for d in devices {
         // A share is of each device's own memory.
         let bytes = match limit {
-            Some(l) => Some(l.bytes_of(rt.device_total_memory(d)?)),
+            Some(l) => Some(l.bytes_on(rt.device_total_memory(d)?, "nbytes")?),
             None => None,
         };
         rt.set_pool_limit(d, bytes)?;
@@ -418,7 +418,7 @@ fn reserve(
     // A share of a reservation is of what the device has free now.
     let bytes = match wanted {
         crate::sizes::Size::Bytes(n) => n,
-        share => share.bytes_of(ctx.memory_info()?.0),
+        share => share.bytes_on(ctx.memory_info()?.0, "nbytes")?,
     };
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }

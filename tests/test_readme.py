@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,19 @@ def test_the_rust_block_is_the_example_that_cargo_test_runs():
     assert block.code == body, "README.md's Rust block and examples/readme.rs differ"
     inline = re.search(r"`(Runtime::new\(.*?\))\?`", README.read_text())
     assert inline and inline[1] in example, "the README's simulator runtime is the example's"
+
+
+@pytest.mark.skipif(shutil.which("cargo") is None, reason="needs cargo")
+def test_the_rust_block_runs_with_the_readmes_command_and_prints_what_it_says():
+    (block,) = blocks("rust")
+    lines = block.code.splitlines()
+    said = [lines[i + 1].strip().removeprefix("// ") for i, x in enumerate(lines) if "println!(" in x]
+    assert said and all(said), "each println! has a '// ' line after it saying what it prints"
+    env = {**_env(), "CARGO_TERM_COLOR": "never"}
+    out = subprocess.run(
+        ["cargo", "run", "--quiet", "--example", "readme"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert out.returncode == 0 and out.stdout.splitlines() == said, out.stdout + out.stderr[-2000:]
 
 
 def test_the_try_it_without_a_gpu_command_runs():

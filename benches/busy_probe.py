@@ -202,38 +202,21 @@ def main() -> int:
 
 
 
-# The child scripts' shared start: the spin kernel, a non-blocking CuPy
-# stream, and 20 idle device_array pairs (as the bench's busy rows).
-_SETUP = r"""
-@cuda.jit
-def spin(a, ms):
-    for _ in range(ms):
-        cuda.nanosleep(1000000)
-    a[0] = 1
-
-cs = cp.cuda.Stream(non_blocking=True)
-s = cuda.external_stream(cs.ptr)
-flag = cuda.device_array(1, np.int32)
-for _ in range(20):
-    cuda.device_array(1 << 20, np.uint8)
-"""
-
-
 FIRST = r"""
 # What is slow in the first pair after a launch (every manager's pair 0 is):
 # each operation timed alone right after the launch, in the order given.
 import json, sys, time, gc
 import numpy as np
 from numba import cuda
-import cupy as cp
+from gpuptr.bench.spin import Spinner
 order = sys.argv[1].split(",")
 delay = float(sys.argv[2])
-
-""" + _SETUP + r"""import gpuptr
+busy = Spinner()  # the bench's busy rows' start: and 20 idle device_array pairs
+import gpuptr
 from cuda.bindings import driver as cu
 gpuptr.reserve(64 << 20, 1 << 20)
 cuda.synchronize()
-spin[1, 1, s](flag, 5)  # launch once on an idle GPU: compiled and loaded
+busy.launch(5)  # launch once on an idle GPU: compiled and loaded
 cuda.synchronize()
 def py():
     x = [i for i in range(20)]
@@ -246,7 +229,7 @@ def dev():
     del a
 ops = {"py": py, "drv": drv, "gpuptr": gp, "devarray": dev}
 gc.collect(); gc.disable()
-spin[1, 1, s](flag, 1500)
+busy.launch(1500)
 if delay:
     time.sleep(delay)
 out = {}
@@ -255,8 +238,8 @@ for name in order:
     for _ in range(4):
         t = time.perf_counter(); ops[name](); ts.append(round((time.perf_counter() - t) * 1e6, 1))
     out[name] = ts
-out["still_busy"] = not cs.done
-s.synchronize()
+out["still_busy"] = busy.busy
+busy.synchronize()
 print(json.dumps(out))
 """
 
@@ -267,16 +250,16 @@ GROWTH = r"""
 import json, sys, time, gc, logging
 import numpy as np
 from numba import cuda
-import cupy as cp
 import gpuptr
 recs = []
 class H(logging.Handler):
     def emit(self, r):
         recs.append((r.created, r.threadName, r.getMessage()))
 lg = logging.getLogger("gpuptr"); lg.addHandler(H()); lg.setLevel(logging.DEBUG); lg.propagate = False
-
-""" + _SETUP + r"""cuda.synchronize()
-spin[1, 1, s](flag, 1500)
+from gpuptr.bench.spin import Spinner
+busy = Spinner()  # the bench's busy rows' start: and 20 idle device_array pairs
+cuda.synchronize()
+busy.launch(1500)
 gc.collect(); gc.disable()
 recs.clear()
 wall0, pc0 = time.time(), time.perf_counter()
@@ -287,11 +270,11 @@ for _ in range(300):
     del a
     times.append(time.perf_counter() - t); starts.append(t - pc0)
 gpuptr.stats()  # an entry point: delivers the queued records
-busy = not cs.done
-s.synchronize()
+still_busy = busy.busy
+busy.synchronize()
 slow = sorted(range(300), key=times.__getitem__)[-6:][::-1]
 print("slow pairs:", [(i, round(starts[i] * 1e6), round(times[i] * 1e6, 1)) for i in slow])
-print("first:", [round(x * 1e6, 1) for x in times[:16]], "busy", busy)
+print("first:", [round(x * 1e6, 1) for x in times[:16]], "busy", still_busy)
 for c, th, m in recs:
     print(f"  {(c - wall0) * 1e6:9.0f} us {th}: {m}")
 """

@@ -27,24 +27,14 @@ log.addHandler(Keep())
 log.setLevel(logging.DEBUG)
 log.propagate = False
 from numba import cuda
-import cupy as cp
 import gpuptr
+from gpuptr.bench.spin import Spinner
 
-@cuda.jit
-def spin(a, ms):
-    for _ in range(ms):
-        cuda.nanosleep(1000000)
-    a[0] = 1
-
-cs = cp.cuda.Stream(non_blocking=True)
-s = cuda.external_stream(cs.ptr)
-flag = cuda.device_array(1, np.int32)
-for _ in range(20):
-    cuda.device_array(1 << 20, np.uint8)
+busy = Spinner()  # the bench's busy rows' start: and 20 idle device_array pairs
 cuda.synchronize()
 import gc
 gc.collect(); gc.disable()
-spin[1, 1, s](flag, 1500)
+busy.launch(1500)
 pairs = []
 t0 = time.time()
 for _ in range(300):
@@ -53,7 +43,7 @@ for _ in range(300):
     del a
     pairs.append((t, time.time() - t))
 gc.enable()
-s.synchronize()
+busy.synchronize()
 gpuptr.flush_pool()
 st = gpuptr.stats()[0]
 slow = sorted(range(300), key=lambda i: pairs[i][1])[-8:][::-1]

@@ -1,5 +1,5 @@
 """Thin wrapper: ``python3 benches/compare.py [--quick] [--json F] [--plot F.png]``
-is ``python -m gpuptr bench``. See gpuptr/bench.py."""
+is ``python -m gpuptr bench``. See gpuptr/bench/."""
 
 from gpuptr.bench import main
 

@@ -24,7 +24,8 @@ def main():
 
     import gpuptr
     from gpuptr import _core, cuda_core
-    from gpuptr.bench import _cuda_core_callback_floor, _cuda_core_owning_floor, best_ns
+    from gpuptr.bench import best_ns
+    from gpuptr.bench.cuda_core import callback_floor, owning_floor
 
     dev = Device(0)
     dev.set_current()
@@ -33,7 +34,7 @@ def main():
     size = 1 << 20
     fixed, owner = gpuptr.alloc(size), object()
     address = fixed.device_pointer_value
-    owning, nothing = _cuda_core_owning_floor(), _cuda_core_callback_floor()
+    owning, nothing = owning_floor(), callback_floor()
     pool = dmr.handle if hasattr(dmr, "handle") else None
     h = int(stream.handle)
 

@@ -28,74 +28,44 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
 
-use crate::context::Context;
-use crate::driver::{DevicePtr, RawStream, STREAM_LEGACY, STREAM_PER_THREAD};
+use crate::driver::{DevicePtr, Driver, RawContext, RawStream, STREAM_LEGACY, STREAM_PER_THREAD};
 use crate::error::{Error, Result};
-use crate::stats::Client;
+use crate::pool::Block;
 use crate::sync::lock;
 
-/// One pool block a graph keeps.
-#[derive(Debug)]
-pub(crate) struct KeptBlock {
-    pub(crate) epoch: u64,
-    pub(crate) address: DevicePtr,
-    pub(crate) class: usize,
-    pub(crate) shard: u16,
-    pub(crate) size: usize,
-    pub(crate) client: Client,
+/// What a graph holds while it may replay: the context its blocks live in
+/// (so their pool outlives the graph), known here only as the way back to
+/// its device's [`GraphMemory`].
+pub(crate) trait Owner: Send + Sync {
+    /// The graph memory of the owner's device.
+    fn graph_memory(&self) -> &GraphMemory;
+    /// The device ordinal (for messages).
+    fn device(&self) -> usize;
 }
 
 /// The memory one graph keeps: the blocks freed while it may replay.
 pub(crate) struct Kept {
-    /// The context the blocks live in: held, so its pool outlives the graph.
-    ctx: Arc<Context>,
+    /// The context the blocks live in.
+    raw: RawContext,
     /// `None` once the graph was destroyed. A block shared by several
     /// graphs is one `Arc`, given back by the last to let go.
-    blocks: Mutex<Option<Vec<Arc<KeptBlock>>>>,
+    blocks: Mutex<Option<Vec<Arc<Block>>>>,
     /// The graph owns the destructor: only then does it give the blocks back.
     armed: AtomicBool,
 }
 
 impl Kept {
     /// Keep `block` if the graph is alive (a destroyed one keeps nothing).
-    fn keep(&self, block: &Arc<KeptBlock>) {
+    fn keep(&self, block: &Arc<Block>) {
         if let Some(v) = lock(&self.blocks).as_mut() {
             v.push(block.clone());
         }
     }
-
-    /// The graph is gone: hand back every kept block no other live graph
-    /// keeps, through the pool's fence (no driver call here, no wait).
-    fn give_back(&self) {
-        let blocks = lock(&self.blocks).take().unwrap_or_default();
-        let ctx = &self.ctx;
-        let graphs = ctx.state().graphs();
-        let (mut n, mut bytes) = (0, 0);
-        for b in blocks.into_iter().filter_map(Arc::into_inner) {
-            graphs.bytes.fetch_sub(b.size, Ordering::Relaxed);
-            (n, bytes) = (n + 1, bytes + b.size);
-            ctx.state().pool_release(
-                ctx.raw(),
-                b.epoch,
-                b.address,
-                b.class,
-                u32::from(b.shard),
-                b.size,
-                None,
-                b.client,
-            );
-        }
-        if n != 0 {
-            log::debug!(
-                target: "gpuptr::pool",
-                "device {}: a CUDA graph was destroyed; {} block(s) ({} bytes) go back to the pool",
-                ctx.device(),
-                n,
-                bytes
-            );
-        }
-    }
 }
+
+/// A destroyed graph waiting to give its blocks back, with the owner it
+/// held (dropped only after they went back, on a caller's thread).
+type Dead = (Arc<Kept>, Arc<dyn Owner>);
 
 /// A capture under way that keeps memory.
 struct Active {
@@ -128,38 +98,37 @@ pub(crate) struct GraphMemory {
     /// thread, where no CUDA call (such as a context's teardown) may be
     /// made. Held while they are given back, so a caller that finds it
     /// empty knows every destroyed graph's blocks are back.
-    dead: Mutex<Vec<Arc<Kept>>>,
+    dead: Mutex<Vec<Dead>>,
     dead_n: AtomicUsize,
 }
 
 impl GraphMemory {
-    /// Give back the memory of this device's destroyed graphs, if any (one
-    /// load when none).
+    /// Hand each destroyed graph's blocks that no other live graph keeps
+    /// to `give_back`, with the context they live in (one load when no
+    /// graph was destroyed).
     #[inline]
-    pub(crate) fn bury(&self) {
+    pub(crate) fn bury(
+        &self,
+        mut give_back: impl FnMut(RawContext, &mut dyn Iterator<Item = Block>),
+    ) {
         if self.dead_n.load(Ordering::Acquire) != 0 {
-            self.bury_now();
+            self.bury_now(&mut give_back);
         }
     }
 
     #[cold]
-    fn bury_now(&self) {
+    fn bury_now(&self, give_back: &mut dyn FnMut(RawContext, &mut dyn Iterator<Item = Block>)) {
         let mut dead = lock(&self.dead);
         let gone = std::mem::take(&mut *dead);
         self.dead_n.fetch_sub(gone.len(), Ordering::AcqRel);
-        for k in &gone {
-            k.give_back();
+        for (k, _) in &gone {
+            let blocks = lock(&k.blocks).take().unwrap_or_default();
+            let mut unshared = blocks.into_iter().filter_map(Arc::into_inner).inspect(|b| {
+                self.bytes.fetch_sub(b.size, Ordering::Relaxed);
+            });
+            give_back(k.raw, &mut unshared);
         }
         drop(dead);
-        // Outside the lock: the last holder of a context may end it here.
-        drop(gone);
-    }
-
-    /// Forget the captures listed as under way (their runtime is going):
-    /// their graphs keep what they have.
-    pub(crate) fn forget_captures(&self) {
-        let gone = std::mem::take(&mut *lock(&self.active));
-        self.active_n.store(0, Ordering::Release);
         // Outside the lock: the last holder of a context may end it here.
         drop(gone);
     }
@@ -172,17 +141,23 @@ impl GraphMemory {
 
     /// The capture `stream` takes part in now begins to keep memory (a
     /// second call for the same capture does nothing). `Err` if `stream`
-    /// is not capturing.
+    /// is not capturing. The graph holds `owner`, whose context is `raw`
+    /// (of `driver`), until it is destroyed.
     ///
     /// # Safety
-    /// `stream` is a live stream of `ctx` that the calling thread began
+    /// `stream` is a live stream of `raw` that the calling thread began
     /// capturing, and it stays alive until the capture has ended and the
     /// device heard so ([`GraphMemory::end`]): only the capturing thread
     /// may touch the graph being captured.
-    pub(crate) unsafe fn start(&self, ctx: &Arc<Context>, stream: RawStream) -> Result<()> {
-        self.bury();
+    pub(crate) unsafe fn start(
+        &self,
+        driver: &dyn Driver,
+        raw: RawContext,
+        owner: Arc<dyn Owner>,
+        stream: RawStream,
+    ) -> Result<()> {
         // SAFETY: this fn's contract.
-        let Some((id, graph)) = (unsafe { capture_of(ctx, stream) })? else {
+        let Some((id, graph)) = (unsafe { capture_of(driver, raw, stream) })? else {
             return Err(Error::InvalidArgument(format!(
                 "stream {stream:#x} is not capturing"
             )));
@@ -192,35 +167,37 @@ impl GraphMemory {
             return Ok(());
         }
         let kept = Arc::new(Kept {
-            ctx: ctx.clone(),
+            raw,
             blocks: Mutex::new(Some(Vec::new())),
             armed: AtomicBool::new(false),
         });
-        // The graph holds its `Kept` through the destructor.
+        // The graph holds its `Kept` and its owner through the destructor
+        // (the lists here hold no owner: the device owns them).
         let owned = kept.clone();
+        let held = owner.clone();
         let on_destroy = Box::new(move || {
             if owned.armed.load(Ordering::Acquire) {
                 // Never the last holder dropped here (maybe a driver
-                // thread): the blocks go back on a caller's thread (`bury`).
-                // (Not the last holder of the device either: `owned` holds
-                // its context, which holds it.)
-                let state = owned.ctx.state().clone();
-                let graphs = state.graphs();
+                // thread): the blocks go back on a caller's thread (`bury`),
+                // which drops the owner after.
+                let graphs = held.graph_memory();
                 let mut dead = lock(&graphs.dead);
                 graphs.dead_n.fetch_add(1, Ordering::AcqRel);
-                dead.push(owned);
+                dead.push((owned, held.clone()));
+                drop(dead);
+                // Not the last holder: the one in the list holds it too.
+                drop(held);
             } else {
                 // Run at once because the graph refused it: the graph
                 // lives on with the memory, which is never reused.
-                std::mem::forget(owned);
+                std::mem::forget((owned, held));
             }
         });
-        let driver = ctx.driver();
         // SAFETY: `graph` is the graph of the capture this thread runs on
         // `stream` (this fn's contract), which the driver just returned; the
         // capture cannot end meanwhile (this thread would end it).
         let attached = crate::driver::relaxed(driver, || unsafe {
-            driver.graph_on_destroy(ctx.raw(), graph, on_destroy)
+            driver.graph_on_destroy(raw, graph, on_destroy)
         });
         match attached {
             Ok(()) => kept.armed.store(true, Ordering::Release),
@@ -228,13 +205,14 @@ impl GraphMemory {
                 log::warn!(
                     target: "gpuptr::pool",
                     "device {}: cannot tie capture {} to its graph ({}): the memory it keeps stays kept until exit",
-                    ctx.device(),
+                    owner.device(),
                     id,
                     e
                 );
                 // The graph lives on for good as far as gpuptr knows: its
-                // memory is never reused, so its `Kept` is never dropped.
-                std::mem::forget(kept.clone());
+                // memory is never reused, so its `Kept` and its owner are
+                // never dropped.
+                std::mem::forget((kept.clone(), owner));
             }
         }
         active.push(Active {
@@ -249,14 +227,13 @@ impl GraphMemory {
 
     /// Captures that have ended keep no more new memory (their graphs keep
     /// what they have). Called when a capture ends on the device.
-    pub(crate) fn end(&self, ctx: &Context) {
-        self.bury();
+    pub(crate) fn end(&self, driver: &dyn Driver, raw: RawContext) {
         let mut active = lock(&self.active);
         active.retain(|a| {
-            // SAFETY: the stream was capturing in `ctx` when it was noted,
+            // SAFETY: the stream was capturing in `raw` when it was noted,
             // and stays alive until the device hears its capture ended
             // (`start`'s contract): this is that call.
-            let now = unsafe { capture_of(ctx, a.stream) };
+            let now = unsafe { capture_of(driver, raw, a.stream) };
             matches!(now, Ok(Some((id, _))) if id == a.id)
         });
         self.active_n.store(active.len(), Ordering::Release);
@@ -272,7 +249,8 @@ impl GraphMemory {
     /// part in (`seen`), or else to the capture this thread began.
     pub(crate) fn tag(
         &self,
-        ctx: &Arc<Context>,
+        driver: &dyn Driver,
+        raw: RawContext,
         address: DevicePtr,
         epoch: u64,
         seen: Option<RawStream>,
@@ -282,8 +260,8 @@ impl GraphMemory {
         }
         let on_stream = match seen {
             Some(s) if s != 0 && s != STREAM_LEGACY && s != STREAM_PER_THREAD => {
-                // SAFETY: a stream the caller allocates on, live in `ctx`.
-                match unsafe { capture_of(ctx, s) } {
+                // SAFETY: a stream the caller allocates on, live in `raw`.
+                match unsafe { capture_of(driver, raw, s) } {
                     Ok(Some((id, _))) => {
                         let active = lock(&self.active);
                         active.iter().find(|a| a.id == id).map(|a| a.kept.clone())
@@ -328,7 +306,7 @@ impl GraphMemory {
     /// during a capture whose graph lives, and one freed during a capture
     /// by the capturing thread, are kept (by both graphs, if both).
     #[inline]
-    pub(crate) fn keep(&self, block: KeptBlock) -> Option<KeptBlock> {
+    pub(crate) fn keep(&self, block: Block) -> Option<Block> {
         if self.tagged_n.load(Ordering::Acquire) == 0 && !self.watching() {
             return Some(block);
         }
@@ -336,7 +314,7 @@ impl GraphMemory {
     }
 
     #[cold]
-    fn keep_slow(&self, block: KeptBlock) -> Option<KeptBlock> {
+    fn keep_slow(&self, block: Block) -> Option<Block> {
         let tag = {
             let mut tags = self.tags(block.address);
             let t = tags.remove(&block.address);
@@ -379,11 +357,12 @@ impl GraphMemory {
 /// disturbs a capture).
 ///
 /// # Safety
-/// `stream` is a live stream of `ctx` (or a default-stream handle).
-unsafe fn capture_of(ctx: &Context, stream: RawStream) -> Result<Option<(u64, usize)>> {
-    let driver = ctx.driver();
+/// `stream` is a live stream of `raw` (or a default-stream handle).
+unsafe fn capture_of(
+    driver: &dyn Driver,
+    raw: RawContext,
+    stream: RawStream,
+) -> Result<Option<(u64, usize)>> {
     // SAFETY: this fn's contract.
-    crate::driver::relaxed(driver, || unsafe {
-        driver.stream_capture(ctx.raw(), stream)
-    })
+    crate::driver::relaxed(driver, || unsafe { driver.stream_capture(raw, stream) })
 }

@@ -43,20 +43,19 @@ mod stats;
 // The services a device holds, and the pool.
 mod graph;
 pub mod history;
+mod ipc;
 mod pool;
 mod registry;
+mod snapshot;
 mod track;
 
 // One owner per device, its context, and the memory made in it.
 mod context;
 mod device;
-mod host;
-mod ipc;
 mod memory;
 
 // The top: the façade Rust users and the binding call.
 mod runtime;
-mod snapshot;
 
 #[cfg(feature = "python")]
 mod python;
@@ -68,11 +67,12 @@ pub use driver::{
 };
 pub use error::{cuda_error_name, Error, Result};
 pub use fork::forked;
-pub use host::{HostFlags, HostKind, HostMemory};
 pub use ipc::IpcHandle;
 pub use layout::{typestr_itemsize, Layout};
 pub use lifetime::KeepAlive;
-pub use memory::{ordering_stream, DevicePointer, Loan, Origin, View};
+pub use memory::{
+    ordering_stream, DevicePointer, HostFlags, HostKind, HostMemory, Loan, Origin, View,
+};
 pub use pool::{size_class, PoolConfig};
 pub use runtime::Runtime;
 pub use snapshot::{BlockState, Segment, Snapshot, SnapshotBlock};

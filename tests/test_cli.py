@@ -195,6 +195,23 @@ def test_bench_errors_go_through_the_clis_error_handling(monkeypatch, capsys):
     assert "error: InvalidArgumentError: the bench could not start" in capsys.readouterr().err
 
 
+def test_bench_plot_to_a_format_matplotlib_cannot_write_fails_before_measuring(tmp_path):
+    pytest.importorskip("matplotlib")
+    for how in (_run, lambda *a: _cli_in_child("", *a)):
+        for name, said in (("p.txt", "matplotlib cannot write .txt files"), ("plot", "name the file with the extension")):
+            path = tmp_path / name
+            out = how("bench", "--quick", "--plot", str(path))
+            assert out.returncode == 2, out.stdout + out.stderr
+            assert said in out.stderr and ".png" in out.stderr and ".svg" in out.stderr, out.stderr
+            assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
+            assert not path.exists()
+    # The bench on its own (python -m gpuptr.bench) checks the same.
+    out = subprocess.run([sys.executable, "-m", "gpuptr.bench", "--quick", "--plot", str(tmp_path / "p.txt")],
+                         env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 2 and "gpuptr bench: error: --plot" in out.stderr, out.stderr
+    assert "measuring:" not in out.stderr
+
+
 # 8. --only that matches nothing
 
 
@@ -240,6 +257,20 @@ def test_bench_table_columns_align_with_long_names():
     for line, name in zip(lines[1:], ("cupy.cuda.alloc", "a baseline", "b ")):
         assert line[col:].startswith(name), (line, name)
     assert lines[1].index("512 ns") + len("512 ns") == lines[2].index("123456 ns") + len("123456 ns")
+
+
+def test_bench_table_heads_the_speed_up_column_with_the_plots_word():
+    lines = bench.format_table({"meta": {"driver": "cuda"}, "rows": [_row("r", "b", 100.0)]}).splitlines()
+    assert lines[0].split()[-1] == "speed-up" and lines[1].split()[-1] == "2.00x", lines
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    drawn = []
+    report = {"meta": {"driver": "cuda", "device": "d", "date": "now"}, "rows": [_row("r", "b", 100.0)]}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+        bench.plot(report, "unused.png")
+    assert drawn[0].axes[0].get_xlabel().split()[0] == "speed-up"
 
 
 def test_bench_table_prints_the_pinned_probe_row_whose_extra_has_no_baseline():

@@ -72,7 +72,10 @@ def from_cuda_array_interface_numba(desc: Dict[str, Any], owner: Any = None, syn
     return arr
 
 
-_new = object.__new__
+# DeviceNDArray's own __new__: where numba's C DeviceArray is its base,
+# object.__new__ refuses the class ("not safe"); where it is not, this is
+# object.__new__ itself.
+_new = DeviceNDArray.__new__
 
 
 def as_cuda_array(obj: Any, sync: bool = True) -> DeviceNDArray:

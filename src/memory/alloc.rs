@@ -8,7 +8,6 @@ use super::{ordering_stream, DevicePointer, Origin};
 use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream, MEM_ATTACH_GLOBAL, MEM_ATTACH_HOST};
 use crate::error::{Error, Result};
-use crate::registry::Registration;
 use crate::stats::Client;
 use crate::track::Site;
 
@@ -56,95 +55,6 @@ impl AllocRequest {
     }
 }
 
-impl Context {
-    /// Allocate `size` bytes of device memory in this context, for use in
-    /// any stream (freed blocks are reused only after all work queued before
-    /// their free has finished).
-    #[track_caller]
-    pub fn alloc(self: &Arc<Self>, size: usize) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        self.alloc_at(size, None, Client::Direct, || Site::Rust(at))
-    }
-
-    /// Allocate `size` bytes for use on `stream` (stream-ordered, as
-    /// `cudaMallocAsync`): a block freed on `stream` is reused at once, and
-    /// dropping the pointer frees it on `stream`. Use
-    /// [`DevicePointer::record_stream`] for other streams it is used on.
-    #[track_caller]
-    pub fn alloc_on(
-        self: &Arc<Self>,
-        size: usize,
-        stream: RawStream,
-    ) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        self.alloc_at(size, Some(stream), Client::Direct, || Site::Rust(at))
-    }
-
-    /// Allocate `size` bytes for `client` (per-client statistics), for an
-    /// owner on `stream` (as [`Context::alloc_on`]) or on any stream (as
-    /// [`Context::alloc`]).
-    #[track_caller]
-    pub fn alloc_for(
-        self: &Arc<Self>,
-        size: usize,
-        stream: Option<RawStream>,
-        client: Client,
-    ) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        self.alloc_at(size, stream, client, || Site::Rust(at))
-    }
-
-    /// As [`Context::alloc_for`], made at `site` for the leak report (a
-    /// binding passes its own language's call site; `site` is called only
-    /// while tracking is on).
-    #[inline]
-    pub fn alloc_at(
-        self: &Arc<Self>,
-        size: usize,
-        stream: Option<RawStream>,
-        client: Client,
-        site: impl FnOnce() -> Site,
-    ) -> Result<Arc<DevicePointer>> {
-        DevicePointer::allocate(self, AllocRequest::pool(size, stream, client), site)
-    }
-
-    /// As [`Context::alloc_at`], made on `seen`, a stream the caller uses
-    /// whether or not the allocation is ordered on it: during a CUDA-graph
-    /// capture, the block belongs to the capture `seen` takes part in, and
-    /// is kept for the graph when freed. PyTorch's
-    /// allocator hook passes its current stream.
-    ///
-    /// # Safety
-    /// `seen` is a live stream of this context, or a default-stream handle:
-    /// during a capture the driver is asked about it.
-    #[inline]
-    pub unsafe fn alloc_seen_at(
-        self: &Arc<Self>,
-        size: usize,
-        stream: Option<RawStream>,
-        seen: RawStream,
-        client: Client,
-        site: impl FnOnce() -> Site,
-    ) -> Result<Arc<DevicePointer>> {
-        let req = AllocRequest {
-            seen: Some(seen),
-            ..AllocRequest::pool(size, stream, client)
-        };
-        DevicePointer::allocate(self, req, site)
-    }
-
-    /// Allocate `size` bytes of managed (unified) memory in this context.
-    #[track_caller]
-    pub fn alloc_managed(
-        self: &Arc<Self>,
-        size: usize,
-        attach_global: bool,
-    ) -> Result<Arc<DevicePointer>> {
-        let at = std::panic::Location::caller();
-        DevicePointer::alloc_managed_at(self, size, attach_global, || Site::Rust(at))
-    }
-}
-
 impl DevicePointer {
     /// Make the allocation `req` asks for in `context`, noted at `site` for
     /// the leak report (`site` is called only while tracking is on).
@@ -164,7 +74,7 @@ impl DevicePointer {
         crate::fork::check()?;
         Error::check_request(context.device(), req.size)?;
         let state = context.state();
-        state.graphs().bury();
+        state.bury();
         let p = match req.source {
             Source::Pool if state.pooled() && req.size != 0 => {
                 let stream = req.stream.and_then(ordering_stream);
@@ -173,24 +83,22 @@ impl DevicePointer {
                     // The block belongs to an announced capture under way, if
                     // its stream takes part in one (or, with no stream
                     // known, if this thread began one).
-                    state
-                        .graphs()
-                        .tag(context, block.address, context.generation(), req.seen);
+                    state.graphs().tag(
+                        context.driver(),
+                        context.raw(),
+                        block.address,
+                        context.generation(),
+                        req.seen,
+                    );
                 }
-                let p = DevicePointer::counted(
-                    context,
-                    block.address,
-                    req.size,
-                    Origin::Pool(block.class),
-                    false,
-                    None,
-                    block.shard,
-                    req.client,
-                );
+                let origin = Origin::Pool(block.class);
+                let mut p = DevicePointer::base(context.clone(), block.address, req.size, origin);
+                p.pool_shard = block.shard;
+                p.client = req.client;
                 if let Some(s) = stream {
-                    p.stream.store(s, Ordering::Relaxed);
+                    *p.stream.get_mut() = s;
                 }
-                p
+                DevicePointer::counted(context, p)
             }
             Source::Pool | Source::Driver => DevicePointer::from_driver(context, req, |ctx| {
                 // SAFETY: `ctx.raw()` is retained by the Context.
@@ -275,44 +183,25 @@ impl DevicePointer {
             let reg = services.registry.insert(address, req.size, context);
             (address, Some(reg))
         };
-        Ok(DevicePointer::counted(
-            context,
-            address,
-            req.size,
-            Origin::Driver,
-            matches!(req.source, Source::Managed { .. }),
-            registration,
-            0,
-            req.client,
-        ))
+        let mut p = DevicePointer::base(context.clone(), address, req.size, Origin::Driver);
+        p.managed = matches!(req.source, Source::Managed { .. });
+        p.registration = registration;
+        p.client = req.client;
+        Ok(DevicePointer::counted(context, p))
     }
 
-    /// A pointer to new memory of gpuptr's, counted (the pool counts its
-    /// own blocks under its shard lock) and noted for the leak report.
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    fn counted(
-        context: &Arc<Context>,
-        address: DevicePtr,
-        size: usize,
-        origin: Origin,
-        managed: bool,
-        registration: Option<Registration>,
-        pool_shard: u32,
-        client: Client,
-    ) -> Arc<Self> {
-        if !matches!(origin, Origin::Pool(_)) {
-            context.state().counters().allocated(size, client);
+    /// `p`, new memory of gpuptr's, counted (the pool counts its own blocks
+    /// under its shard lock) and noted for the leak report. Always inlined:
+    /// `p` is then built in place (a pool pair pays for a copy).
+    #[inline(always)]
+    fn counted(context: &Context, mut p: DevicePointer) -> Arc<Self> {
+        if !matches!(p.origin, Origin::Pool(_)) {
+            context.state().counters().allocated(p.size, p.client);
         }
-        let mut p = DevicePointer::base(context.clone(), address, size, origin);
-        p.managed = managed;
-        p.registration = registration;
-        p.pool_shard = pool_shard as u16;
-        p.client = client;
         // Noted by the leak report and the history once the caller gives
         // the site ([`DevicePointer::note_site`]): one load here while both
         // are off.
-        if address != 0 {
+        if p.address != 0 {
             p.observed = context.services().watch.get();
         }
         Arc::new(p)

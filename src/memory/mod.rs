@@ -10,6 +10,7 @@
 
 mod alloc;
 mod foreign;
+mod host;
 mod release;
 mod view;
 
@@ -21,11 +22,13 @@ use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream, STREAM_LEGACY, STREAM_PER_THREAD};
 use crate::error::Result;
 use crate::history::Live;
-use crate::host::HostMemory;
 use crate::lifetime::{check_live, release_keepalive, KeepAlive, Lifetime};
+use crate::pool::Block;
 use crate::registry::Registration;
 use crate::stats::Client;
 use crate::track::{Site, Watch};
+pub(crate) use alloc::AllocRequest;
+pub use host::{HostFlags, HostKind, HostMemory};
 pub use view::View;
 
 /// Memory lent to a consumer outside gpuptr ([`DevicePointer::lend`]): it
@@ -133,7 +136,7 @@ impl std::fmt::Debug for DevicePointer {
 /// it): the memory is not released until it drops.
 pub(crate) struct InUse<'a> {
     ptr: &'a DevicePointer,
-    _host: Option<crate::host::HostUse<'a>>,
+    _host: Option<host::HostUse<'a>>,
 }
 
 impl Drop for InUse<'_> {
@@ -344,6 +347,20 @@ impl DevicePointer {
         self.free()
     }
 
+    /// The pool block this memory is, of size class `class`, as it goes
+    /// back to the pool.
+    #[inline]
+    fn pool_block(&self, class: usize) -> Block {
+        Block {
+            epoch: self.generation,
+            address: self.address,
+            class,
+            shard: self.pool_shard,
+            size: self.size,
+            client: self.client,
+        }
+    }
+
     /// Note that an IPC handle of this memory went out (its liveness record
     /// is cleared when it is released).
     pub(crate) fn mark_exported(&self) {
@@ -432,16 +449,9 @@ impl DevicePointer {
             // SAFETY: a mapping `ipc_open_handle` made in this live context;
             // the release is claimed once, and no operation is in flight.
             Origin::Ipc if !stale => unsafe { release::ipc(ctx, self.address)? },
-            Origin::Pool(class) if !stale => release::pool(
-                ctx,
-                self.generation,
-                self.address,
-                class,
-                self.pool_shard,
-                self.size,
-                self.stream(),
-                self.client,
-            ),
+            Origin::Pool(class) if !stale => {
+                release::pool(ctx, self.pool_block(class), self.stream())
+            }
             // A stale block goes back to no pool; a graph's tag of it goes.
             Origin::Pool(_) => ctx.state().graphs().untag(self.address, self.generation),
             _ => {}

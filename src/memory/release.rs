@@ -7,8 +7,7 @@
 use crate::context::Context;
 use crate::driver::{DevicePtr, RawStream};
 use crate::error::Result;
-use crate::graph::KeptBlock;
-use crate::stats::Client;
+use crate::pool::Block;
 
 /// Free a `cuMemAlloc[Managed]` allocation.
 ///
@@ -34,40 +33,13 @@ pub(super) unsafe fn ipc(ctx: &Context, address: DevicePtr) -> Result<()> {
     unsafe { ctx.driver().ipc_close_handle(ctx.raw(), address) }
 }
 
-/// Hand the pool block at `address` back to `ctx`'s device: no driver
-/// call, no wait. The pool refuses it if the device was reset since
-/// `epoch`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn pool(
-    ctx: &Context,
-    epoch: u64,
-    address: DevicePtr,
-    class: usize,
-    shard: u16,
-    size: usize,
-    stream: Option<RawStream>,
-    client: Client,
-) {
+/// Hand `block` back to `ctx`'s device, freed on `stream`: no driver
+/// call, no wait. The pool refuses it if the device was reset since the
+/// block's epoch.
+#[inline]
+pub(super) fn pool(ctx: &Context, block: Block, stream: Option<RawStream>) {
     // A block a CUDA graph may still touch waits for the graph.
-    let block = KeptBlock {
-        epoch,
-        address,
-        class,
-        shard,
-        size,
-        client,
-    };
-    let Some(KeptBlock { address, .. }) = ctx.state().graphs().keep(block) else {
-        return;
-    };
-    ctx.state().pool_release(
-        ctx.raw(),
-        epoch,
-        address,
-        class,
-        u32::from(shard),
-        size,
-        stream,
-        client,
-    );
+    if let Some(block) = ctx.state().graphs().keep(block) {
+        ctx.state().pool_release(ctx.raw(), block, stream);
+    }
 }

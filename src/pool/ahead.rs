@@ -143,7 +143,7 @@ impl Pool {
     }
 
     /// Run `job` on the pool's growth helper: the owner's call of
-    /// [`Pool::grow_ahead`] for a block whose [`Block::ahead`] was set.
+    /// [`Pool::grow_ahead`] for a block whose [`Grant::ahead`] was set.
     pub(crate) fn post_ahead(&self, job: GrowJob) {
         self.grower.post(job);
     }

@@ -9,6 +9,7 @@ use super::class::{size_class, FastMap};
 use super::Pool;
 use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::stats::Client;
 use crate::sync::lock;
 
 /// When the pool grows while a fence is outstanding (a busy GPU), it carves
@@ -23,12 +24,31 @@ pub(super) const CARVE_MAX: usize = 64;
 /// At most this many blocks per allocation of a reservation.
 pub(super) const RESERVE_MAX: usize = 1024;
 
-/// A block handed out by [`Pool::alloc`]: where it is and where it goes back.
+/// One pool block as its owner gives it back, the same from the pointer
+/// through a CUDA graph that keeps it to [`Pool::release`]: where it is,
+/// where it goes back, and what it was handed out for.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
+    /// The device's reset epoch it was handed out in: its device refuses
+    /// it after a reset, its memory gone (the pool knows no epochs).
+    pub epoch: u64,
     pub address: DevicePtr,
     pub class: usize,
-    pub shard: u32,
+    /// The shard it goes back to (shards are at most 1024).
+    pub shard: u16,
+    /// The bytes it was handed out for.
+    pub size: usize,
+    /// Who asked for it (statistics).
+    pub client: Client,
+}
+
+/// What [`Pool::alloc`] hands out: where the block is and where it goes
+/// back, and what its owner does next.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub address: DevicePtr,
+    pub class: usize,
+    pub shard: u16,
     /// The driver allocation this request made, if it made one (this block
     /// is its first). Its owner registers each block's range.
     pub new_allocation: Option<Allocation>,

@@ -21,8 +21,9 @@
 //! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
 //!   [`PoolConfig::fence_bytes`] bytes are pending, and on any miss that
 //!   finds blocks pending. Out of memory seals every shard, *waits* for the
-//!   fence, and retries, before the cache is trimmed and the driver asked
-//!   once more.
+//!   fence, and retries; past that rung its owner (the device's ladder,
+//!   `device/oom.rs`) gives the cache back to the driver and asks again, up
+//!   to four rounds while each trim frees something.
 //!
 //! **Growth.** On an idle device a miss allocates one block
 //! (`cuMemAlloc`). While a fence is outstanding (a busy GPU holds freed
@@ -47,9 +48,10 @@
 //! The pool's rooms: `class` (size classes), `shard` (one lock's cache),
 //! `fence` (the fence thread), `ahead` (growth ahead, on its own thread),
 //! `helper` (the skeleton both threads share), `held` (driver allocations,
-//! carving, the limit, trim), `oom` (the fence rung of out of memory), and
-//! this façade. It knows nothing of pointers: a release hands it an
-//! address, a class and a shard.
+//! carving, the limit, trim, and [`Block`]), `oom` (the fence rung of out
+//! of memory), `host` (the cache of pinned host memory, one shard per flag
+//! combination under the same fence), and this façade. It knows nothing of
+//! pointers: a release hands it a [`Block`].
 
 mod ahead;
 mod class;
@@ -74,7 +76,7 @@ use ahead::{Grower, AHEAD_WAIT};
 pub use class::size_class;
 use class::{class_index, class_of_index, FastMap, SMALL_CLASSES};
 use fence::Fencer;
-pub(crate) use held::{Allocation, Block};
+pub(crate) use held::{Allocation, Block, Grant};
 use held::{Growth, Held, CARVE_MAX};
 pub(crate) use host::HostBlock;
 use host::HostCache;
@@ -355,14 +357,14 @@ impl Pool {
         stream: Option<RawStream>,
         device: usize,
         client: Client,
-    ) -> Result<Block> {
+    ) -> Result<Grant> {
         let class = size_class(size);
         let index = class_index(class);
         let own = self.own_shard();
-        let block = |address, new_allocation, ahead| Block {
+        let block = |address, new_allocation, ahead| Grant {
             address,
             class,
-            shard: own as u32,
+            shard: own as u16,
             new_allocation,
             ahead,
         };
@@ -420,24 +422,23 @@ impl Pool {
         Ok(block(new.base, Some(new), ahead))
     }
 
-    /// Take back `block`, handed out by [`Pool::alloc`] for `size` bytes,
-    /// freed on `stream` (`None`: no stream known). No driver call, and no
-    /// wait. `still_valid` is asked under the shard lock, which a reset's
+    /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`
+    /// (`None`: no stream known). No driver call, and no wait.
+    /// `still_valid` is asked under the shard lock, which a reset's
     /// [`Pool::forget`] takes too: a block of a context reset since is
     /// refused, its memory gone.
     pub(crate) fn release(
         &self,
         context: RawContext,
         block: Block,
-        size: usize,
         stream: Option<RawStream>,
-        client: Client,
         still_valid: impl FnOnce() -> bool,
     ) {
         let mut sh = self.shard(block.shard as usize & (self.shards.len() - 1));
         if !still_valid() {
             return;
         }
+        let (size, client) = (block.size, block.client);
         // Saturating: a reset racing an allocation on another thread may have
         // zeroed the counts after this block was counted (no panic in a deleter).
         sh.live_bytes = sh.live_bytes.saturating_sub(size);

@@ -5,10 +5,22 @@ use std::time::{Duration, Instant};
 
 use super::ahead::AHEAD_WAIT;
 use super::class::size_class;
-use super::{Pool, PoolConfig};
+use super::{Block, Grant, Pool, PoolConfig};
 use crate::driver::{Driver, SimConfig, SimDriver};
 use crate::stats::Client;
 use crate::sync::lock;
+
+/// The block that `grant`, handed out for `size` bytes, gives back.
+fn back(grant: Grant, size: usize) -> Block {
+    Block {
+        epoch: 0,
+        address: grant.address,
+        class: grant.class,
+        shard: grant.shard,
+        size,
+        client: Client::Direct,
+    }
+}
 
 /// The pool over a bare simulator, with no Runtime.
 #[test]
@@ -19,7 +31,7 @@ fn pool_reuses_only_after_its_fence_without_a_runtime() {
     let a = pool.alloc(ctx, 4096, None, 0, Client::Direct).unwrap();
     assert!(a.new_allocation.is_some());
     sim.queue_write(0x99, a.address, &[1; 4]).unwrap();
-    pool.release(ctx, a, 4096, None, Client::Direct, || true);
+    pool.release(ctx, back(a, 4096), None, || true);
     let b = pool.alloc(ctx, 4096, None, 0, Client::Direct).unwrap();
     assert_ne!(b.address, a.address, "queued work still writes a");
     assert_eq!(pool.stats().pending_bytes, 4096);
@@ -28,8 +40,8 @@ fn pool_reuses_only_after_its_fence_without_a_runtime() {
     let c = pool.alloc(ctx, 4096, None, 0, Client::Direct).unwrap();
     assert_eq!(c.address, a.address);
     assert!(c.new_allocation.is_none());
-    pool.release(ctx, b, 4096, None, Client::Direct, || true);
-    pool.release(ctx, c, 4096, Some(5), Client::Direct, || true);
+    pool.release(ctx, back(b, 4096), None, || true);
+    pool.release(ctx, back(c, 4096), Some(5), || true);
     assert_eq!(
         pool.alloc(ctx, 4096, Some(5), 0, Client::Direct)
             .unwrap()
@@ -61,7 +73,7 @@ fn pool_out_of_memory_claims_a_cached_block_against_churning_threads() {
             s.spawn(move || {
                 for i in 0..20_000 {
                     match pool.alloc(ctx, 1 << 20, None, 0, Client::Direct) {
-                        Ok(b) => pool.release(ctx, b, 1 << 20, None, Client::Direct, || true),
+                        Ok(b) => pool.release(ctx, back(b, 1 << 20), None, || true),
                         Err(e) => panic!("thread {t}, pair {i}: {e:?}"),
                     }
                 }
@@ -103,7 +115,7 @@ fn a_miss_waits_for_the_helpers_growth_of_its_class_then_takes_from_it() {
         let b = pool.alloc(ctx, 1 << 16, None, 0, Client::Direct).unwrap();
         assert!(b.new_allocation.is_none(), "no driver call of its own");
         assert_eq!(calls(), 1, "the helper's allocation only");
-        pool.release(ctx, b, 1 << 16, None, Client::Direct, || true);
+        pool.release(ctx, back(b, 1 << 16), None, || true);
     });
     assert_eq!(*lock(&pool.ahead), None, "the request is over");
     // Nobody delivers: the miss goes to the driver after the bound.
@@ -112,7 +124,7 @@ fn a_miss_waits_for_the_helpers_growth_of_its_class_then_takes_from_it() {
     let t = Instant::now();
     let c = pool.alloc(ctx, 1 << 18, None, 0, Client::Direct).unwrap();
     assert!(t.elapsed() >= AHEAD_WAIT && c.new_allocation.is_some());
-    pool.release(ctx, c, 1 << 18, None, Client::Direct, || true);
+    pool.release(ctx, back(c, 1 << 18), None, || true);
     sim.complete(None);
     assert!(pool.flush(ctx));
     assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
@@ -136,14 +148,14 @@ fn a_miss_ends_the_pause_in_growth_ahead() {
     // A busy GPU: queued work holds every block freed from now on.
     let first = pool.alloc(ctx, 1 << 20, None, 0, Client::Direct).unwrap();
     sim.queue_write(0x99, first.address, &[1; 4]).unwrap();
-    pool.release(ctx, first, 1 << 20, None, Client::Direct, || true);
+    pool.release(ctx, back(first, 1 << 20), None, || true);
     // The pause an idle GPU earned.
     lock(&pool.shards[0].0).ahead_cooldown = super::ahead::AHEAD_COOLDOWN;
     let mut asked = false;
     for _ in 0..64 {
         let b = pool.alloc(ctx, 1 << 20, None, 0, Client::Direct).unwrap();
         asked |= b.ahead;
-        pool.release(ctx, b, 1 << 20, None, Client::Direct, || true);
+        pool.release(ctx, back(b, 1 << 20), None, || true);
         if asked {
             break;
         }

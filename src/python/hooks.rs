@@ -216,8 +216,12 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     drop(mem);
 }
 
-/// PyTorch's allocation hook: `size` bytes on `device` for `stream`. Null on
-/// failure (out of memory, no driver, a bad device) or for zero bytes.
+/// PyTorch's allocation hook: `size` bytes on `device` for `stream`; null
+/// for zero bytes. A failure (out of memory, no driver, a bad device) is
+/// thrown as PyTorch's own exception once [`_hooks_torch_errors`] found
+/// its thrower (an out-of-memory one says "CUDA out of memory.", as
+/// PyTorch's does), and is a null pointer only before that, or when this
+/// thread's storage is gone; each failure is counted.
 ///
 /// # Safety
 /// Called by PyTorch with the arguments its pluggable allocator passes; no

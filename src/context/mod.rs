@@ -1,6 +1,8 @@
 //! [`Context`]: a device's primary CUDA context, retained while any holder
 //! (a pointer, a view, a Python object) keeps it.
 
+mod alloc;
+
 use std::sync::Arc;
 
 use crate::device::{DeviceState, Services};
@@ -165,6 +167,16 @@ impl Context {
         crate::fork::check()?;
         // SAFETY: `self.raw` is retained by this Context.
         unsafe { self.driver().set_current_context(self.raw) }
+    }
+}
+
+impl crate::graph::Owner for Context {
+    fn graph_memory(&self) -> &crate::graph::GraphMemory {
+        self.state.graphs()
+    }
+
+    fn device(&self) -> usize {
+        self.device
     }
 }
 

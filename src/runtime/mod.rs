@@ -6,6 +6,9 @@
 //! Python uses [`Runtime::global`]; Rust code and tests can make their own
 //! (for example over a [`SimDriver`](crate::SimDriver)).
 
+mod ipc;
+mod wrap;
+
 use std::sync::{Arc, OnceLock};
 
 use crate::context::Context;
@@ -14,12 +17,12 @@ use crate::driver::{self, Driver, DriverChoice, DriverKind, RawStream, SimDriver
 use crate::error::Result;
 use crate::history::History;
 use crate::ipc::liveness::Exports;
-use crate::ipc::Ipc;
 use crate::pool::PoolConfig;
 use crate::registry::Registry;
 use crate::snapshot::Snapshot;
 use crate::stats::{ClassStats, DeviceStats};
 use crate::track::{Outstanding, Tracker, Watch};
+use ipc::Ipc;
 
 /// The process-wide runtime ([`Runtime::global`]).
 static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
@@ -33,15 +36,14 @@ pub struct Runtime {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        // A device's destroyed graphs, and the captures it still lists,
-        // hold its context (and so the device) until they are given back:
-        // with no runtime left to give them back later, do it now.
+        // A device's destroyed graphs hold its context (and so the device)
+        // until their blocks are given back on a caller's thread: with no
+        // runtime left to give them back later, do it now.
         if crate::fork::forked() {
             return;
         }
         for d in &self.devices {
-            d.graphs().bury();
-            d.graphs().forget_captures();
+            d.bury();
         }
     }
 }
@@ -94,7 +96,7 @@ impl Runtime {
         self.check_device(device)?;
         // A forked child never gives back its parent's memory.
         crate::fork::check()?;
-        self.devices[device].graphs().bury();
+        self.devices[device].bury();
         Ok(self.devices[device].flush())
     }
 
@@ -103,7 +105,7 @@ impl Runtime {
         crate::fork::check()?;
         let mut freed = 0;
         for d in &self.devices {
-            d.graphs().bury();
+            d.bury();
             if let Some(ctx) = d.existing() {
                 freed += d.trim(&ctx)?;
             }
@@ -168,7 +170,7 @@ impl Runtime {
         self.check_device(device)?;
         let ctx = self.context(device)?;
         // SAFETY: this fn's contract.
-        unsafe { ctx.state().graphs().start(&ctx, stream) }
+        unsafe { ctx.state().capture_started(&ctx, stream) }
     }
 
     /// Bytes of `device`'s pool that CUDA graphs keep: freed, and reused
@@ -176,9 +178,9 @@ impl Runtime {
     pub fn graph_kept_bytes(&self, device: usize) -> Result<usize> {
         self.check_device(device)?;
         crate::fork::check()?;
-        let graphs = self.devices[device].graphs();
-        graphs.bury();
-        Ok(graphs.kept_bytes())
+        let d = &self.devices[device];
+        d.bury();
+        Ok(d.graphs().kept_bytes())
     }
 
     /// Whether a capture begun with [`Runtime::begin_capture`] is under way

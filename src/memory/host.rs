@@ -442,10 +442,3 @@ impl Drop for HostMemory {
         }
     }
 }
-
-impl Context {
-    /// Allocate `size` bytes of pinned host memory in this context.
-    pub fn alloc_host(self: &Arc<Self>, size: usize, flags: HostFlags) -> Result<Arc<HostMemory>> {
-        HostMemory::alloc(self, size, flags)
-    }
-}

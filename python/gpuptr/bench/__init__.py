@@ -1,0 +1,112 @@
+"""``python -m gpuptr bench``: gpuptr against what users would otherwise
+use, measured side by side in one run on the same GPU.
+
+Each row times a gpuptr operation and a named baseline (best of N runs
+after a warm-up, the two sides' runs interleaved) and reports the speed-up
+``baseline / gpuptr`` (above 1: gpuptr is faster; the JSON row's
+``ratio``). A baseline whose library is missing is reported as skipped.
+Rows about numba's memory manager run in child processes, because numba
+picks its manager once per process. Results print as a table and go to
+JSON.
+
+The package:
+
+- ``_timing``: the timing primitives (:func:`best_ns` and its kin);
+- ``_bench``: :class:`Bench`, which measures rows and keeps each as a
+  :class:`Result`;
+- ``_child``: running a script of ``children/`` in a child process;
+- ``children/``: those scripts, one plain Python file each;
+- one module a row group (``context``, ``alloc``, ``numba``, ``pinned``,
+  ...), each with a function ``rows(b)``, run in the order of ``GROUPS``;
+- ``spin``: the busy GPU (a sleeping kernel on a non-blocking stream) of
+  the busy rows and of ``benches/busy_*.py``;
+- ``report``: the report's ``meta``, the table and the plot;
+- ``command``: the options and the command line.
+
+Adding a row group: write ``gpuptr/bench/<area>.py`` with a docstring
+saying what it compares and a ``rows(b: Bench) -> None`` that adds its
+rows, then name the module in ``GROUPS`` where its rows should print. In
+``rows``: ``b.row(name, baseline, setup)`` times a pair of callables here
+(``setup`` returns ``(ours, theirs)``, or raises to skip the row; call
+``b.need_gpu()`` first if it needs a GPU), and ``b.measure(name,
+baseline, fn)`` takes a row that times itself: ``fn`` returns a
+:class:`Measured` or raises to skip, e.g. with
+``_child.child_ns("<script>", ...)`` for a script added to ``children/``.
+``b.quick``, ``b.n`` and ``b.repeat`` size the runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+from typing import Any, Callable, Dict, Optional, TextIO
+
+from gpuptr.bench._bench import Bench, Measured, Pair, Result, Skipped
+from gpuptr.bench._timing import best_ns, interleaved_runs_ns, runs_ns
+from gpuptr.bench.busy import busy_devarray
+from gpuptr.bench.command import DESCRIPTION, add_arguments, check_arguments, main, run_command
+from gpuptr.bench.library import library_alloc_ns
+from gpuptr.bench.report import format_table, plot
+
+__all__ = [
+    "DESCRIPTION",
+    "GROUPS",
+    "Bench",
+    "Measured",
+    "Pair",
+    "Result",
+    "Skipped",
+    "add_arguments",
+    "best_ns",
+    "busy_devarray",
+    "check_arguments",
+    "format_table",
+    "interleaved_runs_ns",
+    "library_alloc_ns",
+    "main",
+    "plot",
+    "run",
+    "run_command",
+    "runs_ns",
+]
+
+#: The row groups, in the order their rows run and print: modules of this
+#: package, each with a ``rows(b: Bench) -> None``.
+GROUPS = (
+    "context",
+    "cai",
+    "observability",
+    "alloc",
+    "launch",
+    "numba",
+    "library",
+    "busy",
+    "graph",
+    "cuda_core",
+    "mlir",
+    "pinned",
+    "ipc",
+)
+
+
+def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = None) -> Dict[str, Any]:
+    """Run every row (or those whose name or baseline contains ``only``,
+    ignoring case); returns ``{"meta": ..., "rows": [...]}``."""
+    import gpuptr
+    from gpuptr.bench.report import meta
+
+    info = gpuptr.driver_info()
+    b = Bench(quick, out, only, on_gpu=info["driver"] == "cuda")
+    print(f"gpuptr bench on {info['driver']} ({'quick' if quick else 'full'})", file=out, flush=True)
+
+    # Held for the whole run: the context rows look up addresses inside it.
+    mem = gpuptr.alloc(1 << 22)
+    addr = mem.device_pointer_value
+    assert addr is not None
+    b.addr = addr
+
+    for group in GROUPS:
+        rows: Callable[[Bench], None] = import_module(f"gpuptr.bench.{group}").rows
+        rows(b)
+    return {"meta": meta(info, quick), "rows": [r.__dict__ for r in b.results]}
+

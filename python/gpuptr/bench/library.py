@@ -1,0 +1,38 @@
+"""CuPy's and PyTorch's allocation through gpuptr against their own pools
+and RMM's, each in its own process. Processes differ, so each allocator
+runs in alternating rounds and keeps its best."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from gpuptr.bench._bench import Bench
+from gpuptr.bench._child import best_of_rounds, child_ns, pick
+
+
+def library_alloc_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
+    """``cp.empty(1 MiB)`` (``lib="cupy"``) or ``torch.empty(1 MiB)``
+    (``"torch"``) alloc+free, in ns, in a child process whose allocator is
+    ``allocator``: ``"own"`` (the library's pool), ``"gpuptr"``,
+    ``"gpuptr-ordered"`` (``stream_ordered=True``) or ``"rmm"`` (RMM's pool
+    through its allocator for that library)."""
+    return child_ns("lib_alloc", lib, allocator, n, repeat)
+
+
+def rows(b: Bench) -> None:
+    n_lib = 2000 if b.quick else 20000
+    rounds = 2 if b.quick else 3
+    for lib, what in (("cupy", "cp.empty(1 MiB)+free"), ("torch", "torch.empty(1 MiB, cuda)+free")):
+        rows = [
+            (f"{what}, gpuptr", "gpuptr", "own", f"{lib}'s own pool"),
+            (f"{what}, gpuptr", "gpuptr", "rmm", f"RMM pool (rmm.allocators.{lib})"),
+            (f"{what}, gpuptr stream_ordered", "gpuptr-ordered", "own", f"{lib}'s own pool"),
+        ]
+        rows = [r for r in rows if b.wants(r[0], r[3])]
+        if not rows:
+            continue
+        b.say(f"{what} under gpuptr, {lib}'s own pool and RMM")
+        allocators = sorted({r[1] for r in rows} | {r[2] for r in rows})
+        best, failed = best_of_rounds(lib, allocators, rounds, n_lib, b.repeat, b.on_gpu, library_alloc_ns)
+        for row, mine, peer, label in rows:
+            b.record(row, label, partial(pick, best, failed, mine, peer))

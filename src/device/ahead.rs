@@ -1,0 +1,116 @@
+//! Growth ahead of demand, as the device orchestrates it: the pool's
+//! helper grows a class while the context is still the device's live one,
+//! and reservations fill the pool up front.
+
+use std::sync::{Arc, Weak};
+
+use super::DeviceState;
+use crate::context::Context;
+use crate::driver::RawContext;
+use crate::error::{Error, Result};
+use crate::pool::{Allocation, Pool};
+use crate::sync::lock;
+
+impl DeviceState {
+    /// Ask the pool's helper to grow `class` ahead of demand in `shard`
+    /// (see [`PoolConfig::ahead_bytes`]). The job holds the device and the
+    /// context only weakly: it never keeps a context alive, so dropping the
+    /// last user handle still gives the pool back at once, on the caller's
+    /// thread.
+    pub(super) fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, shard: usize, class: usize) {
+        let me = Arc::downgrade(ctx.state());
+        let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
+        pool.post_ahead(Box::new(move || {
+            if let Some(me) = me.upgrade() {
+                me.grow_ahead(&weak, raw, epoch, shard, class);
+            }
+        }));
+    }
+
+    /// On the pool's helper: grow `class` ahead in `shard`, register the
+    /// new blocks, and stock them, while `weak` (whose handle is `raw`) is
+    /// still this device's live context in `epoch`. All under the recovery lock, which a reset and
+    /// the last drop's teardown take before they give memory or the
+    /// context back: so the context stays retained through the driver
+    /// call, and a reset or teardown waits for at most this one allocation
+    /// and then frees its blocks with the rest.
+    fn grow_ahead(
+        &self,
+        weak: &Weak<Context>,
+        raw: RawContext,
+        epoch: u64,
+        shard: usize,
+        class: usize,
+    ) {
+        let Some(pool) = &self.pool else {
+            return;
+        };
+        let _recovering = lock(&self.recovery);
+        // A live context born in the current epoch is the slot's (a
+        // successor needs this one gone, or a reset: a new epoch; a context
+        // kept across a reset was born in an older one), and one whose
+        // handle is still the device's is not being reset (a reset clears
+        // the handle before it takes the recovery lock).
+        let live = weak.strong_count() > 0 && self.epoch() == epoch && self.live_raw() == raw;
+        if !live || crate::fork::forked() {
+            pool.ahead_over(shard, class);
+            return;
+        }
+        let grown = pool.grow_ahead(raw, shard, class, |a| self.register_weak(weak, a));
+        if let Some(a) = grown {
+            log::debug!(
+                target: "gpuptr::pool",
+                "device {}: grew ahead by {} bytes ({} block(s) of {} bytes)",
+                self.device,
+                a.bytes(),
+                a.blocks,
+                a.class
+            );
+        }
+    }
+
+    /// Fill the pool with about `bytes` of ready blocks of `size`'s class;
+    /// the bytes reserved (an unpooled device reserves nothing).
+    pub(crate) fn reserve(&self, ctx: &Arc<Context>, size: usize, bytes: usize) -> Result<usize> {
+        Error::check_request(self.device, size)?;
+        let Some(pool) = &self.pool else {
+            return Ok(0);
+        };
+        // More than the device has free would take all of it and still
+        // fall short: refused whole, naming what there is.
+        if let Ok((free, total)) = ctx.memory_info() {
+            if bytes > free {
+                use crate::error::bytes as human;
+                return Err(Error::OutOfMemory {
+                    device: self.device,
+                    requested: bytes,
+                    detail: format!(
+                        " for a reservation; the device has {} free of {} (reserve less, or a share such as \"80%\" of what is free)",
+                        human(free),
+                        human(total)
+                    ),
+                });
+            }
+        }
+        let (made, r) = pool.reserve(ctx.raw(), size, bytes);
+        for a in &made {
+            self.register(ctx, a);
+        }
+        let reserved = made.iter().map(Allocation::bytes).sum();
+        log::debug!(
+            target: "gpuptr::pool",
+            "device {}: reserved {} of {} bytes in blocks of {} bytes ({} driver allocation(s))",
+            self.device,
+            reserved,
+            bytes,
+            crate::size_class(size.max(1)),
+            made.len()
+        );
+        match r {
+            // Out of memory part way: what was reserved stays; say so only
+            // when nothing could be.
+            Err(e) if e.is_oom() && reserved > 0 => Ok(reserved),
+            r => r.map(|()| reserved),
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! The ends of a device's memory: a trim gives the cache back to the
+//! driver, a reset turns every live allocation stale, and the last drop of
+//! a context tears its pool down.
+
+use std::sync::atomic::Ordering;
+
+use super::DeviceState;
+use crate::context::Context;
+use crate::driver::RawContext;
+use crate::error::Result;
+use crate::pool::Allocation;
+use crate::sync::lock;
+use crate::track::Watch;
+
+impl DeviceState {
+    /// Return the pool's cache to the driver; the bytes freed.
+    pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
+        let _recovering = lock(&self.recovery);
+        self.trim_logged(ctx, false)
+    }
+
+    /// [`DeviceState::trim`], with the recovery lock held; `everything`
+    /// when the context is ending (see [`Pool::trim`]).
+    fn trim_logged(&self, ctx: &Context, everything: bool) -> Result<usize> {
+        let r = self.trim_locked(ctx, everything);
+        // The host cache too (not on the out-of-memory ladder: pinned
+        // memory is the host's, not the device's).
+        let r = match self
+            .pool
+            .as_ref()
+            .map(|p| p.host_trim(ctx.raw(), everything))
+        {
+            Some((freed, host)) => r.and_then(|n| host.map(|()| n + freed)),
+            None => r,
+        };
+        match &r {
+            Ok(freed) => log::debug!(
+                target: "gpuptr::pool",
+                "device {}: trim returned {} bytes to the driver",
+                self.device,
+                freed
+            ),
+            Err(e) => log::warn!(
+                target: "gpuptr::pool",
+                "device {}: trim: a driver free failed ({e}); that memory stays cached",
+                self.device
+            ),
+        }
+        r
+    }
+
+    pub(super) fn trim_locked(&self, ctx: &Context, everything: bool) -> Result<usize> {
+        let Some(pool) = &self.pool else {
+            return Ok(0);
+        };
+        let (freed, r) = pool.trim(
+            ctx.raw(),
+            everything,
+            // Before the free: the driver may hand the addresses to another
+            // thread's allocation, registered anew, at once after it.
+            |a| self.unregister([*a]),
+            // A failed free leaves the allocation cached: known again (unless
+            // the context is going away).
+            |a| {
+                if let Some(live) = self.existing().filter(|c| std::ptr::eq(&**c, ctx)) {
+                    self.register(&live, a);
+                }
+            },
+        );
+        let bytes = freed.iter().map(Allocation::bytes).sum();
+        r.map(|()| bytes)
+    }
+
+    /// Prepare for the context being reset (numba's `cuda.close()`): the
+    /// cache goes back to the driver, every live allocation turns stale, and
+    /// the next use retains the primary context afresh. Never waits for the
+    /// pool's fence thread.
+    pub(crate) fn reset(&self) -> Result<()> {
+        let Some(ctx) = self.existing() else {
+            return Ok(());
+        };
+        self.forget_raw(ctx.raw());
+        // One recovery hold for the trim, the new epoch and the forget: the
+        // pool's helper grows only under it, so it neither stocks blocks of
+        // the old context nor records them after the forget.
+        let recovering = lock(&self.recovery);
+        let trimmed = self.trim_logged(&ctx, true);
+        // A new epoch first: the pool then refuses blocks of the old one,
+        // and forgets the ones it has under the same locks.
+        self.invalidate();
+        // The history: the live allocations go before their segments.
+        let recording = self.services.watch.on(Watch::HISTORY);
+        self.services.history.forget_device(self.device, recording);
+        if let Some(pool) = &self.pool {
+            let held = pool.forget();
+            self.unregister(held);
+        }
+        drop(recovering);
+        // After the reset the old CUcontext is dead. Holders of the old
+        // Context (stale pointers) release their retain when they go; the
+        // device's own hold goes now, outside the lock.
+        let old = std::mem::take(&mut *lock(&self.slot));
+        drop(old);
+        self.counters.forget_live();
+        log::info!(
+            target: "gpuptr::context",
+            "device {}: context reset; its live allocations are stale from now on",
+            self.device
+        );
+        trimmed.map(|_| ())
+    }
+
+    /// At the last drop of a context born in epoch `born`: give the cache
+    /// back before the retain that keeps it valid goes. A context of an
+    /// older epoch (detached by a reset) no longer owns the pool.
+    pub(crate) fn teardown(&self, ctx: &Context, born: u64) {
+        // Before the release: the handle may name another context after it.
+        self.forget_raw(ctx.raw());
+        if born == self.epoch() {
+            let _recovering = lock(&self.recovery);
+            let _ = self.trim_logged(ctx, true);
+        }
+    }
+
+    fn forget_raw(&self, raw: RawContext) {
+        let _ = self
+            .raw
+            .compare_exchange(raw, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,395 @@
+//! [`DeviceState`]: everything gpuptr keeps about one device, with one
+//! owner. PyTorch's `DeviceCachingAllocator` is the model: one object per
+//! device owns its context slot and hold, its reset epoch, its pool, the
+//! registry entries of the pool's blocks, its counters, and the
+//! out-of-memory ladder. Reset and teardown are its methods.
+//!
+//! It holds the [`Services`] it needs (the driver, the registry, the leak
+//! report, the IPC liveness file), never the [`Runtime`](crate::Runtime):
+//! calls go from the runtime down to the device, from the device to the
+//! pool, and from the pool to the driver.
+//!
+//! The rooms: this file holds the state, its context slot and reset epoch,
+//! and the pool's plain paths; `oom` is the whole out-of-memory ladder above
+//! the pool; `ahead` orchestrates growth ahead and reservations;
+//! `lifecycle` is trim, reset and teardown.
+
+mod ahead;
+mod lifecycle;
+mod oom;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::context::Context;
+use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
+use crate::error::{Error, Result};
+use crate::graph::GraphMemory;
+use crate::history::History;
+use crate::ipc::liveness::Exports;
+use crate::pool::{Allocation, Block, HostBlock, Pool, PoolConfig};
+use crate::registry::{ReadOnlyRanges, Registry};
+use crate::stats::{ClassStats, DeviceCounters, DeviceStats};
+use crate::sync::lock;
+use crate::track::{Tracker, Watch};
+
+/// What every device of a runtime shares: the driver and the books kept
+/// across devices.
+pub(crate) struct Services {
+    pub(crate) driver: Arc<dyn Driver>,
+    /// The pointer→context registry.
+    pub(crate) registry: Registry<Context>,
+    /// What allocations note: the leak report, the history, or both.
+    pub(crate) watch: Watch,
+    /// The leak report.
+    pub(crate) tracker: Tracker,
+    /// The allocation history.
+    pub(crate) history: History,
+    /// The IPC liveness slots of this process's exports.
+    pub(crate) exports: Exports,
+    /// The read-only host ranges: no pointer over them is writable.
+    pub(crate) read_only: ReadOnlyRanges,
+}
+
+/// One device's state (see the module documentation).
+pub(crate) struct DeviceState {
+    device: usize,
+    services: Arc<Services>,
+    slot: Mutex<Slot>,
+    pool: Option<Pool>,
+    counters: DeviceCounters,
+    /// Held while the cache goes back to the driver (a trim, or an
+    /// out-of-memory retry), while growth ahead allocates and stocks, and
+    /// through a reset: so no thread's trim holds blocks in transit that
+    /// another thread's retry looks for, and nothing grows for a context
+    /// that a reset or teardown is ending.
+    recovery: Mutex<()>,
+    /// The raw handle of the live context (0: none), so the current
+    /// device is found from `cuCtxGetCurrent` alone.
+    raw: AtomicUsize,
+    /// The reset epoch: bumped when the context is reset (or invalidated);
+    /// memory made in an older epoch is gone, and is never freed.
+    epoch: AtomicU64,
+    /// Pool blocks that CUDA graphs keep.
+    graphs: GraphMemory,
+}
+
+/// A device's live context, and the runtime's own hold on it, if taken
+/// ([`DeviceState::context`] with `hold`): while held, `live` always
+/// upgrades to it.
+#[derive(Default)]
+struct Slot {
+    live: Weak<Context>,
+    held: Option<Arc<Context>>,
+}
+
+impl DeviceState {
+    pub(crate) fn new(device: usize, services: Arc<Services>, pool: Option<PoolConfig>) -> Self {
+        DeviceState {
+            device,
+            pool: pool.map(|c| {
+                let s = services.clone();
+                Pool::new(c, services.driver.clone()).on_segments(Box::new(move |made, a| {
+                    if s.watch.on(Watch::HISTORY) {
+                        s.history.segment(made, device, a.base, a.bytes());
+                    }
+                }))
+            }),
+            services,
+            slot: Mutex::new(Slot::default()),
+            counters: DeviceCounters::default(),
+            recovery: Mutex::new(()),
+            raw: AtomicUsize::new(0),
+            epoch: AtomicU64::new(0),
+            graphs: GraphMemory::default(),
+        }
+    }
+
+    /// The memory CUDA graphs of this device keep.
+    #[inline]
+    pub(crate) fn graphs(&self) -> &GraphMemory {
+        &self.graphs
+    }
+
+    /// The device ordinal.
+    #[inline]
+    pub(crate) fn ordinal(&self) -> usize {
+        self.device
+    }
+
+    #[inline]
+    pub(crate) fn services_arc(&self) -> &Arc<Services> {
+        &self.services
+    }
+
+    #[inline]
+    pub(crate) fn driver(&self) -> &dyn Driver {
+        self.services.driver.as_ref()
+    }
+
+    #[inline]
+    pub(crate) fn counters(&self) -> &DeviceCounters {
+        &self.counters
+    }
+
+    #[inline]
+    pub(crate) fn pooled(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// The current reset epoch.
+    #[inline]
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Start a new epoch: everything made so far is stale.
+    pub(crate) fn invalidate(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The raw handle of the live context (0: none).
+    #[inline]
+    pub(crate) fn live_raw(&self) -> RawContext {
+        self.raw.load(Ordering::Acquire)
+    }
+
+    /// The live context, if some holder keeps one.
+    pub(crate) fn existing(&self) -> Option<Arc<Context>> {
+        lock(&self.slot).live.upgrade()
+    }
+
+    /// The live context, retained if none is; with `hold`, also kept alive
+    /// by the device until a reset or [`DeviceState::release_hold`].
+    pub(crate) fn context(self: &Arc<Self>, hold: bool) -> Result<Arc<Context>> {
+        let mut slot = lock(&self.slot);
+        let ctx = match slot.live.upgrade() {
+            Some(ctx) => ctx,
+            None => {
+                let ctx = Arc::new(Context::retain(self.clone())?);
+                slot.live = Arc::downgrade(&ctx);
+                self.raw.store(ctx.raw(), Ordering::Release);
+                log::debug!(
+                    target: "gpuptr::context",
+                    "device {}: retained the primary context {:#x}",
+                    self.device,
+                    ctx.raw()
+                );
+                ctx
+            }
+        };
+        if hold && slot.held.is_none() {
+            slot.held = Some(ctx.clone());
+        }
+        Ok(ctx)
+    }
+
+    /// Let the device's own hold on its context go (its holders keep it).
+    pub(crate) fn release_hold(&self) {
+        let held = lock(&self.slot).held.take();
+        drop(held);
+    }
+
+    /// Give `block` of the context `raw` back to the pool, freed on
+    /// `stream` (see [`Pool::release`]); a block of an older epoch is
+    /// refused, its memory gone with the reset.
+    #[inline]
+    pub(crate) fn pool_release(&self, raw: RawContext, block: Block, stream: Option<RawStream>) {
+        if let Some(pool) = &self.pool {
+            pool.release(raw, block, stream, || self.epoch() == block.epoch);
+        }
+    }
+
+    /// Give back the blocks of this device's destroyed CUDA graphs, if any
+    /// (one load when none), through the pool's fence: no driver call here,
+    /// no wait.
+    #[inline]
+    pub(crate) fn bury(&self) {
+        self.graphs
+            .bury(|raw, blocks| self.give_back_kept(raw, blocks));
+    }
+
+    #[cold]
+    fn give_back_kept(&self, raw: RawContext, blocks: &mut dyn Iterator<Item = Block>) {
+        let (mut n, mut bytes) = (0, 0);
+        for b in blocks {
+            (n, bytes) = (n + 1, bytes + b.size);
+            self.pool_release(raw, b, None);
+        }
+        if n != 0 {
+            log::debug!(
+                target: "gpuptr::pool",
+                "device {}: a CUDA graph was destroyed; {} block(s) ({} bytes) go back to the pool",
+                self.device,
+                n,
+                bytes
+            );
+        }
+    }
+
+    /// Register each block of a pool allocation with its own range, so a
+    /// wrap inside one is bound-checked against that block, not its
+    /// neighbours in the allocation. The registry is the one record of
+    /// these entries: they go by address, with the context that made them.
+    fn register(&self, ctx: &Arc<Context>, a: &Allocation) {
+        self.register_weak(&Arc::downgrade(ctx), a);
+    }
+
+    /// [`DeviceState::register`] for a context held weakly (the pool's
+    /// growth helper).
+    fn register_weak(&self, ctx: &Weak<Context>, a: &Allocation) {
+        let registry = &self.services.registry;
+        for p in a.block_addresses() {
+            registry.insert_weak(p, a.class, ctx);
+        }
+    }
+
+    /// Forget the registry entries of the blocks of `gone`, whichever
+    /// context made them (one kept across a reset allocates too).
+    fn unregister(&self, gone: impl IntoIterator<Item = Allocation>) {
+        let addresses = gone.into_iter().flat_map(Allocation::block_addresses);
+        self.services.registry.remove_at(addresses);
+    }
+
+    /// A pinned host block of `size` bytes made with `flags`
+    /// (`HOST_ALLOC_*`) from the pool's host cache; `None` when the device
+    /// has no pool or the size is not cached (the caller then asks the
+    /// driver itself). A context of an epoch a reset ended (before or
+    /// during the call) gets no block: the error a stale context's memory
+    /// gives.
+    pub(crate) fn host_alloc(
+        &self,
+        ctx: &Context,
+        size: usize,
+        flags: u32,
+    ) -> Option<Result<HostBlock>> {
+        let pool = self.pool.as_ref().filter(|p| p.host_caches(size))?;
+        let born = ctx.born();
+        Some(
+            pool.host_alloc(ctx.raw(), size, flags, || self.epoch() == born)
+                .and_then(|b| {
+                    b.ok_or_else(|| {
+                        Error::InvalidPointer(format!(
+                            "the context of device {} was reset; pinned memory comes from the new one",
+                            self.device
+                        ))
+                    })
+                }),
+        )
+    }
+
+    /// Give `block` (handed out for `size` bytes in `epoch`) back to the
+    /// host cache, where it waits for the fence; a block of an older epoch
+    /// is refused, its memory gone with the reset.
+    pub(crate) fn host_release(&self, raw: RawContext, epoch: u64, block: HostBlock, size: usize) {
+        if let Some(pool) = &self.pool {
+            pool.host_release(raw, block, size, || self.epoch() == epoch);
+        }
+    }
+
+    /// Wait for the fence covering every block freed so far (`true` when
+    /// there is nothing to wait for); `false` if it failed.
+    pub(crate) fn flush(&self) -> bool {
+        match (&self.pool, self.existing()) {
+            (Some(pool), Some(ctx)) => pool.flush(ctx.raw()),
+            _ => true,
+        }
+    }
+
+    /// A stream capture begins (or ends) on this device: see
+    /// [`Runtime::begin_capture`](crate::Runtime::begin_capture).
+    pub(crate) fn begin_capture(&self) {
+        if let Some(pool) = &self.pool {
+            pool.begin_capture();
+        }
+    }
+
+    pub(crate) fn end_capture(&self) {
+        if let Some(pool) = &self.pool {
+            pool.end_capture();
+        }
+        if self.graphs.watching() {
+            if let Some(ctx) = self.existing() {
+                self.bury();
+                self.graphs.end(ctx.driver(), ctx.raw());
+            }
+        }
+    }
+
+    /// The capture `stream` takes part in keeps its memory for its graph
+    /// (see [`Runtime::capture_started`](crate::Runtime::capture_started)),
+    /// which holds `ctx` until it is destroyed.
+    ///
+    /// # Safety
+    /// As [`GraphMemory::start`], for a stream of `ctx`.
+    pub(crate) unsafe fn capture_started(
+        &self,
+        ctx: &Arc<Context>,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.bury();
+        // SAFETY: this fn's contract.
+        unsafe {
+            self.graphs
+                .start(ctx.driver(), ctx.raw(), ctx.clone(), stream)
+        }
+    }
+
+    pub(crate) fn capturing(&self) -> bool {
+        self.pool.as_ref().is_some_and(Pool::capturing)
+    }
+
+    /// Cap the bytes the pool holds from the driver (`None`: no cap).
+    pub(crate) fn set_pool_limit(&self, bytes: Option<usize>) {
+        if let Some(pool) = &self.pool {
+            pool.set_limit(bytes.unwrap_or(usize::MAX));
+        }
+    }
+
+    /// This device's segments for a [`Snapshot`](crate::Snapshot): the
+    /// pool's allocations and the history's allocations outside it.
+    pub(crate) fn segments(
+        &self,
+        live: &std::collections::HashMap<DevicePtr, crate::history::Live>,
+    ) -> Vec<crate::Segment> {
+        let pool = self
+            .pool
+            .as_ref()
+            .map(Pool::allocations)
+            .unwrap_or_default();
+        crate::Segment::of_device(self.device, pool, live)
+    }
+
+    /// Driver allocations the pool holds (cached or handed out).
+    pub(crate) fn pool_held_blocks(&self) -> usize {
+        self.pool.as_ref().map_or(0, Pool::held_blocks)
+    }
+
+    /// The pool by size class (empty without a pool).
+    pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
+        self.pool
+            .as_ref()
+            .map(Pool::class_stats)
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn stats(&self) -> DeviceStats {
+        let pool = self.pool.as_ref();
+        DeviceStats::combine(
+            self.device,
+            &self.counters,
+            pool.map(Pool::stats).unwrap_or_default(),
+            pool.map_or(0, Pool::held_bytes),
+            pool.map_or(0, Pool::peak_held_bytes),
+            pool.map(Pool::limit).filter(|l| *l != usize::MAX),
+            pool.map(Pool::host_stats).unwrap_or_default(),
+        )
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.counters.reset_peak();
+        if let Some(p) = &self.pool {
+            p.reset_peak();
+        }
+    }
+}

@@ -94,9 +94,10 @@ def install(*, stream_ordered: bool = False, pinned: bool = True) -> None:
     try:
         import cupy
     except ImportError as e:
+        from gpuptr._install import _NEEDS  # the hint gpuptr.install() gives
+
         raise InstallError(
-            f"gpuptr.cupy.install() needs CuPy, which cannot be imported ({e}): "
-            "pip install cupy-cuda13x (or cupy-cuda12x)"
+            f"gpuptr.cupy.install() needs CuPy, which cannot be imported ({e}): pip install {_NEEDS['cupy'][1]}"
         ) from e
 
     _bind(cupy)

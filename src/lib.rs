@@ -76,7 +76,9 @@ pub use memory::{
 pub use pool::{size_class, PoolConfig};
 pub use runtime::Runtime;
 pub use snapshot::{BlockState, Segment, Snapshot, SnapshotBlock};
-pub use stats::{ClassStats, Client, ClientStats, DeviceStats, HostStats};
+pub use stats::{
+    ByPool, ClassStats, Client, ClientStats, DeviceStats, HostStats, SegmentStats, Stat,
+};
 pub use track::{Frame, Outstanding, Site};
 
 /// `CUresult` codes gpuptr refers to by name.

@@ -182,6 +182,131 @@ pub struct DeviceStats {
     pub num_alloc_retries: u64,
     /// The cache of pinned host memory (all zero without a pool).
     pub host: HostStats,
+    /// The pool's driver allocations, as PyTorch counts segments (all
+    /// zero without a pool).
+    pub segments: SegmentStats,
+}
+
+/// One statistic as PyTorch keeps it: its value now, the most it has been
+/// since the last peak reset, and the totals added to it and taken from
+/// it.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// The value now.
+    pub current: u64,
+    /// The most `current` has been since the last peak reset.
+    pub peak: u64,
+    /// The total added to it.
+    pub allocated: u64,
+    /// The total taken from it.
+    pub freed: u64,
+}
+
+impl Stat {
+    /// Add `n`.
+    #[inline]
+    pub fn add(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// Take `n` away (never below zero: a reset may have zeroed it first).
+    #[inline]
+    pub fn sub(&mut self, n: u64) {
+        self.current = self.current.saturating_sub(n);
+        self.freed += n;
+    }
+
+    /// Make the peak the value now.
+    pub fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A statistic split as PyTorch splits its pools: requests of at most
+/// 1 MiB (its small pool) and larger ones (its large pool), and both.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ByPool {
+    /// Small and large together (its peak is the peak of the sum).
+    pub all: Stat,
+    /// Blocks (or segments of blocks) of at most 1 MiB.
+    pub small: Stat,
+    /// Larger ones.
+    pub large: Stat,
+}
+
+impl ByPool {
+    /// The largest block size PyTorch's small pool serves.
+    pub const SMALL_MAX: usize = 1 << 20;
+
+    /// Add `n` to the pool that blocks of `block` bytes belong to.
+    #[inline]
+    pub fn add(&mut self, block: usize, n: u64) {
+        self.all.add(n);
+        self.of(block).add(n);
+    }
+
+    /// Take `n` from the pool that blocks of `block` bytes belong to.
+    #[inline]
+    pub fn sub(&mut self, block: usize, n: u64) {
+        self.all.sub(n);
+        self.of(block).sub(n);
+    }
+
+    #[inline]
+    fn of(&mut self, block: usize) -> &mut Stat {
+        if block <= Self::SMALL_MAX {
+            &mut self.small
+        } else {
+            &mut self.large
+        }
+    }
+
+    /// Make every peak the value now.
+    pub fn reset_peak(&mut self) {
+        for s in [&mut self.all, &mut self.small, &mut self.large] {
+            s.reset_peak();
+        }
+    }
+
+    /// Take everything current away (a reset took the memory).
+    pub(crate) fn clear(&mut self) {
+        let (small, large) = (self.small.current, self.large.current);
+        self.all.sub(small + large);
+        self.small.sub(small);
+        self.large.sub(large);
+    }
+}
+
+/// What a device's pool holds from the driver, as PyTorch counts its
+/// segments: driver allocations (`segment`) and their bytes
+/// (`reserved_bytes`), split by the size of the blocks in them. The
+/// totals count every allocation made (`allocated`) and freed (`freed`)
+/// since the pool began.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SegmentStats {
+    /// Driver allocations.
+    pub count: ByPool,
+    /// Their bytes.
+    pub bytes: ByPool,
+}
+
+impl SegmentStats {
+    pub(crate) fn made(&mut self, class: usize, bytes: usize) {
+        self.count.add(class, 1);
+        self.bytes.add(class, bytes as u64);
+    }
+
+    pub(crate) fn freed(&mut self, class: usize, bytes: usize) {
+        self.count.sub(class, 1);
+        self.bytes.sub(class, bytes as u64);
+    }
+
+    pub(crate) fn reset_peak(&mut self) {
+        self.count.reset_peak();
+        self.bytes.reset_peak();
+    }
 }
 
 /// A snapshot of one device's cache of pinned host memory (`alloc_host`,
@@ -284,6 +409,7 @@ impl DeviceStats {
             num_ooms: c.ooms.load(Ordering::Relaxed),
             num_alloc_retries: c.alloc_retries.load(Ordering::Relaxed),
             host,
+            segments: SegmentStats::default(),
         }
     }
 }

@@ -193,6 +193,7 @@ class FakeCupy(types.ModuleType):
             # As CuPy's: malloc only for a positive size, free when dropped.
             def __init__(self, size, malloc_func, free_func, device_id):
                 self._free_func, self.device_id, self.size = free_func, device_id, size
+                self.ptr = 0  # a malloc that raises leaves nothing to free
                 self.ptr = malloc_func(size, device_id) if size > 0 else 0
 
             def __del__(self):

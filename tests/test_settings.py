@@ -146,7 +146,8 @@ def test_a_bad_setting_is_an_error_that_names_it(name, value):
 def test_a_missing_extra_says_which_to_install(module, missing, extra):
     r = _child(hide_modules(*missing.split()) + f"import {module}\n")
     assert r.returncode != 0
-    assert f'pip install "{extra}"' in r.stderr, r.stderr[-800:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "pip install " in last and f'"{extra}"' in last, r.stderr[-800:]
 
 
 def test_install_names_the_extra_for_numba():
@@ -216,3 +217,32 @@ def test_out_of_memory_and_retries_are_counted(no_limit):
     s1 = gpuptr.stats()[0]
     assert s1["num_ooms"] == s0["num_ooms"] + 1
     assert s1["num_alloc_retries"] == s0["num_alloc_retries"] + 1
+
+
+def test_the_numba_import_error_gives_its_install_hint_once():
+    r = _child(hide_modules("numba", "numba_cuda_mlir") + "import gpuptr.numba\n")
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: gpuptr.numba needs numba-cuda or numba-cuda-mlir"), last
+    assert last.count("pip install") == 1, last
+    assert "numba-cuda: " in last and "numba-cuda-mlir: " in last, "each numba's own reason"
+
+
+def test_cupy_install_without_cupy_is_an_install_error_with_the_hint():
+    r = _child(
+        hide_modules("cupy")
+        + "import gpuptr, gpuptr.cupy\n"
+        + "try:\n    gpuptr.cupy.install()\n"
+        + "except gpuptr.InstallError as e:\n    print(type(e).__name__, isinstance(e, ModuleNotFoundError), e)\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("InstallError False gpuptr.cupy.install() needs CuPy"), r.stdout
+    assert "pip install cupy-cuda13x" in r.stdout, r.stdout
+
+
+def test_dir_of_gpuptr_shows_its_api_and_no_leaked_import():
+    public = [n for n in dir(gpuptr) if not n.startswith("_")]
+    assert "annotations" not in public
+    # Beyond __all__, only gpuptr's own submodules.
+    extra = [n for n in public if n not in gpuptr.__all__]
+    assert all(getattr(getattr(gpuptr, n), "__name__", "") == f"gpuptr.{n}" for n in extra), extra

@@ -72,6 +72,10 @@ __all__ = [
     "_cupy_free",
     "_cupy_set_oom_error",
     "_hooks_torch_errors",
+    "_hooks_torch_oom",
+    "_torch_counts",
+    "_torch_reset_peak",
+    "_torch_reset_accumulated",
     "_dtype_info",
     "DLPackOwner",
     "_import_cai",
@@ -299,7 +303,11 @@ def stats() -> list[DeviceStats]:
     ``clients``: live bytes and count, and allocations made, per client
     (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``), and
     ``host``: the cache of pinned host memory (held, live, cached and pending
-    bytes, hits, misses, and its limit).
+    bytes, hits, misses, and its limit), and ``segments``: the pool's driver
+    allocations as PyTorch counts segments (``count`` and ``bytes``, each
+    ``all``/``small_pool``/``large_pool`` of
+    ``current``/``peak``/``allocated``/``freed``; small: blocks of at most
+    1 MiB).
     """
 def release_contexts() -> None:
     """Drop gpuptr's own hold on contexts; each is released once no pointer
@@ -682,6 +690,35 @@ def _hooks_torch_errors(path: Any) -> bool:
     (never loads the library: it must be loaded already), so a failed
     allocation raises in PyTorch instead of returning a null pointer.
     Whether it was found.
+    """
+def _hooks_torch_oom(paths: list[Any]) -> bool:
+    """Find what throwing PyTorch's ``c10::OutOfMemoryError`` takes in the
+    loaded libraries at ``paths`` (``libc10.so`` and the others PyTorch
+    loaded; none is loaded by this call) and the C++ runtime, so that an
+    allocation that runs out of memory raises ``torch.cuda.OutOfMemoryError``.
+    Whether everything was found (else out of memory raises through
+    ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``).
+    """
+def _torch_counts(device: int) -> dict[str, Any]:
+    """PyTorch's own counts on ``device``: ``allocation``,
+    ``allocated_bytes`` and ``requested_bytes`` (each by pool:
+    ``all``/``small_pool``/``large_pool`` of
+    ``current``/``peak``/``allocated``/``freed``), ``num_ooms``, and the
+    pool's ``segments_base`` and ``retries_base`` at the last
+    ``_torch_reset_accumulated``; and the pool's own ``segments`` and
+    ``num_alloc_retries`` on ``device`` now (as ``stats()`` has them). A
+    device PyTorch never used has zeros.
+    """
+def _torch_reset_peak(device: int) -> None:
+    """PyTorch's ``reset_peak_memory_stats(device)``: its peaks on ``device``
+    become the values now, and so do the pool's there (one pool: its
+    reserved peak is PyTorch's).
+    """
+def _torch_reset_accumulated(device: int) -> None:
+    """PyTorch's ``reset_accumulated_memory_stats(device)``: its totals
+    (``allocated``, ``freed``, ``num_ooms``, ``num_alloc_retries``) start
+    again from zero on ``device``; the pool's own totals are kept, and
+    PyTorch's are counted from what they are now.
     """
 def _hooks_state() -> tuple[int, int]:
     """``(live allocations, failures)`` of the C entry points: allocations

@@ -94,6 +94,11 @@ class DeviceStats(TypedDict):
     num_alloc_retries: int
     #: The cache of pinned host memory.
     host: HostStats
+    #: The pool's driver allocations as PyTorch counts segments: ``count``
+    #: and ``bytes``, each by pool (``all``, ``small_pool``: blocks of at
+    #: most 1 MiB, ``large_pool``) of ``current``, ``peak`` (since
+    #: ``reset_peak_stats()``), ``allocated`` and ``freed`` (totals).
+    segments: Dict[str, Dict[str, Dict[str, int]]]
 
 
 #: One size class of a device's pool (``_core.pool_classes``): the block

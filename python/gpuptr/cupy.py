@@ -88,9 +88,17 @@ def installed() -> bool:
 def install(*, stream_ordered: bool = False, pinned: bool = True) -> None:
     """Make gpuptr CuPy's device allocator (and, with ``pinned``, its pinned
     host allocator). Arrays CuPy allocated before keep their memory.
-    ``ImportError`` without CuPy."""
+    Raises :class:`~gpuptr.InstallError`, with what to install, where CuPy
+    cannot be imported."""
     global _installed, _stream_ordered, _allocator
-    import cupy
+    try:
+        import cupy
+    except ImportError as e:
+        from gpuptr._install import _NEEDS  # the hint gpuptr.install() gives
+
+        raise InstallError(
+            f"gpuptr.cupy.install() needs CuPy, which cannot be imported ({e}): pip install {_NEEDS['cupy'][1]}"
+        ) from e
 
     _bind(cupy)
     try:
@@ -102,7 +110,87 @@ def install(*, stream_ordered: bool = False, pinned: bool = True) -> None:
     cupy.cuda.set_allocator(allocator.malloc)
     if pinned:
         cupy.cuda.set_pinned_memory_allocator(malloc_pinned)
+    _answer_default_pool(cupy)
     _installed = True
+
+
+class _PoolView:
+    """``cupy.get_default_memory_pool()`` under ``install()``: CuPy's
+    ``MemoryPool`` methods, answered by gpuptr's pool on CuPy's current
+    device. ``used_bytes()`` is CuPy's live memory in it (as requested),
+    ``free_bytes()`` what the pool caches for reuse by any library,
+    ``total_bytes()`` their sum; ``free_all_blocks()`` gives the cache back
+    to the driver (``gpuptr.trim()``, every device); ``set_limit()`` caps
+    what the pool holds from the driver (``gpuptr.set_pool_limit``, for every
+    library on the pool); ``malloc()`` allocates from gpuptr."""
+
+    def _stats(self) -> Any:
+        d = _get_device()
+        for s in _core.stats():
+            if s["device"] == d:
+                return s
+        raise InstallError(f"gpuptr has no device {d}")  # pragma: no cover - stats() lists every device
+
+    def malloc(self, size: int) -> Any:
+        return malloc(size)
+
+    def used_bytes(self) -> int:
+        return int(self._stats()["clients"]["cupy"]["live_bytes"])
+
+    def free_bytes(self) -> int:
+        return int(self._stats()["cached_bytes"])
+
+    def total_bytes(self) -> int:
+        s = self._stats()
+        return int(s["clients"]["cupy"]["live_bytes"]) + int(s["cached_bytes"])
+
+    def n_free_blocks(self) -> int:
+        return sum(c["cached_blocks"] for c in _core.pool_classes(_get_device()))
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        _core.trim()
+
+    def free_all_free(self) -> None:
+        _core.trim()
+
+    def set_limit(self, size: Any = None, fraction: Any = None) -> None:
+        if size is not None and fraction is not None:
+            raise ValueError("size and fraction cannot be specified at one time")
+        if fraction is not None:
+            if not 0 <= fraction <= 1:
+                raise ValueError(f"fraction must be between 0 and 1, not {fraction}")
+            limit: Any = float(fraction) if fraction else None
+        else:
+            limit = int(size) if size else None
+        _core.set_pool_limit(limit, _get_device())
+
+    def get_limit(self) -> int:
+        return int(self._stats()["pool_limit"] or 0)
+
+
+def _pool_view_class(cupy: Any) -> Any:
+    """:class:`_PoolView`, also a ``cupy.cuda.MemoryPool`` where CuPy lets
+    it be subclassed (so ``isinstance`` checks hold)."""
+    base = getattr(cupy.cuda, "MemoryPool", None)
+    if isinstance(base, type):
+        try:
+            return type("MemoryPool", (_PoolView, base), {"__module__": __name__})
+        except TypeError:  # pragma: no cover - a CuPy whose MemoryPool is final
+            pass
+    return _PoolView
+
+
+def _answer_default_pool(cupy: Any) -> None:
+    """Make ``cupy.get_default_memory_pool()`` answer from gpuptr (it
+    returns ``cupy._default_memory_pool``, unused once the allocator is
+    gpuptr's)."""
+    if isinstance(getattr(cupy, "_default_memory_pool", None), _PoolView):
+        return
+    pool = _pool_view_class(cupy)()
+    cupy._default_memory_pool = pool
+    getter = getattr(cupy, "get_default_memory_pool", None)
+    if getter is None or getter() is not pool:
+        cupy.get_default_memory_pool = lambda: pool
 
 
 OutOfMemoryError: Any = None

@@ -20,15 +20,22 @@ ties it to the graph). ``torch.compile(mode="reduce-overhead")`` captures
 one graph per compiled function (``install()`` turns inductor's CUDA graph
 trees off: they need PyTorch's own allocator's private pools).
 
-Out of memory: a failed allocation raises in PyTorch, as a ``RuntimeError``
-whose message starts "CUDA out of memory." (PyTorch's own prefix), after
-gpuptr has waited for its fence and returned its cache; the process goes
-on. It is not a ``torch.OutOfMemoryError``: a pluggable allocator cannot
-throw that type.
+Out of memory: a failed allocation raises ``torch.cuda.OutOfMemoryError``
+(PyTorch's own ``c10::OutOfMemoryError``, built from what ``libc10``
+exports), whose message starts "CUDA out of memory." and says what gpuptr's
+pool holds, after gpuptr has waited for its fence and returned its cache;
+``num_ooms`` counts it and the process goes on. A PyTorch whose libraries
+do not export what that takes gets a ``RuntimeError`` with the same message.
 
-What PyTorch's pluggable allocators do not support: ``torch.cuda.memory_stats``
-and its friends raise (use ``gpuptr.stats()``, whose ``"torch"`` client
-counts PyTorch's allocations), and ``torch.cuda.MemPool`` private pools.
+PyTorch's memory API answers from gpuptr (see ``gpuptr._torch_stats``):
+``torch.cuda.memory_stats()`` with PyTorch's keys, and so
+``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
+``max_memory_reserved``, ``reset_peak_memory_stats``,
+``reset_accumulated_memory_stats``, ``memory_summary`` and
+``memory_snapshot``; ``torch.cuda.memory._record_memory_history``,
+``_snapshot`` and ``_dump_snapshot`` use gpuptr's allocation history.
+Allocated bytes are PyTorch's own; reserved bytes are what gpuptr's pool
+holds from the driver, for every library on it.
 """
 
 from __future__ import annotations
@@ -78,6 +85,9 @@ def install(*, stream_ordered: bool = False) -> None:
     _allocator = allocator
     _raise_in_torch()
     _graph_per_function()
+    from gpuptr import _torch_stats
+
+    _torch_stats.patch(_torch_C())
 
 
 def _raise_in_torch() -> None:
@@ -90,12 +100,28 @@ def _raise_in_torch() -> None:
 
     here = getattr(torch, "__file__", None) or ""
     lib = os.path.join(os.path.dirname(here), "lib", "libc10.so")
+    libs = [os.path.join(os.path.dirname(lib), n) for n in _OOM_LIBS]
+    if here and not _core._hooks_torch_oom(libs):
+        logging.getLogger("gpuptr").warning(
+            "c10::OutOfMemoryError was not found in %s: out of memory raises a RuntimeError in PyTorch", libs
+        )
     if not (here and _core._hooks_torch_errors(lib)):
         logging.getLogger("gpuptr").warning(
             "PyTorch's exception thrower was not found in %s: an allocation that fails "
             "returns a null pointer to PyTorch",
             lib,
         )
+
+
+# Where PyTorch's c10::OutOfMemoryError (its typeinfo, vtable and
+# constructor) may be exported.
+_OOM_LIBS = ("libc10.so", "libc10_cuda.so", "libtorch_cuda.so", "libtorch_cpu.so", "libtorch_python.so")
+
+
+def _torch_C() -> Any:
+    import torch
+
+    return getattr(torch, "_C", None)
 
 
 def _graph_per_function() -> None:

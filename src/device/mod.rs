@@ -456,15 +456,18 @@ impl DeviceState {
 
     pub(crate) fn stats(&self) -> DeviceStats {
         let pool = self.pool.as_ref();
-        DeviceStats::combine(
+        // One look at what the pool holds: its bytes, peak and segments agree.
+        let (held, peak, segments) = pool.map(Pool::held_stats).unwrap_or_default();
+        let stats = DeviceStats::combine(
             self.device,
             &self.counters,
             pool.map(Pool::stats).unwrap_or_default(),
-            pool.map_or(0, Pool::held_bytes),
-            pool.map_or(0, Pool::peak_held_bytes),
+            held,
+            peak,
             pool.map(Pool::limit).filter(|l| *l != usize::MAX),
             pool.map(Pool::host_stats).unwrap_or_default(),
-        )
+        );
+        DeviceStats { segments, ..stats }
     }
 
     pub(crate) fn reset_peak(&self) {

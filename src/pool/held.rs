@@ -9,7 +9,7 @@ use super::class::{size_class, FastMap};
 use super::Pool;
 use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
-use crate::stats::Client;
+use crate::stats::{Client, SegmentStats};
 use crate::sync::lock;
 
 /// When the pool grows while a fence is outstanding (a busy GPU), it carves
@@ -92,6 +92,9 @@ pub(super) struct Held {
     /// Bytes of driver allocations and frees under way: the driver may hold
     /// them beyond `bytes`, so the limit counts them.
     pub(super) pending: usize,
+    /// The allocations as PyTorch counts segments (`bytes` and `peak` by
+    /// pool, with totals).
+    pub(super) segments: SegmentStats,
 }
 
 impl Held {
@@ -102,6 +105,7 @@ impl Held {
     pub(super) fn record(&mut self, a: Allocation) {
         self.bytes += a.bytes();
         self.peak = self.peak.max(self.bytes);
+        self.segments.made(a.class, a.bytes());
         self.allocations.insert(a.base, a);
         for p in a.block_addresses().skip(1) {
             self.carved.insert(p, a.base);
@@ -115,6 +119,7 @@ impl Held {
             .remove(&base)
             .expect("a recorded allocation");
         self.bytes -= a.bytes();
+        self.segments.freed(a.class, a.bytes());
         for p in a.block_addresses().skip(1) {
             self.carved.remove(&p);
         }
@@ -360,6 +365,8 @@ impl Pool {
             let mut held = lock(&self.held);
             held.carved.clear();
             held.bytes = 0;
+            held.segments.count.clear();
+            held.segments.bytes.clear();
             held.allocations.drain().map(|(_, a)| a).collect()
         };
         for a in &gone {
@@ -400,10 +407,11 @@ impl Pool {
         lock(&self.held).bytes
     }
 
-    /// The most bytes the pool has held from the driver since its last
-    /// peak reset.
-    pub(crate) fn peak_held_bytes(&self) -> usize {
-        lock(&self.held).peak
+    /// Bytes held from the driver, their peak, and the driver allocations
+    /// as PyTorch counts segments, at one moment.
+    pub(crate) fn held_stats(&self) -> (usize, usize, SegmentStats) {
+        let held = lock(&self.held);
+        (held.bytes, held.peak, held.segments)
     }
 
     /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).

@@ -264,6 +264,7 @@ impl Pool {
         {
             let mut held = lock(&self.held);
             held.peak = held.bytes;
+            held.segments.reset_peak();
         }
         for i in 0..self.shards.len() {
             let mut sh = self.shard(i);

@@ -163,3 +163,36 @@ fn a_miss_ends_the_pause_in_growth_ahead() {
     assert!(asked, "no growth ahead asked for within 64 busy hand-outs");
     sim.complete(None);
 }
+
+/// The pool counts its driver allocations as PyTorch counts segments: by
+/// the size of their blocks (at most 1 MiB: small), with peaks and totals,
+/// and a trim or a forget takes them away.
+#[test]
+fn pool_counts_its_segments_by_pool_with_peaks_and_totals() {
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let pool = Pool::new(PoolConfig::default(), sim.clone());
+    let _small = pool.alloc(ctx, 4096, None, 0, Client::Torch).unwrap();
+    let large = pool.alloc(ctx, 3 << 20, None, 0, Client::Torch).unwrap();
+    let (bytes, peak, s) = pool.held_stats();
+    assert_eq!((s.count.small.current, s.count.large.current), (1, 1));
+    assert_eq!(s.count.all.current, 2);
+    assert_eq!(s.bytes.small.current, 4096);
+    assert_eq!(s.bytes.large.current, 3 << 20);
+    assert_eq!(s.bytes.all.current as usize, bytes);
+    assert_eq!(s.bytes.all.peak as usize, peak);
+    pool.release(ctx, back(large, 3 << 20), None, || true);
+    sim.complete(None);
+    assert!(pool.flush(ctx));
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    let (bytes, _, s) = pool.held_stats();
+    assert_eq!((bytes, s.bytes.all.current), (4096, 4096));
+    assert_eq!((s.count.large.allocated, s.count.large.freed), (1, 1));
+    assert_eq!(s.bytes.all.peak, 4096 + (3 << 20), "the peak stays");
+    pool.reset_peak();
+    assert_eq!(pool.held_stats().2.bytes.all.peak, 4096);
+    pool.forget();
+    let s = pool.held_stats().2;
+    assert_eq!((s.count.all.current, s.bytes.all.current), (0, 0));
+    assert_eq!(s.count.small.freed, 1);
+}

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::prelude::*;
 
-use crate::{Client, DevicePointer, RawStream, Runtime, Site};
+use crate::{Client, DevicePointer, Origin, RawStream, Runtime, Site};
 
 const SHARDS: usize = 64;
 
@@ -70,7 +70,11 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate
         )));
     };
     let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    allocate(client, Entry::Torch, size, device, ordered, Some(stream))
+    let (address, block) = allocate(client, Entry::Torch, size, device, ordered, Some(stream))?;
+    if address != 0 {
+        super::torch_stats::allocated(device, size, block);
+    }
+    Ok(address)
 }
 
 /// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
@@ -84,9 +88,9 @@ fn allocate(
     device: usize,
     stream: Option<RawStream>,
     seen: Option<RawStream>,
-) -> crate::Result<u64> {
+) -> crate::Result<(u64, usize)> {
     if size == 0 {
-        return Ok(0);
+        return Ok((0, 0));
     }
     // Held by the runtime: the hooks keep no context between calls, and
     // without the hold freeing the last tensor would end the context and its
@@ -99,8 +103,17 @@ fn allocate(
         None => ctx.alloc_at(size, stream, client, caller_site)?,
     };
     let address = mem.address();
+    let block = block_bytes(&mem);
     live().shard(address).insert(address, (mem, entry));
-    Ok(address)
+    Ok((address, block))
+}
+
+/// The bytes an allocation takes: its pool block's, or its own.
+fn block_bytes(mem: &DevicePointer) -> usize {
+    match mem.origin() {
+        Origin::Pool(class) => class,
+        _ => mem.size(),
+    }
 }
 
 /// PyTorch's own exception thrower (`c10::detail::torchCheckFail`, the
@@ -121,13 +134,21 @@ thread_local! {
     static MESSAGE: std::cell::RefCell<CString> = std::cell::RefCell::new(CString::default());
 }
 
-/// A failed PyTorch allocation: thrown as PyTorch's own exception when its
-/// thrower was found, else a null pointer (counted).
-fn fail(e: &crate::Error) -> *mut c_void {
+/// A failed PyTorch allocation on `device`: thrown as PyTorch's own
+/// exception when its thrower was found (`c10::OutOfMemoryError` for out of
+/// memory, where [`super::torch_oom`] found what that takes, counted in
+/// PyTorch's `num_ooms`; else `c10::Error`), else a null pointer (counted).
+fn fail(e: &crate::Error, device: c_int) -> *mut c_void {
     FAILURES.fetch_add(1, Ordering::Relaxed);
-    let Some(throw) = THROWER.get().copied() else {
+    let oom = e.is_oom();
+    if let (true, Ok(d)) = (oom, usize::try_from(device)) {
+        super::torch_stats::out_of_memory(d);
+    }
+    let as_oom = oom && super::torch_oom::available();
+    let thrower = THROWER.get().copied();
+    if !as_oom && thrower.is_none() {
         return std::ptr::null_mut();
-    };
+    }
     // No panic may cross into PyTorch's C++ frames: a failure to build the
     // message gives a plain one.
     let text = std::panic::catch_unwind(|| torch_message(e)).unwrap_or_default();
@@ -138,6 +159,16 @@ fn fail(e: &crate::Error) -> *mut c_void {
     });
     let Ok(ptr) = ptr else {
         // This thread's storage is gone (thread exit): a null pointer.
+        return std::ptr::null_mut();
+    };
+    if as_oom {
+        // SAFETY: `ptr` is this thread's message, NUL-terminated with no
+        // interior NUL (built so above), alive until this thread's next
+        // failure. The exception unwinds through this frame and the hook's
+        // as below.
+        super::torch_oom::throw(unsafe { CStr::from_ptr(ptr) });
+    }
+    let Some(throw) = thrower else {
         return std::ptr::null_mut();
     };
     // SAFETY: the thrower is PyTorch's `torchCheckFail`, which copies the
@@ -208,6 +239,7 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     let Some(mem) = take(ptr as usize as u64, Entry::Torch) else {
         return;
     };
+    super::torch_stats::freed(mem.context().device(), mem.size(), block_bytes(&mem));
     if STREAM_ORDERED.load(Ordering::Relaxed) {
         // A failed free leaves it live; dropping the last holder retries.
         let _ = mem.free_on(stream);
@@ -235,8 +267,8 @@ pub unsafe extern "C-unwind" fn gpuptr_torch_alloc(
     let r = std::panic::catch_unwind(|| alloc(Client::Torch, size, device, stream as RawStream));
     match r {
         Ok(Ok(address)) => address as usize as *mut c_void,
-        Ok(Err(e)) => fail(&e),
-        Err(_) => fail(&crate::Error::Panic("in gpuptr_torch_alloc".into())),
+        Ok(Err(e)) => fail(&e, device),
+        Err(_) => fail(&crate::Error::Panic("in gpuptr_torch_alloc".into()), device),
     }
 }
 
@@ -273,7 +305,9 @@ pub(crate) fn _cupy_malloc(
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
     let stream = super::args::stream_arg(stream)?;
-    allocate(Client::Cupy, Entry::Cupy, size, device, stream, None).map_err(cupy_error)
+    allocate(Client::Cupy, Entry::Cupy, size, device, stream, None)
+        .map(|(address, _)| address)
+        .map_err(cupy_error)
 }
 
 /// CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``

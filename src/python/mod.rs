@@ -16,6 +16,8 @@ mod py_context;
 mod shutdown;
 mod sizes;
 mod testing;
+mod torch_oom;
+mod torch_stats;
 mod track;
 
 use pyo3::prelude::*;
@@ -188,7 +190,11 @@ fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
 /// ``clients``: live bytes and count, and allocations made, per client
 /// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``), and
 /// ``host``: the cache of pinned host memory (held, live, cached and pending
-/// bytes, hits, misses, and its limit).
+/// bytes, hits, misses, and its limit), and ``segments``: the pool's driver
+/// allocations as PyTorch counts segments (``count`` and ``bytes``, each
+/// ``all``/``small_pool``/``large_pool`` of
+/// ``current``/``peak``/``allocated``/``freed``; small: blocks of at most
+/// 1 MiB).
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let _log = logging::Deliver(py);
@@ -231,6 +237,7 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         host.set_item("misses", h.misses)?;
         host.set_item("cache_limit", h.cache_limit)?;
         d.set_item("host", host)?;
+        d.set_item("segments", torch_stats::segments_dict(py, &s.segments)?)?;
         list.append(d)?;
     }
     Ok(list)
@@ -527,6 +534,8 @@ mod _core {
             _hooks_torch_errors,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
+        torch_oom::_hooks_torch_oom,
+        torch_stats::{_torch_counts, _torch_reset_accumulated, _torch_reset_peak},
     };
 
     #[pymodule_export]

@@ -216,6 +216,14 @@ impl Runtime {
         }
     }
 
+    /// Make device `device`'s peaks equal to its values now (PyTorch's
+    /// `reset_peak_memory_stats(device)`).
+    pub fn reset_device_peak_stats(&self, device: usize) -> Result<()> {
+        self.check_device(device)?;
+        self.devices[device].reset_peak();
+        Ok(())
+    }
+
     /// Whether the CUDA driver can be used here, without opening it for
     /// use: its version, or why not.
     pub fn probe_cuda() -> Result<i32> {
@@ -457,5 +465,11 @@ impl Runtime {
     /// Allocation statistics of every device.
     pub fn stats(&self) -> Vec<DeviceStats> {
         self.devices.iter().map(|d| d.stats()).collect()
+    }
+
+    /// Device `device`'s statistics (one entry of [`Runtime::stats`]).
+    pub fn device_stats(&self, device: usize) -> Result<DeviceStats> {
+        self.check_device(device)?;
+        Ok(self.devices[device].stats())
     }
 }

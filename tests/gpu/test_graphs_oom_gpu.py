@@ -182,9 +182,9 @@ def test_out_of_memory_is_the_librarys_own_error_and_the_process_goes_on(lib):
     assert "device 0" in ours["message"] and "gpuptr's pool holds" in ours["message"], ours["message"]
     assert "400.00 GiB" in ours["message"] and "free of" in ours["message"]
     if lib == "torch":
-        # A pluggable allocator cannot throw torch.OutOfMemoryError: a
-        # RuntimeError with PyTorch's own "CUDA out of memory." prefix.
-        assert "builtins.RuntimeError" in ours["mro"], ours
+        # PyTorch's own torch.OutOfMemoryError (a RuntimeError), with its
+        # "CUDA out of memory." prefix.
+        assert ours["type"] == native["type"] and "builtins.RuntimeError" in ours["mro"], ours
         assert ours["message"].startswith("CUDA out of memory.")
     elif lib == "cupy":
         assert "cupy.cuda.memory.OutOfMemoryError" in ours["mro"], ours

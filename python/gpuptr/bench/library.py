@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 
 from gpuptr.bench._bench import Bench
-from gpuptr.bench._child import best_of_rounds, child_ns, pick
+from gpuptr.bench._child import best_of_rounds, child_ns, gpuptr_vs_own, pick
 
 
 def library_alloc_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
@@ -17,6 +17,13 @@ def library_alloc_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
     ``"gpuptr-ordered"`` (``stream_ordered=True``) or ``"rmm"`` (RMM's pool
     through its allocator for that library)."""
     return child_ns("lib_alloc", lib, allocator, n, repeat)
+
+
+def torch_stats_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
+    """``torch.cuda.memory_allocated()``, in ns, in a child process whose
+    PyTorch allocator is ``allocator`` (``"own"`` or ``"gpuptr"``), with
+    eight tensors live (``lib`` is ``"torch"``)."""
+    return child_ns("torch_stats", allocator, n, repeat)
 
 
 def rows(b: Bench) -> None:
@@ -36,3 +43,11 @@ def rows(b: Bench) -> None:
         best, failed = best_of_rounds(lib, allocators, rounds, n_lib, b.repeat, b.on_gpu, library_alloc_ns)
         for row, mine, peer, label in rows:
             b.record(row, label, partial(pick, best, failed, mine, peer))
+    # torch.cuda.memory_allocated() itself: under gpuptr it reads PyTorch's
+    # counts in gpuptr's hooks and the pool's segments; both build the whole
+    # memory_stats() dict and flatten it in Python.
+    row, label = "torch.cuda.memory_allocated()", "torch's own allocator"
+    if b.wants(row, label):
+        b.say(f"{row} under gpuptr and torch's own allocator")
+        n = 500 if b.quick else 5000
+        b.record(row, label, partial(gpuptr_vs_own, b, "torch", 2 if b.quick else 3, n, torch_stats_ns))

@@ -141,7 +141,7 @@ impl Runtime {
     }
 
     /// End a capture begun with [`Runtime::begin_capture`] on the calling
-    /// thread. [`Error::InvalidArgument`] (and nothing ends) when this
+    /// thread. [`Error::InvalidArgument`](crate::Error::InvalidArgument) (and nothing ends) when this
     /// thread has no such capture under way on `device`: an unbalanced end
     /// would otherwise close the gate of another thread's capture.
     pub fn end_capture(&self, device: usize) -> Result<()> {

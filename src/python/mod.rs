@@ -16,6 +16,7 @@ mod py_context;
 mod shutdown;
 mod sizes;
 mod testing;
+mod torch_pools;
 mod track;
 
 use pyo3::prelude::*;
@@ -525,6 +526,13 @@ mod _core {
             _hooks_torch_errors,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
+    };
+
+    // PyTorch's memory pools and tensor sharing (gpuptr._torch_pool, _torch_ipc).
+    #[pymodule_export]
+    use super::torch_pools::{
+        TorchLoan, _torch_is_live, _torch_lend, _torch_pool_begin, _torch_pool_counts,
+        _torch_pool_end, _torch_pool_live,
     };
 
     #[pymodule_export]

@@ -89,13 +89,29 @@ def install(*, stream_ordered: bool = False, graph_trees: Optional[bool] = None)
         ) from e
     _allocator = allocator
     _raise_in_torch()
+    _pools_and_sharing(allocator)
+    _graph_trees(graph_trees)
+
+
+def _pools_and_sharing(allocator: Any) -> None:
+    """``torch.cuda.MemPool`` as gpuptr's tag, and gpuptr's reducers for
+    ``torch.multiprocessing``; a warning, the rest of ``install()`` holding,
+    for a torch without the pieces they replace."""
     import torch
 
     from gpuptr import _torch_ipc, _torch_pool
 
-    _torch_pool.install_pools(torch, allocator.allocator())
-    _torch_ipc.install_reducers(torch)
-    _graph_trees(graph_trees)
+    own = getattr(allocator, "allocator", None)
+    for what, part in (
+        ("torch.cuda.MemPool", lambda: _torch_pool.install_pools(torch, own() if own else None)),
+        ("torch.multiprocessing", lambda: _torch_ipc.install_reducers(torch)),
+    ):
+        try:
+            part()
+        except (ImportError, AttributeError) as e:
+            logging.getLogger("gpuptr").warning(
+                "%s is not served by gpuptr in this torch (%s)", what, e
+            )
 
 
 def _raise_in_torch() -> None:

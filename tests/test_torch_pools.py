@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 
 import pytest
@@ -337,3 +338,46 @@ def test_graph_trees_are_not_patched_where_torch_lacks_an_entry_point():
     original = torch._C._cuda_getCheckpointState
     assert not _torch_trees.patch_trees(torch)
     assert torch._C._cuda_getCheckpointState is original
+
+
+def test_a_received_tensors_end_lets_go_after_the_device_is_done(tmp_path):
+    """The receiver's holder (what ``torch.as_tensor`` keeps over its
+    ``__cuda_array_interface__``) lets go once dropped, with a plain Python
+    decref, on the helper thread after the device synchronize; on the
+    device, the DLPack route left the lock held until gpuptr's next call."""
+    ex = _torch_ipc.Exporter(str(tmp_path))
+    dropped = threading.Event()
+    share = ex.share(Loan(dropped))
+    receipt = _torch_ipc.Receipt(*share)
+    mem = gpuptr.alloc(MIB)
+    synced = []
+    holder = _torch_ipc._Mapped(mem, receipt, MIB, 0, synced.append)
+    cai = holder.__cuda_array_interface__
+    assert cai["shape"] == (MIB,) and cai["typestr"] == "|u1" and cai["version"] == 3
+    assert cai["data"] == (mem.device_pointer_value, False)
+    del mem
+    assert receipt.mapped is not None, "the holder keeps the mapping"
+    del holder
+    deadline = time.monotonic() + 5
+    while receipt.mapped is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert receipt.mapped is None, "let go on the helper thread"
+    assert synced == [0], "after the device synchronize"
+    # (In one process the lock is the sender's own, so the sender may sweep
+    # before; across processes the lock holds it: see the tests above.)
+    assert dropped.wait(5) and ex.pending() == 0
+    ex.close()
+
+
+def test_share_files_of_exited_senders_are_removed(tmp_path):
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"gpuptr-torch-{int(p.stdout)}-00"
+    gone.write_bytes(b"")
+    mine = tmp_path / f"gpuptr-torch-{os.getpid()}-00"
+    mine.write_bytes(b"")
+    other = tmp_path / "gpuptr-torch-x-00"
+    other.write_bytes(b"")
+    ex = _torch_ipc.Exporter(str(tmp_path))
+    assert not gone.exists() and mine.exists() and other.exists()
+    ex.close()
+    assert not os.path.exists(ex.path)

@@ -5,7 +5,9 @@ which a pluggable allocator lacks. ``gpuptr.torch.install()`` registers
 reducers (``ForkingPickler``) for ``torch.Tensor`` and ``Parameter``: a
 strided CUDA tensor on gpuptr memory travels as a gpuptr ``IpcHandle`` of
 its storage plus its size, strides, offset and dtype, and the receiver
-rebuilds it over the mapped memory (DLPack). Other tensors go to PyTorch's
+rebuilds it over the mapped memory (``torch.as_tensor`` over its
+``__cuda_array_interface__``, which PyTorch drops with a plain decref, so
+the receiver lets go as soon as its tensor is freed). Other tensors go to PyTorch's
 own reducer.
 
 Lifetime: the sender's memory lives until both sides let go. Sending lends
@@ -13,8 +15,10 @@ the storage's allocation (PyTorch's free then leaves the release to the
 loan) and gives it a slot in a small share file of the sending process,
 ``/dev/shm/gpuptr-torch-<pid>-<random>``. The receiver takes a shared
 ``fcntl`` lock on its slot before it maps the memory and marks the slot
-received; it lets go of the lock once its last tensor over the memory is
-gone (or its process ends, however it ends: the kernel drops the lock).
+received; once its last tensor over the memory is gone, a helper thread waits
+for the device (``torch.cuda.synchronize``: a kernel queued before may
+still read it), unmaps it and lets go of the lock (a process that ends,
+however it ends, lets go at once: the kernel drops its locks).
 The sender gives the memory back once the slot is marked received and no
 lock is held (checked by a helper thread every ``SWEEP_S`` seconds while
 anything is lent, and at each send). A tensor sent and never received is
@@ -63,6 +67,7 @@ class Exporter:
     """This process's share file and the loans it holds (see the module)."""
 
     def __init__(self, directory: str = "/dev/shm"):
+        remove_stale(directory)
         self.path = os.path.join(directory, f"gpuptr-torch-{os.getpid()}-{secrets.token_hex(8)}")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         self.fd = os.open(self.path, flags, 0o600)
@@ -143,6 +148,34 @@ class Exporter:
             pass
 
 
+def remove_stale(directory: str) -> int:
+    """Remove the share files of this user's exited processes (an exporter
+    that did not exit normally leaves its file); how many."""
+    n = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["gpuptr", "torch"] or not parts[2].isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                n += 1
+            except OSError:
+                pass
+        except OSError:
+            continue
+    return n
+
+
 class Receipt:
     """A receiver's hold on one sent slot: the shared lock, taken before the
     memory is mapped, dropped when the last tensor over it goes."""
@@ -190,7 +223,8 @@ class Receipt:
             os.close(entry[0])
 
     def release(self) -> None:
-        """Let go: unmap, then drop the lock if no other tensor here holds it."""
+        """Let go: unmap, then drop the lock if no other tensor here holds it
+        (the caller has made sure the device is done with the memory)."""
         self.mapped = None
         with Receipt._lock:
             n = Receipt._held.get(self.key, 0) - 1
@@ -241,6 +275,85 @@ def collect() -> int:
     return 0 if e is None else e.sweep()
 
 
+class _Mapped:
+    """The sender's memory as the receiver maps it, for ``torch.as_tensor``
+    (``__cuda_array_interface__``: PyTorch keeps this object, and drops it
+    with a plain Python decref once its storage is freed). Its end hands
+    the receipt to :func:`_let_go`."""
+
+    def __init__(
+        self, mapped: Any, receipt: Receipt, nbytes: int, device: int, synchronize: Any
+    ):
+        self.receipt = receipt
+        self.device = device
+        self.synchronize = synchronize
+        receipt.mapped = mapped
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (mapped.device_pointer_value or 0, False),
+            "strides": None,
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        try:
+            _let_go(self.receipt, self.device, self.synchronize)
+        except Exception:  # noqa: BLE001 - never raise from a destructor
+            pass
+
+
+# Receipts whose tensors are gone, let go of by one helper thread once the
+# device has finished what was queued before (a kernel still reading the
+# memory must not see it reused by the sender).
+_gone: List[Tuple[Receipt, int, Any]] = []
+_gone_cv = threading.Condition()
+_gone_thread: Optional[threading.Thread] = None
+
+
+def _let_go(receipt: Receipt, device: int, synchronize: Any) -> None:
+    """Let go of ``receipt`` on the helper thread once ``synchronize(device)``
+    (PyTorch's) has returned."""
+    global _gone_thread
+    with _gone_cv:
+        _gone.append((receipt, device, synchronize))
+        if _gone_thread is None or not _gone_thread.is_alive():
+            _gone_thread = threading.Thread(
+                target=_letting_go, name="gpuptr-torch-ipc-receiver", daemon=True
+            )
+            _gone_thread.start()
+        _gone_cv.notify()
+
+
+def _letting_go() -> None:
+    import time
+
+    while True:
+        with _gone_cv:
+            while not _gone:
+                if not _gone_cv.wait(1.0):
+                    return
+            batch = list(_gone)
+            _gone.clear()
+        for device, synchronize in {(d, f) for _, d, f in batch}:
+            # A synchronize would break a capture under way on the device.
+            while _capturing(device):
+                time.sleep(0.001)
+            try:
+                synchronize(device)
+            except Exception:  # noqa: BLE001 - a lost context: nothing runs there any more
+                pass
+        for receipt, _, _ in batch:
+            receipt.release()
+
+
+def _capturing(device: int) -> bool:
+    try:
+        return bool(_core.is_capturing(device))
+    except Exception:  # noqa: BLE001 - no driver or device: nothing captures
+        return False
+
+
 def rebuild_tensor(
     cls: Any,
     handle: bytes,
@@ -258,16 +371,16 @@ def rebuild_tensor(
     import torch
 
     receipt = Receipt(path, slot, generation)
+    h = _core.IpcHandle.from_bytes(handle)
     try:
-        mapped = _core.IpcHandle.from_bytes(handle).open()
-        receipt.mapped = mapped
-        address = mapped.device_pointer_value or 0
-        over = _core.MemoryPointer(None, address, nbytes, finalizer=receipt.release)
+        mapped = h.open()
     except BaseException:
         receipt.release()
         raise
-    data = torch.from_dlpack(over)
+    over = _Mapped(mapped, receipt, nbytes, h.device, torch.cuda.synchronize)
+    data = torch.as_tensor(over, device=f"cuda:{h.device}")
     del over
+    del mapped
     t = torch.empty((0,), dtype=dtype, device=data.device)
     t.set_(data.untyped_storage(), offset, size, stride)
     if cls is torch.nn.parameter.Parameter:

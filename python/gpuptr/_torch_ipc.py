@@ -454,6 +454,6 @@ def install_reducers(torch: Any) -> None:
 
     reduce_tensor.__gpuptr_ipc__ = True  # type: ignore[attr-defined]
     for cls in (torch.Tensor, torch.nn.parameter.Parameter):
-        current = ForkingPickler._extra_reducers.get(cls)
+        current = getattr(ForkingPickler, "_extra_reducers", {}).get(cls)
         if not getattr(current, "__gpuptr_ipc__", False):
             ForkingPickler.register(cls, reduce_tensor)

@@ -119,7 +119,7 @@ def patch_trees(torch: Any) -> bool:
         return pool_live_within(int(device), pool, storages)
 
     for f in (get_checkpoint_state, free_and_remove_deleter, check_pool_live_allocations):
-        f.__gpuptr_trees__ = True  # type: ignore[attr-defined]
+        setattr(f, "__gpuptr_trees__", True)
     C._cuda_getCheckpointState = get_checkpoint_state
     C._free_And_Remove_DeleterFn = free_and_remove_deleter
     C._cuda_checkPoolLiveAllocations = check_pool_live_allocations

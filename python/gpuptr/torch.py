@@ -40,7 +40,7 @@ counts PyTorch's allocations), and PyTorch's own private pools (``MemPool`` is g
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gpuptr import _core
 from gpuptr._errors import InstallError
@@ -101,11 +101,13 @@ def _pools_and_sharing(allocator: Any) -> None:
 
     from gpuptr import _torch_ipc, _torch_pool
 
-    own = getattr(allocator, "allocator", None)
-    for what, part in (
-        ("torch.cuda.MemPool", lambda: _torch_pool.install_pools(torch, own() if own else None)),
+    own: Any = getattr(allocator, "allocator", None)
+    mine: Any = own() if callable(own) else None
+    parts: "list[tuple[str, Callable[[], None]]]" = [
+        ("torch.cuda.MemPool", lambda: _torch_pool.install_pools(torch, mine)),
         ("torch.multiprocessing", lambda: _torch_ipc.install_reducers(torch)),
-    ):
+    ]
+    for what, part in parts:
         try:
             part()
         except (ImportError, AttributeError) as e:

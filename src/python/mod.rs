@@ -17,6 +17,7 @@ mod shutdown;
 mod sizes;
 mod testing;
 mod torch_pools;
+mod torch_share;
 mod track;
 
 use pyo3::prelude::*;
@@ -530,9 +531,9 @@ mod _core {
 
     // PyTorch's memory pools and tensor sharing (gpuptr._torch_pool, _torch_ipc).
     #[pymodule_export]
-    use super::torch_pools::{
-        TorchLoan, _torch_is_live, _torch_lend, _torch_pool_begin, _torch_pool_counts,
-        _torch_pool_end, _torch_pool_live,
+    use super::{
+        torch_pools::{_torch_pool_begin, _torch_pool_counts, _torch_pool_end, _torch_pool_live},
+        torch_share::{_torch_is_live, _torch_lend, TorchLoan},
     };
 
     #[pymodule_export]

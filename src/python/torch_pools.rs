@@ -1,6 +1,5 @@
-//! PyTorch's memory pools and tensor sharing over the allocations of the
-//! hooks (`gpuptr_torch_alloc`), for `gpuptr._torch_pool` and
-//! `gpuptr._torch_ipc`.
+//! PyTorch's memory pools over the allocations of the hooks
+//! (`gpuptr_torch_alloc`), for `gpuptr._torch_pool`.
 //!
 //! A pool under gpuptr is a tag, not memory of its own: while a thread has
 //! begun allocating to a pool (`torch.cuda.use_mem_pool`, a CUDA graph tree's
@@ -10,9 +9,7 @@
 //! back to, the one pool every library shares; the tags only answer what a
 //! pool holds (its live allocations, bytes and counts).
 //!
-//! Sharing: [`_torch_lend`] exports an IPC handle of a PyTorch allocation and
-//! lends it (a [`Loan`]), so that a free by PyTorch leaves the release to the
-//! loan's holder: the sender keeps the memory until the receiver lets go.
+//! Sharing a PyTorch allocation with another process is `torch_share.rs`.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,10 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
-
-use super::args::runtime;
-use crate::Loan;
+use pyo3::types::PyDict;
 
 /// A PyTorch memory pool's id (`MempoolId_t`: two unsigned integers).
 type PoolId = (u64, u64);
@@ -160,7 +154,9 @@ pub(crate) fn _torch_pool_end(device: usize, pool: PoolId) -> bool {
         }
         None => false,
     };
-    let ended = MINE.try_with(|m| remove(&mut m.borrow_mut())).unwrap_or(false)
+    let ended = MINE
+        .try_with(|m| remove(&mut m.borrow_mut()))
+        .unwrap_or(false)
         || remove(&mut crate::sync::lock(pools()).all_threads);
     if ended {
         ACTIVE.fetch_sub(1, Ordering::AcqRel);
@@ -206,34 +202,4 @@ pub(crate) fn _torch_pool_counts<'py>(
     d.set_item("frees", c.frees)?;
     d.set_item("freed_bytes", c.freed_bytes)?;
     Ok(d)
-}
-
-/// A PyTorch allocation lent to another process: until it is dropped, a
-/// free by PyTorch leaves the release to it.
-#[pyclass(frozen, module = "gpuptr._core", name = "TorchLoan")]
-pub(crate) struct TorchLoan(#[allow(dead_code)] Loan);
-
-/// An IPC handle (as bytes) of the PyTorch allocation that starts at
-/// ``address``, and a loan that keeps it alive. ``InvalidPointerError`` for
-/// an address the hooks did not hand out (or freed).
-#[pyfunction]
-pub(crate) fn _torch_lend<'py>(
-    py: Python<'py>,
-    address: u64,
-) -> PyResult<(Bound<'py, PyBytes>, TorchLoan)> {
-    let Some(mem) = super::hooks::torch_allocation(address) else {
-        return Err(crate::Error::InvalidPointer(format!(
-            "{address:#x} is not the start of memory gpuptr's PyTorch allocator handed out"
-        ))
-        .into());
-    };
-    let loan = mem.lend()?;
-    let handle = py.detach(|| runtime()?.ipc_export(&mem.view_all()).map_err(PyErr::from))?;
-    Ok((PyBytes::new(py, &handle.to_bytes()), TorchLoan(loan)))
-}
-
-/// Whether ``address`` starts a live allocation of gpuptr's PyTorch hooks.
-#[pyfunction]
-pub(crate) fn _torch_is_live(address: u64) -> bool {
-    super::hooks::torch_allocation(address).is_some()
 }

@@ -76,6 +76,13 @@ __all__ = [
     "_torch_counts",
     "_torch_reset_peak",
     "_torch_reset_accumulated",
+    "_torch_pool_begin",
+    "_torch_pool_end",
+    "_torch_pool_live",
+    "_torch_pool_counts",
+    "_torch_lend",
+    "_torch_is_live",
+    "TorchLoan",
     "_dtype_info",
     "DLPackOwner",
     "_import_cai",
@@ -666,6 +673,37 @@ def _flush_log() -> None:
     """Deliver the records the core queued (gpuptr's entry points do this
     themselves; this is for the end of a program, or a test).
     """
+def _torch_pool_begin(device: int, pool: tuple[int, int], all_threads: bool = False) -> None:
+    """Allocations on ``device`` go to ``pool`` from now: this thread's
+    (``all_threads=False``, ``_cuda_beginAllocateCurrentThreadToPool``) or
+    every thread's (``_cuda_beginAllocateToPool``), until
+    ``_torch_pool_end``.
+    """
+def _torch_pool_end(device: int, pool: tuple[int, int]) -> bool:
+    """Allocations on ``device`` no longer go to ``pool`` (the latest begin of
+    it on this thread, else for all threads). Whether one was under way.
+    """
+def _torch_pool_live(device: int, pool: tuple[int, int]) -> list[tuple[int, int]]:
+    """The live allocations of ``pool`` on ``device``: ``(address, bytes)``
+    pairs, by address.
+    """
+def _torch_pool_counts(device: int, pool: tuple[int, int]) -> dict[str, int]:
+    """The counts of ``pool`` on ``device`` (zeros for a pool that never
+    allocated): ``live``, ``live_bytes``, ``peak_bytes``, ``allocations``,
+    ``allocated_bytes``, ``frees``, ``freed_bytes``.
+    """
+@final
+class TorchLoan:
+    """A PyTorch allocation lent to another process: until it is dropped, a
+    free by PyTorch leaves the release to it.
+    """
+def _torch_lend(address: int) -> tuple[bytes, TorchLoan]:
+    """An IPC handle (as bytes) of the PyTorch allocation that starts at
+    ``address``, and a loan that keeps it alive. ``InvalidPointerError`` for
+    an address the hooks did not hand out (or freed).
+    """
+def _torch_is_live(address: int) -> bool:
+    """Whether ``address`` starts a live allocation of gpuptr's PyTorch hooks."""
 def _hooks_configure(stream_ordered: bool) -> None:
     """Set how the C entry points free memory: ordered on the allocating
     stream (``True``), or through the pool's fence (``False``, the default).

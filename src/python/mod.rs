@@ -17,6 +17,8 @@ mod shutdown;
 mod sizes;
 mod testing;
 mod torch_oom;
+mod torch_pools;
+mod torch_share;
 mod torch_stats;
 mod track;
 
@@ -536,6 +538,13 @@ mod _core {
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
         torch_oom::_hooks_torch_oom,
         torch_stats::{_torch_counts, _torch_reset_accumulated, _torch_reset_peak},
+    };
+
+    // PyTorch's memory pools and tensor sharing (gpuptr._torch_pool, _torch_ipc).
+    #[pymodule_export]
+    use super::{
+        torch_pools::{_torch_pool_begin, _torch_pool_counts, _torch_pool_end, _torch_pool_live},
+        torch_share::{_torch_is_live, _torch_lend, TorchLoan},
     };
 
     #[pymodule_export]

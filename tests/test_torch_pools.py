@@ -7,7 +7,6 @@ gpu/test_torch_pools_gpu.py."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import subprocess
@@ -20,15 +19,10 @@ import types
 import pytest
 
 import gpuptr
+from helpers import torch_hooks
 from gpuptr import _core, _torch_ipc, _torch_pool, _torch_trees
 
-lib = ctypes.CDLL(_core.__file__)
-t_alloc = lib.gpuptr_torch_alloc
-t_alloc.restype = ctypes.c_void_p
-t_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-t_free = lib.gpuptr_torch_free
-t_free.restype = None
-t_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+t_alloc, t_free = torch_hooks()
 
 MIB = 1 << 20
 

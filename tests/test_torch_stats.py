@@ -24,15 +24,10 @@ import types
 import pytest
 
 import gpuptr
+from helpers import torch_hooks
 from gpuptr import _core, _torch_stats
 
-lib = ctypes.CDLL(_core.__file__)  # the same loaded module: its statics are shared
-t_alloc = lib.gpuptr_torch_alloc
-t_alloc.restype = ctypes.c_void_p
-t_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-t_free = lib.gpuptr_torch_free
-t_free.restype = None
-t_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+t_alloc, t_free = torch_hooks()
 
 MiB = 1 << 20
 

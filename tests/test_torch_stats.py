@@ -488,6 +488,9 @@ def test_the_oom_thrower_is_not_found_in_libraries_without_it():
     assert _core._hooks_torch_oom(["/nonexistent/libc10.so"]) is False
     assert _core._hooks_torch_oom([]) is False
     assert _core._hooks_torch_oom([ctypes.util.find_library("c") or "libc.so.6"]) is False
+    # and says what it missed: nothing loaded, or a library without c10's pieces
+    assert _core._hooks_torch_oom_missing(["/nonexistent/libc10.so"]) == "none of the libraries is loaded"
+    assert _core._hooks_torch_oom_missing([ctypes.util.find_library("c") or "libc.so.6"]) == "c10::Error's constructor"
 
 
 # ------------------------------------------------------- CuPy's default pool

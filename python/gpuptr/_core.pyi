@@ -73,6 +73,7 @@ __all__ = [
     "_cupy_set_oom_error",
     "_hooks_torch_errors",
     "_hooks_torch_oom",
+    "_hooks_torch_oom_missing",
     "_torch_counts",
     "_torch_reset_peak",
     "_torch_reset_accumulated",
@@ -736,6 +737,10 @@ def _hooks_torch_oom(paths: list[Any]) -> bool:
     allocation that runs out of memory raises ``torch.cuda.OutOfMemoryError``.
     Whether everything was found (else out of memory raises through
     ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``).
+    """
+def _hooks_torch_oom_missing(paths: list[Any]) -> str | None:
+    """What ``_hooks_torch_oom`` did not find in ``paths``, in words (for the
+    warning ``install()`` logs), or None where everything was found.
     """
 def _torch_counts(device: int) -> dict[str, Any]:
     """PyTorch's own counts on ``device``: ``allocation``,

@@ -137,9 +137,13 @@ def _raise_in_torch() -> None:
     here = getattr(torch, "__file__", None) or ""
     lib = os.path.join(os.path.dirname(here), "lib", "libc10.so")
     libs = [os.path.join(os.path.dirname(lib), n) for n in _OOM_LIBS]
-    if here and not _core._hooks_torch_oom(libs):
+    missing = _core._hooks_torch_oom_missing(libs) if here else None
+    if here and missing is not None:
         logging.getLogger("gpuptr").warning(
-            "c10::OutOfMemoryError was not found in %s: out of memory raises a RuntimeError in PyTorch", libs
+            "c10::OutOfMemoryError cannot be built from %s (%s not found): out of memory raises a "
+            "RuntimeError in PyTorch",
+            libs,
+            missing,
         )
     if not (here and _core._hooks_torch_errors(lib)):
         logging.getLogger("gpuptr").warning(

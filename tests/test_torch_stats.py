@@ -439,7 +439,7 @@ import ctypes, json, sys
 from gpuptr import _core
 path = sys.argv[1]
 fake = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-found = {"oom": _core._hooks_torch_oom([path, "/nonexistent/libc10_cuda.so"]), "errors": _core._hooks_torch_errors(path)}
+found = {"oom": _core._hooks_torch_oom_missing([path, "/nonexistent/libc10_cuda.so"]) is None, "errors": _core._hooks_torch_errors(path)}
 alloc = ctypes.cast(ctypes.CDLL(_core.__file__).gpuptr_torch_alloc, ctypes.c_void_p)
 fake.fake_torch_call.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_char_p, ctypes.c_size_t]
 buf = ctypes.create_string_buffer(4096)
@@ -485,9 +485,9 @@ def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_p
 
 
 def test_the_oom_thrower_is_not_found_in_libraries_without_it():
-    assert _core._hooks_torch_oom(["/nonexistent/libc10.so"]) is False
-    assert _core._hooks_torch_oom([]) is False
-    assert _core._hooks_torch_oom([ctypes.util.find_library("c") or "libc.so.6"]) is False
+    assert _core._hooks_torch_oom_missing(["/nonexistent/libc10.so"]) is not None
+    assert _core._hooks_torch_oom_missing([]) is not None
+    assert _core._hooks_torch_oom_missing([ctypes.util.find_library("c") or "libc.so.6"]) is not None
     # and says what it missed: nothing loaded, or a library without c10's pieces
     assert _core._hooks_torch_oom_missing(["/nonexistent/libc10.so"]) == "none of the libraries is loaded"
     assert _core._hooks_torch_oom_missing([ctypes.util.find_library("c") or "libc.so.6"]) == "c10::Error's constructor"

@@ -72,7 +72,6 @@ __all__ = [
     "_cupy_free",
     "_cupy_set_oom_error",
     "_hooks_torch_errors",
-    "_hooks_torch_oom",
     "_hooks_torch_oom_missing",
     "_torch_counts",
     "_torch_reset_peak",
@@ -730,17 +729,14 @@ def _hooks_torch_errors(path: Any) -> bool:
     allocation raises in PyTorch instead of returning a null pointer.
     Whether it was found.
     """
-def _hooks_torch_oom(paths: list[Any]) -> bool:
+def _hooks_torch_oom_missing(paths: list[Any]) -> str | None:
     """Find what throwing PyTorch's ``c10::OutOfMemoryError`` takes in the
     loaded libraries at ``paths`` (``libc10.so`` and the others PyTorch
     loaded; none is loaded by this call) and the C++ runtime, so that an
     allocation that runs out of memory raises ``torch.cuda.OutOfMemoryError``.
-    Whether everything was found (else out of memory raises through
-    ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``).
-    """
-def _hooks_torch_oom_missing(paths: list[Any]) -> str | None:
-    """What ``_hooks_torch_oom`` did not find in ``paths``, in words (for the
-    warning ``install()`` logs), or None where everything was found.
+    None where everything was found; else what was not, in words (for the
+    warning ``install()`` logs), and out of memory raises through
+    ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``.
     """
 def _torch_counts(device: int) -> dict[str, Any]:
     """PyTorch's own counts on ``device``: ``allocation``,

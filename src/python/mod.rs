@@ -536,7 +536,7 @@ mod _core {
             _hooks_torch_errors,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
-        torch_oom::{_hooks_torch_oom, _hooks_torch_oom_missing},
+        torch_oom::_hooks_torch_oom_missing,
         torch_stats::{_torch_counts, _torch_reset_accumulated, _torch_reset_peak},
     };
 

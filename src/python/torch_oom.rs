@@ -277,15 +277,9 @@ pub(super) fn throw(message: &CStr) {
 /// loaded libraries at ``paths`` (``libc10.so`` and the others PyTorch
 /// loaded; none is loaded by this call) and the C++ runtime, so that an
 /// allocation that runs out of memory raises ``torch.cuda.OutOfMemoryError``.
-/// Whether everything was found (else out of memory raises through
-/// ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``).
-#[pyo3::pyfunction]
-pub(crate) fn _hooks_torch_oom(paths: Vec<std::path::PathBuf>) -> bool {
-    find(&paths).is_ok()
-}
-
-/// What ``_hooks_torch_oom`` did not find in ``paths``, in words (for the
-/// warning ``install()`` logs), or None where everything was found.
+/// None where everything was found; else what was not, in words (for the
+/// warning ``install()`` logs), and out of memory raises through
+/// ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``.
 #[pyo3::pyfunction]
 pub(crate) fn _hooks_torch_oom_missing(paths: Vec<std::path::PathBuf>) -> Option<&'static str> {
     find(&paths).err()

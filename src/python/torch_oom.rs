@@ -147,8 +147,13 @@ fn find(libs: &[std::path::PathBuf]) -> Result<(), &'static str> {
         // does not: it is inline); else the vtable's, which a virtual
         // destruction through a `c10::Error*` calls too.
         let dtor = ERROR_DTORS.iter().find_map(|n| in_libs(n)).unwrap_or(slot0);
+        // The C++ runtime PyTorch's libraries use: through their handles
+        // first (`dlsym` on a handle searches the library's dependencies,
+        // and Python loads PyTorch with RTLD_LOCAL, so its libstdc++ is in
+        // no global scope), then the process's global scope.
         let runtime = |name: &'static CStr| {
-            symbol(std::ptr::null_mut(), name)
+            in_libs(name)
+                .or_else(|| symbol(std::ptr::null_mut(), name))
                 .ok_or("the C++ runtime's exception or allocation calls")
         };
         let alloc_exception = runtime(c"__cxa_allocate_exception")?;

@@ -28,23 +28,13 @@ class Keep(logging.Handler):
 log = logging.getLogger("gpuptr")
 log.addHandler(Keep()); log.setLevel(logging.DEBUG); log.propagate = False
 from numba import cuda
-import cupy as cp
 import gpuptr
+from gpuptr.bench.spin import Spinner
 
-@cuda.jit
-def spin(a, ms):
-    for _ in range(ms):
-        cuda.nanosleep(1000000)
-    a[0] = 1
-
-cs = cp.cuda.Stream(non_blocking=True)
-s = cuda.external_stream(cs.ptr)
-flag = cuda.device_array(1, np.int32)
-for _ in range(20):
-    cuda.device_array(1 << 20, np.uint8)
+spinner = Spinner()
 cuda.synchronize()
 gc.collect(); gc.disable()
-spin[1, 1, s](flag, 1500)
+spinner.launch(1500)
 pairs = []
 t0 = time.time()
 for _ in range(300):
@@ -54,8 +44,8 @@ for _ in range(300):
     del a
     pairs.append((t - t0, time.time() - t, gpuptr.stats()[0]["pool_misses"] - m))
 gc.enable()
-busy = not cs.done
-s.synchronize()
+busy = spinner.busy
+spinner.synchronize()
 print(json.dumps({"pairs": pairs, "busy": busy, "pool_bytes": gpuptr.stats()[0]["pool_bytes"],
                   "records": [(c - t0, m) for c, m in records if c >= t0 - 0.001]}))
 """

@@ -14,6 +14,8 @@ fn main() -> gpuptr::Result<()> {
     let view = mem.view_all().view(0, Some(4096))?;
     view.memset(0, None)?; // all 4096 bytes; Some(n): the first n
     assert_eq!(rt.context_of(view.address())?.device(), 0);
+    println!("{} bytes zeroed on device {}", view.size(), ctx.device());
+    // 4096 bytes zeroed on device 0
     Ok(())
 }
 // README: end

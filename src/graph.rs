@@ -79,9 +79,10 @@ struct Active {
 /// Shards of the map of tagged blocks: frees on many threads rarely share one.
 const TAG_SHARDS: usize = 16;
 
-/// The graph a live block allocated during a capture belongs to, with the
-/// reset epoch it was made in (a stale pointer's address may be reused).
-type Tag = (u64, Arc<Kept>);
+/// The graphs a live block allocated during captures belongs to (every
+/// capture it may take part in), with the reset epoch it was made in (a
+/// stale pointer's address may be reused).
+type Tag = (u64, Vec<Arc<Kept>>);
 
 /// One device's graph memory (see the module documentation).
 #[derive(Default)]
@@ -246,7 +247,7 @@ impl GraphMemory {
 
     /// A block allocated at `address` in reset epoch `epoch` while a capture
     /// is under way: it belongs to the announced capture its stream takes
-    /// part in (`seen`), or else to the capture this thread began.
+    /// part in (`seen`) and to every capture this thread began.
     pub(crate) fn tag(
         &self,
         driver: &dyn Driver,
@@ -271,10 +272,19 @@ impl GraphMemory {
             }
             _ => None,
         };
-        if let Some(k) = on_stream.or_else(|| self.on_this_thread()) {
-            if self.tags(address).insert(address, (epoch, k)).is_none() {
-                self.tagged_n.fetch_add(1, Ordering::AcqRel);
+        let mut graphs = self.on_this_thread();
+        if let Some(k) = on_stream {
+            if !graphs.iter().any(|g| Arc::ptr_eq(g, &k)) {
+                graphs.push(k);
             }
+        }
+        if !graphs.is_empty()
+            && self
+                .tags(address)
+                .insert(address, (epoch, graphs))
+                .is_none()
+        {
+            self.tagged_n.fetch_add(1, Ordering::AcqRel);
         }
     }
 
@@ -290,21 +300,23 @@ impl GraphMemory {
         }
     }
 
-    /// The capture begun on the calling thread, if any.
-    fn on_this_thread(&self) -> Option<Arc<Kept>> {
+    /// Every capture under way that the calling thread began (a thread
+    /// may capture several streams at once).
+    fn on_this_thread(&self) -> Vec<Arc<Kept>> {
         if !self.watching() {
-            return None;
+            return Vec::new();
         }
         let me = std::thread::current().id();
         let active = lock(&self.active);
-        let mine = active.iter().find(|a| a.thread == me);
-        mine.map(|a| a.kept.clone())
+        let mine = active.iter().filter(|a| a.thread == me);
+        mine.map(|a| a.kept.clone()).collect()
     }
 
     /// A pool block is being freed: keep it for its graphs (`None`), or
     /// hand it back to the caller to release (`Some`). A block allocated
     /// during a capture whose graph lives, and one freed during a capture
-    /// by the capturing thread, are kept (by both graphs, if both).
+    /// by the capturing thread, are kept (by every such graph, until the
+    /// last of them is destroyed).
     #[inline]
     pub(crate) fn keep(&self, block: Block) -> Option<Block> {
         if self.tagged_n.load(Ordering::Acquire) == 0 && !self.watching() {
@@ -322,13 +334,14 @@ impl GraphMemory {
                 self.tagged_n.fetch_sub(1, Ordering::AcqRel);
             }
             // A tag from another epoch was a stale pointer's: not this block's.
-            t.filter(|t| t.0 == block.epoch).map(|t| t.1)
+            t.filter(|t| t.0 == block.epoch)
+                .map(|t| t.1)
+                .unwrap_or_default()
         };
-        // The capture this thread runs now, unless it is the tag's own.
-        let now = self
-            .on_this_thread()
-            .filter(|n| !tag.as_ref().is_some_and(|t| Arc::ptr_eq(t, n)));
-        if tag.is_none() && now.is_none() {
+        // The captures this thread runs now, but for the tag's own.
+        let mut now = self.on_this_thread();
+        now.retain(|n| !tag.iter().any(|t| Arc::ptr_eq(t, n)));
+        if tag.is_empty() && now.is_empty() {
             return Some(block);
         }
         let size = block.size;

@@ -28,6 +28,19 @@ impl Size {
         }
     }
 
+    /// [`Size::bytes_of`], refusing a share that comes to no byte at all
+    /// (`1e-12` of the device): `InvalidArgument` naming `setting`, where
+    /// flooring would silently set 0 bytes.
+    pub fn bytes_on(self, total: usize, setting: &str) -> Result<usize> {
+        let n = self.bytes_of(total);
+        match self {
+            Size::Share(f) if n == 0 => Err(Error::InvalidArgument(format!(
+                "{setting}={f} is less than one byte of the device's {total} bytes (give a share of at least 1/{total}, or bytes)"
+            ))),
+            _ => Ok(n),
+        }
+    }
+
     /// A share `f` of the device, checked to be in (0, 1]; `setting`
     /// names what was set, for the error.
     pub fn share(f: f64, setting: &str) -> Result<Size> {
@@ -40,6 +53,10 @@ impl Size {
         }
     }
 }
+
+/// The most bytes a size may be, written in any form: 2**63-1, the range
+/// of an int size argument too (one rule for strings and ints).
+pub const MAX_BYTES: usize = i64::MAX as usize;
 
 /// Bytes per unit, by lower-case name.
 fn unit(name: &str) -> Option<f64> {
@@ -90,13 +107,16 @@ pub fn parse(text: &str, setting: &str) -> Result<Size> {
         }
         return number
             .parse::<usize>()
+            .ok()
+            .filter(|n| *n <= MAX_BYTES)
             .map(Size::Bytes)
-            .map_err(|_| bad("too large, or not a whole number"));
+            .ok_or_else(|| bad("more than 2**63-1 bytes, or not a whole number"));
     }
     let v: f64 = number.parse().map_err(|_| bad("not a number"))?;
     let bytes = v * per;
-    if !bytes.is_finite() || bytes >= usize::MAX as f64 {
-        return Err(bad("too large"));
+    // 2**63 is exact as an f64: anything from it up is past the range.
+    if !bytes.is_finite() || bytes.round() >= 9_223_372_036_854_775_808.0 {
+        return Err(bad("more than 2**63-1 bytes"));
     }
     Ok(Size::Bytes(bytes.round() as usize))
 }
@@ -137,6 +157,9 @@ mod tests {
         assert_eq!(p(" 100 % "), Size::Share(1.0));
         assert_eq!(p("80%").bytes_of(1000), 800);
         assert_eq!(p("40GB").bytes_of(1), 40_000_000_000);
+        assert_eq!(p("9223372036854775807"), Size::Bytes(MAX_BYTES));
+        assert!(Size::Share(1e-12).bytes_on(1 << 30, "nbytes").is_err());
+        assert_eq!(Size::Share(0.5).bytes_on(1000, "nbytes").unwrap(), 500);
     }
 
     #[test]
@@ -155,6 +178,9 @@ mod tests {
             "1e400GB",
             "99999999999999999999",
             "99999999999PB",
+            "18446744073709551615",
+            "9223372036854775808",
+            "8EiB",
         ] {
             let e = parse(t, "GPUPTR_SIM_MEMORY").unwrap_err().to_string();
             assert!(e.contains("GPUPTR_SIM_MEMORY"), "{t:?}: {e}");

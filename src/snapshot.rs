@@ -312,23 +312,22 @@ impl Snapshot {
     }
 
     /// Write [`Snapshot::to_pickle`] to `path`: into a new file beside it,
-    /// then renamed over it, so a reader never sees half a snapshot. A
-    /// symlink is followed (the file it names is replaced, the link stays),
-    /// and a file that is not a regular one (a FIFO, `/dev/null`, a
-    /// terminal) is written into as `open(path, "wb")` would: never
+    /// then renamed over it, so a reader never sees half a snapshot. As
+    /// `open(path, "wb")` would: a symlink is followed (the file it names
+    /// is replaced, or created if it does not exist yet; the link stays),
+    /// a directory (or a link to one) is `EISDIR`, and a file that is not a
+    /// regular one (a FIFO, `/dev/null`, a terminal) is written into, never
     /// replaced by a regular file.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
-        match std::fs::metadata(path) {
-            Ok(m) if !m.is_file() && !m.is_dir() => {
-                let mut f = std::fs::OpenOptions::new().write(true).open(path)?;
-                return f.write_all(&self.to_pickle());
+        let target = final_target(path)?;
+        match std::fs::metadata(&target) {
+            Ok(m) if m.is_dir() => Err(std::io::Error::from_raw_os_error(libc::EISDIR)),
+            Ok(m) if !m.is_file() => {
+                let mut f = std::fs::OpenOptions::new().write(true).open(&target)?;
+                f.write_all(&self.to_pickle())
             }
-            Ok(m) if m.is_file() && path.is_symlink() => {
-                return self.replace(&std::fs::canonicalize(path)?);
-            }
-            _ => {}
+            _ => self.replace(&target),
         }
-        self.replace(path)
     }
 
     /// Write to a new file beside `path`, renamed over it.
@@ -342,13 +341,21 @@ impl Snapshot {
         // directory that is full of such names is an error, not a spin.
         let mut tries = 0;
         let (tmp, mut f) = loop {
-            let mut tmp_name = std::ffi::OsString::from(".");
-            tmp_name.push(name);
-            tmp_name.push(format!(
+            let suffix = format!(
                 ".{}.{}.tmp",
                 std::process::id(),
                 NEXT.fetch_add(1, Ordering::Relaxed)
-            ));
+            );
+            // `.NAME.PID.N.tmp`, or, where that would pass the 255 bytes a
+            // file name may have (NAME_MAX) and `path`'s own name does not,
+            // a short name of gpuptr's own.
+            let mut tmp_name = std::ffi::OsString::from(".");
+            if 1 + name.len() + suffix.len() <= NAME_MAX {
+                tmp_name.push(name);
+            } else {
+                tmp_name.push("gpuptr-snapshot");
+            }
+            tmp_name.push(suffix);
             let tmp = path.with_file_name(tmp_name);
             match std::fs::OpenOptions::new()
                 .write(true)
@@ -372,6 +379,30 @@ impl Snapshot {
         }
         r
     }
+}
+
+/// The most bytes one file name may have on Linux's file systems.
+const NAME_MAX: usize = 255;
+
+/// `path` with every symlink in its last component followed, as `open`
+/// follows them: the path of the file (existing or not) that writing to
+/// `path` writes. A relative link is read from its own directory; a chain
+/// of more than 40 links is `ELOOP`, as the kernel's limit.
+fn final_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let t = std::fs::read_link(&p)?;
+                p = match p.parent() {
+                    Some(dir) if t.is_relative() => dir.join(t),
+                    _ => t,
+                };
+            }
+            _ => return Ok(p),
+        }
+    }
+    Err(std::io::Error::from_raw_os_error(libc::ELOOP))
 }
 
 fn write_value(out: &mut Vec<u8>, v: &Value) {

@@ -174,6 +174,12 @@ impl Tracker {
         self.lock().remove(&address);
     }
 
+    /// Forget every allocation noted on `device` (its context was reset:
+    /// their memory is gone, and their addresses may come back).
+    pub(crate) fn forget_device(&self, device: usize) {
+        self.lock().retain(|_, e| e.device != device);
+    }
+
     /// The live noted allocations grouped by site, the most bytes first.
     pub(crate) fn outstanding(&self) -> Vec<Outstanding> {
         let live = self.lock();

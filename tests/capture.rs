@@ -170,18 +170,30 @@ fn test_a_capture_that_begins_while_a_fence_runs_waits_for_it() {
         while drv.calls(gpuptr::CallKind::Synchronize) == syncs {
             std::thread::yield_now();
         }
-        let began = s.spawn(|| rt.begin_capture(0));
+        // The capturing thread ends its own capture (an end is taken only
+        // from the thread that began it) once told to.
+        let (began_tx, began_rx) = std::sync::mpsc::channel();
+        let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+        let rt = &rt;
+        let capturing = s.spawn(move || {
+            rt.begin_capture(0).unwrap();
+            began_tx.send(()).unwrap();
+            end_rx.recv().unwrap();
+            rt.end_capture(0)
+        });
         std::thread::sleep(std::time::Duration::from_millis(50));
         assert!(
-            !began.is_finished(),
+            began_rx.try_recv().is_err(),
             "the capture waits for the running fence"
         );
         drv.complete(None);
-        began.join().unwrap().unwrap();
+        began_rx.recv().unwrap();
         assert_eq!(flushed.join().unwrap(), Ok(true));
+        assert!(rt.capturing(0).unwrap());
+        end_tx.send(()).unwrap();
+        capturing.join().unwrap().unwrap();
     });
-    assert!(rt.capturing(0).unwrap());
-    rt.end_capture(0).unwrap();
+    assert!(!rt.capturing(0).unwrap());
 }
 
 #[test]
@@ -236,4 +248,47 @@ fn test_the_last_drop_during_a_capture_still_gives_every_cached_block_back() {
     let ctx = rt.context(0).unwrap();
     let q = ctx.alloc(4096).unwrap();
     q.view_all().memset(1, None).unwrap();
+}
+
+#[test]
+fn test_a_fence_of_one_device_runs_while_another_devices_stream_captures() {
+    // CUDA's rule is per context (measured on the H200): a synchronize of
+    // device 1 leaves device 0's capture intact; one of device 0 is refused.
+    let (drv, rt) = sim_pooled(2, 64 << 20);
+    let (c0, c1) = (rt.context(0).unwrap(), rt.context(1).unwrap());
+    drv.begin_capture_on(0, NON_BLOCKING);
+    // SAFETY: live contexts of the simulator.
+    unsafe { drv.synchronize(c1.raw()) }.unwrap();
+    drv.end_capture(NON_BLOCKING).unwrap();
+    drv.begin_capture_on(0, NON_BLOCKING);
+    // SAFETY: as above.
+    let e = unsafe { drv.synchronize(c0.raw()) }.unwrap_err();
+    assert_eq!(code(e), Some(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
+    assert_eq!(
+        code(drv.end_capture(NON_BLOCKING).unwrap_err()),
+        Some(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+    );
+    // The pool's gate is per device too: device 1 fences meanwhile.
+    rt.begin_capture(0).unwrap();
+    assert_eq!(rt.flush_pool(1), Ok(true));
+    rt.end_capture(0).unwrap();
+}
+
+#[test]
+fn test_an_unbalanced_end_capture_is_refused_and_closes_no_other_threads_gate() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    assert!(matches!(rt.end_capture(0), Err(Error::InvalidArgument(_))));
+    rt.begin_capture(0).unwrap();
+    let other = rt.clone();
+    let r = std::thread::spawn(move || other.end_capture(0))
+        .join()
+        .unwrap();
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    assert_eq!(
+        rt.capturing(0),
+        Ok(true),
+        "another thread closed this one's gate"
+    );
+    rt.end_capture(0).unwrap();
+    assert_eq!(rt.capturing(0), Ok(false));
 }

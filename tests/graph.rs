@@ -323,3 +323,34 @@ fn test_a_stale_tag_never_catches_a_new_block_at_its_address() {
     );
     drop(g);
 }
+
+#[test]
+fn test_two_captures_on_one_thread_keep_their_blocks_until_both_graphs_are_gone() {
+    let (drv, rt) = pooled();
+    let ctx = rt.context(0).unwrap();
+    let freed = ctx.alloc(4096).unwrap(); // made before, freed during both
+                                          // Two captures under way on this thread at once (two streams).
+    begin(&drv, &rt);
+    rt.begin_capture(0).unwrap();
+    drv.begin_capture(OTHER);
+    // SAFETY: the simulator's streams are plain numbers.
+    unsafe { rt.capture_started(0, OTHER) }.unwrap();
+    let made = ctx.alloc(4096).unwrap(); // allocated during both
+    let (made_at, freed_at) = (made.address(), freed.address());
+    drop(made);
+    drop(freed);
+    let second = drv.end_capture_graph(OTHER).unwrap();
+    rt.end_capture(0).unwrap();
+    let first = end(&drv, &rt);
+    assert_eq!(rt.graph_kept_bytes(0), Ok(8192));
+    drop(first);
+    let after = fresh(&rt, 256);
+    assert!(
+        !after.contains(&made_at) && !after.contains(&freed_at),
+        "reused while the second graph can still replay"
+    );
+    drop(second);
+    let after = fresh(&rt, 256);
+    assert!(after.contains(&made_at) && after.contains(&freed_at));
+    assert_eq!(rt.graph_kept_bytes(0), Ok(0));
+}

@@ -115,3 +115,20 @@ def soak(n, mode, env):
     # Free device memory came back, except what the pool caches (and says so).
     assert used <= cached + (2 << 20), (used, cached)
     assert grown < 256 * 1024, f"Python memory grew by {grown} bytes"
+
+
+def torch_hooks():
+    """The two C functions PyTorch's pluggable allocator loads from gpuptr's
+    extension (``gpuptr_torch_alloc``, ``gpuptr_torch_free``), typed as
+    PyTorch calls them. Loaded from the module Python already imported, so
+    they share its statics."""
+    from gpuptr import _core
+
+    lib = ctypes.CDLL(_core.__file__)
+    alloc = lib.gpuptr_torch_alloc
+    alloc.restype = ctypes.c_void_p
+    alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    free = lib.gpuptr_torch_free
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return alloc, free

@@ -287,3 +287,43 @@ fn test_blocks_cover_their_segment_in_address_order() {
     assert_eq!(active, 5);
     drop(held);
 }
+
+#[test]
+fn test_a_stale_free_after_a_reset_keeps_the_history_of_the_allocation_that_reuses_its_address() {
+    let (drv, rt) = sim(1);
+    rt.record_history(true, 1000);
+    let ctx = rt.context(0).unwrap();
+    let old = ctx.alloc(4096).unwrap();
+    let addr = old.address();
+    rt.reset(0).unwrap();
+    drv.reset_primary_context(0);
+    let ctx = rt.context(0).unwrap();
+    let new = ctx.alloc(4096).unwrap();
+    assert_eq!(
+        new.address(),
+        addr,
+        "the simulator reuses the address after a reset"
+    );
+    let frees_before = rt.snapshot().device_traces[0]
+        .iter()
+        .filter(|e| e.action == Action::FreeCompleted && e.address == addr)
+        .count();
+    old.free().unwrap();
+    drop(old);
+    let s = rt.snapshot();
+    let seg = s.segments.iter().find(|g| g.address == addr);
+    assert!(
+        seg.is_some_and(|g| g.blocks.iter().any(|b| b.site.is_some())),
+        "the new allocation dropped out of the snapshot: {:?}",
+        s.segments
+    );
+    let frees = s.device_traces[0]
+        .iter()
+        .filter(|e| e.action == Action::FreeCompleted && e.address == addr)
+        .count();
+    assert_eq!(
+        frees, frees_before,
+        "the stale free put a false free in the trace"
+    );
+    drop(new);
+}

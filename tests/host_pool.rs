@@ -253,6 +253,34 @@ fn test_the_host_cache_keeps_to_its_cap() {
 }
 
 #[test]
+fn test_the_host_cache_keeps_to_its_cap_once_the_fence_is_done_without_another_free() {
+    let drv = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
+    let cfg = PoolConfig {
+        host_cache_bytes: 4 << 20,
+        ..PoolConfig::default()
+    };
+    let rt = Runtime::with_pool(drv.clone(), Some(cfg)).unwrap();
+    let ctx = rt.context(0).unwrap();
+    // 32 blocks of 1 MiB freed: each free finds the cache past its cap
+    // with nothing ready yet. Once their fence is done the cache must come
+    // down to its cap by itself, with no later host call.
+    let live: Vec<_> = (0..32)
+        .map(|_| ctx.alloc_host(1 << 20, HostFlags::default()).unwrap())
+        .collect();
+    drop(live);
+    assert!(rt.flush_pool(0).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut h = rt.stats()[0].host;
+    while h.cached_bytes > 4 << 20 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+        h = rt.stats()[0].host;
+    }
+    assert!(h.cached_bytes <= 4 << 20, "{h:?}");
+    assert!(h.held_bytes <= 4 << 20, "{h:?}");
+    assert!(drv.live_host_bytes() <= 4 << 20);
+}
+
+#[test]
 fn test_without_a_pool_host_memory_goes_straight_to_the_driver() {
     let (drv, rt) = sim(1);
     let ctx = rt.context(0).unwrap();

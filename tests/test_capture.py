@@ -25,6 +25,47 @@ def test_capturing_holds_every_fence_until_it_ends():
     assert gpuptr.flush_pool(0) is True
 
 
+def test_capturing_ends_on_the_device_it_began_on_when_the_body_switches_device():
+    # The body makes device 1 current; the end must still close device 0's gate.
+    gpuptr.context(0).push()
+    try:
+        with gpuptr.capturing():
+            assert gpuptr.is_capturing(0)
+            gpuptr.context(1).push()
+        assert not gpuptr.is_capturing(0), "device 0's gate must come down"
+        assert not gpuptr.is_capturing(1)
+        m = gpuptr.alloc(4096, device=0)
+        m.free()
+        assert gpuptr.flush_pool(0) is True
+    finally:
+        gpuptr.context(0).push()
+
+
+def test_an_unbalanced_end_capture_is_refused_and_closes_no_other_threads_gate():
+    import threading
+
+    with pytest.raises(gpuptr.InvalidArgumentError, match="no capture begun on this thread"):
+        gpuptr.end_capture(0)
+    gpuptr.begin_capture(0)
+    try:
+        got = []
+        t = threading.Thread(target=lambda: got.append(_try(gpuptr.end_capture, 0)))
+        t.start()
+        t.join(30)
+        assert isinstance(got[0], gpuptr.InvalidArgumentError), got
+        assert gpuptr.is_capturing(0), "another thread closed this thread's gate"
+    finally:
+        gpuptr.end_capture(0)
+    assert not gpuptr.is_capturing(0)
+
+
+def _try(f, *args):
+    try:
+        return f(*args)
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return e
+
+
 def test_capturing_rejects_a_device_that_does_not_exist():
     with pytest.raises(gpuptr.InvalidArgumentError):
         gpuptr.begin_capture(10_000)

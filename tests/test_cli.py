@@ -472,12 +472,18 @@ def test_info_shows_readable_sizes_the_pool_per_process_and_library_versions():
     assert "GiB total" in out.stdout or "MiB total" in out.stdout
     assert "per process" in out.stdout and "0 B live" not in out.stdout
     versions = cli.library_versions()
-    assert list(versions) == ["numba-cuda", "CuPy", "torch", "cuda-bindings", "cuda-core"]
+    assert list(versions) == ["numba-cuda", "numba-cuda-mlir", "CuPy", "torch", "cuda-bindings", "cuda-core", "RMM"]
     for name, version in versions.items():
         line = re.search(rf"^\s+{re.escape(name)}\s+(.+)$", out.stdout, re.M)
         assert line, (name, out.stdout)
         assert line.group(1) == (version or "not installed")
-    for name, dist in (("numba-cuda", "numba-cuda"), ("torch", "torch"), ("cuda-bindings", "cuda-bindings")):
+    for name, dist in (
+        ("numba-cuda", "numba-cuda"),
+        ("numba-cuda-mlir", "numba-cuda-mlir"),
+        ("torch", "torch"),
+        ("cuda-bindings", "cuda-bindings"),
+        ("RMM", "rmm-cu13"),
+    ):
         try:
             installed = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -18,15 +18,10 @@ import types
 import pytest
 
 import gpuptr
+from helpers import torch_hooks
 from gpuptr import _core, _testing
 
-lib = ctypes.CDLL(_core.__file__)  # the same loaded module: its statics are shared
-t_alloc = lib.gpuptr_torch_alloc
-t_alloc.restype = ctypes.c_void_p
-t_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-t_free = lib.gpuptr_torch_free
-t_free.restype = None
-t_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+t_alloc, t_free = torch_hooks()
 
 
 def client(name, device=0):
@@ -401,6 +396,7 @@ def test_torch_install_loads_gpuptrs_own_entry_points(fake_torch):
     gpuptr.torch.install()
     ((path, alloc, free),) = mem.loaded
     assert path == _core.__file__
+    lib = ctypes.CDLL(_core.__file__)
     assert hasattr(lib, alloc) and hasattr(lib, free), "the symbols exist in the module"
     assert gpuptr.torch.installed()
     gpuptr.torch.install()  # idempotent

@@ -7,7 +7,7 @@ The importer here is often this process with a handle whose process token
 was changed: it takes the other-process path (the liveness file, then the
 driver), and the simulator maps its own memory, so what a handle opens to
 can be checked byte for byte. A real second process has its own simulator
-(it cannot map the parent's memory: a live handle gets ``CudaError`` there,
+(it cannot map the parent's memory: a live handle gets ``InvalidArgumentError`` there, saying so,
 past the liveness check). Cases that blocked or crashed run in subprocesses
 with timeouts.
 """
@@ -160,7 +160,7 @@ def test_a_handle_reaching_past_its_exported_block_fails_in_another_process():
     wider = craft(h, size=8192)
     before = craft(h, offset=f["offset"] - 4096) if f["offset"] >= 4096 else craft(h, size=4097)
     out = open_in_child(h, wider, before)
-    assert out[0].startswith("CudaError"), out  # live: past the record, to the driver
+    assert out[0].startswith("InvalidArgumentError"), out  # live: past the record, to the driver
     assert out[1].startswith("InvalidPointerError") and "outside" in out[1], out
     assert out[2].startswith("InvalidPointerError") and "outside" in out[2], out
 
@@ -385,7 +385,7 @@ def test_liveness_files_of_gone_exporters_are_swept(how):
         assert out.returncode == 0, out.stderr
         assert not os.path.exists(path), f"{path} outlived its exporter ({how})"
         assert os.path.exists(liveness_path(my_handle))
-        assert open_in_child(my_handle)[0].startswith("CudaError"), "still live"
+        assert open_in_child(my_handle)[0].startswith("InvalidArgumentError"), "still live"
     finally:
         if how == "fork":
             # The forked child sleeps in the exporter's session.
@@ -466,7 +466,7 @@ def test_a_forked_child_never_clears_its_parents_liveness_record():
         rc, raw = p.stdout.readline().split()
         assert rc == "0"
         h = gpuptr.IpcHandle.from_bytes(bytes.fromhex(raw))
-        assert open_in_child(h)[0].startswith("CudaError"), "the parent's memory is still live"
+        assert open_in_child(h)[0].startswith("InvalidArgumentError"), "the parent's memory is still live"
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.stdout.readline().strip() == "released"
@@ -491,7 +491,7 @@ def test_a_stale_handle_of_a_reused_block_does_not_open_elsewhere():
     assert fields(new)["export"] != fields(old)["export"]
     out = open_in_child(old, new)
     assert out[0].startswith("InvalidPointerError") and "freed" in out[0], out
-    assert out[1].startswith("CudaError"), out
+    assert out[1].startswith("InvalidArgumentError"), out
     with pytest.raises(gpuptr.InvalidPointerError, match="freed"):
         old.open()
     assert new.open().device_pointer_value == address

@@ -385,3 +385,35 @@ def test_dump_snapshot_writes_into_a_fifo_and_through_a_symlink_replacing_neithe
     assert link.is_symlink(), "the symlink was replaced"
     assert "segments" in pickle.loads(real.read_bytes())
     assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_dump_snapshot_onto_a_dangling_symlink_creates_its_target_and_keeps_the_link(tmp_path):
+    # open(link, "wb") creates the file the link names; so does the dump.
+    (tmp_path / "runs").mkdir()
+    link = tmp_path / "latest.pickle"
+    link.symlink_to("runs/new.pickle")  # relative, target not there yet
+    gpuptr.dump_snapshot(link)
+    assert link.is_symlink(), "the symlink was replaced by a regular file"
+    assert "segments" in pickle.loads((tmp_path / "runs" / "new.pickle").read_bytes())
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_dump_snapshot_onto_a_directory_or_a_symlink_to_one_raises_is_a_directory(tmp_path):
+    d = tmp_path / "adir"
+    d.mkdir()
+    link = tmp_path / "dirlink"
+    link.symlink_to(d)
+    for p in (d, link):
+        with pytest.raises(IsADirectoryError):
+            gpuptr.dump_snapshot(p)
+    assert link.is_symlink() and d.is_dir() and not list(d.iterdir())
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_dump_snapshot_takes_the_longest_file_name_open_takes(tmp_path):
+    name = "s" * 243 + ".pickle"  # 250 bytes
+    with open(tmp_path / name, "wb"):
+        pass
+    gpuptr.dump_snapshot(tmp_path / name)
+    assert "segments" in pickle.loads((tmp_path / name).read_bytes())
+    assert not [p for p in tmp_path.iterdir() if p.name != name]

@@ -24,15 +24,10 @@ import types
 import pytest
 
 import gpuptr
+from helpers import torch_hooks
 from gpuptr import _core, _torch_stats
 
-lib = ctypes.CDLL(_core.__file__)  # the same loaded module: its statics are shared
-t_alloc = lib.gpuptr_torch_alloc
-t_alloc.restype = ctypes.c_void_p
-t_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-t_free = lib.gpuptr_torch_free
-t_free.restype = None
-t_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+t_alloc, t_free = torch_hooks()
 
 MiB = 1 << 20
 
@@ -443,8 +438,10 @@ CALLER = r"""
 import ctypes, json, sys
 from gpuptr import _core
 path = sys.argv[1]
-fake = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-found = {"oom": _core._hooks_torch_oom([path, "/nonexistent/libc10_cuda.so"]), "errors": _core._hooks_torch_errors(path)}
+# As Python loads PyTorch (its extension module, and so libc10 and
+# libstdc++ under it, RTLD_LOCAL), or into the global scope.
+fake = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL if sys.argv[2] == "local" else ctypes.RTLD_GLOBAL)
+found = {"oom": _core._hooks_torch_oom_missing([path, "/nonexistent/libc10_cuda.so"]) is None, "errors": _core._hooks_torch_errors(path)}
 alloc = ctypes.cast(ctypes.CDLL(_core.__file__).gpuptr_torch_alloc, ctypes.c_void_p)
 fake.fake_torch_call.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_char_p, ctypes.c_size_t]
 buf = ctypes.create_string_buffer(4096)
@@ -458,8 +455,9 @@ print(json.dumps({"found": found, "results": results, "ooms": _core._torch_count
 """
 
 
+@pytest.mark.parametrize("scope", ["local", "global"])
 @pytest.mark.parametrize("variant", ["oom", "inline_dtor", "no_oom"])
-def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_path, variant):
+def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_path, variant, scope):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("needs a C++ compiler to build the stand-in libc10")
@@ -468,7 +466,7 @@ def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_p
     so = tmp_path / "libc10.so"
     flags = {"oom": [], "inline_dtor": ["-DINLINE_DTOR", "-fvisibility-inlines-hidden"], "no_oom": ["-DNO_OOM"]}[variant]
     subprocess.run([cxx, "-shared", "-fPIC", "-O1", *flags, "-o", str(so), str(src)], check=True)
-    out = subprocess.run([sys.executable, "-c", CALLER, str(so)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", CALLER, str(so), scope], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     (rc1, msg1), (rc2, _), (rc3, _) = got["results"]
@@ -490,9 +488,12 @@ def test_out_of_memory_throws_c10s_out_of_memory_error_where_libc10_has_it(tmp_p
 
 
 def test_the_oom_thrower_is_not_found_in_libraries_without_it():
-    assert _core._hooks_torch_oom(["/nonexistent/libc10.so"]) is False
-    assert _core._hooks_torch_oom([]) is False
-    assert _core._hooks_torch_oom([ctypes.util.find_library("c") or "libc.so.6"]) is False
+    assert _core._hooks_torch_oom_missing(["/nonexistent/libc10.so"]) is not None
+    assert _core._hooks_torch_oom_missing([]) is not None
+    assert _core._hooks_torch_oom_missing([ctypes.util.find_library("c") or "libc.so.6"]) is not None
+    # and says what it missed: nothing loaded, or a library without c10's pieces
+    assert _core._hooks_torch_oom_missing(["/nonexistent/libc10.so"]) == "none of the libraries is loaded"
+    assert _core._hooks_torch_oom_missing([ctypes.util.find_library("c") or "libc.so.6"]) == "c10::Error's constructor"
 
 
 # ------------------------------------------------------- CuPy's default pool

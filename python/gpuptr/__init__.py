@@ -16,8 +16,6 @@ The driver is chosen by ``GPUPTR_DRIVER``: ``auto`` (default) or ``cuda``
 use libcuda; ``sim`` uses gpuptr's host-memory simulator.
 """
 
-from __future__ import annotations
-
 from gpuptr._core import (
     Context,
     ContextHandle,

@@ -1,9 +1,10 @@
 """Stream captures (CUDA graphs) and gpuptr's pool.
 
-CUDA refuses ``cuCtxSynchronize`` while any stream of the process captures,
-in every capture mode, and the refused call invalidates the capture. The
-pool's fence is such a call, so the pool must know when a capture is under
-way: :func:`capturing` (or ``begin_capture``/``end_capture``) tells it, and
+CUDA refuses ``cuCtxSynchronize`` of a context while any stream of that
+context captures, in every capture mode, and the refused call invalidates
+the capture (another device's context may still synchronize). The pool's
+fence is such a call, so each device's pool must know when a capture is
+under way on it: :func:`capturing` (or ``begin_capture``/``end_capture``) tells it, and
 ``gpuptr.install()`` makes those calls around CuPy's
 ``Stream.begin_capture``/``end_capture`` and PyTorch's
 ``CUDAGraph.capture_begin``/``capture_end`` (so ``torch.cuda.graph`` too).
@@ -38,6 +39,10 @@ def capturing(device: Optional[int] = None) -> Iterator[None]:
     runs no fence meanwhile (see ``gpuptr.begin_capture``). Use it around a
     capture that ``gpuptr.install()`` does not see, such as one begun with
     ``cuda.bindings`` or ``cuda.core``."""
+    # The device is settled once, at the begin: the body may make another
+    # device current, and the end must close the gate the begin opened.
+    if device is None:
+        device = _core._current_device()
     _core.begin_capture(device)
     try:
         yield

@@ -72,10 +72,17 @@ __all__ = [
     "_cupy_free",
     "_cupy_set_oom_error",
     "_hooks_torch_errors",
-    "_hooks_torch_oom",
+    "_hooks_torch_oom_missing",
     "_torch_counts",
     "_torch_reset_peak",
     "_torch_reset_accumulated",
+    "_torch_pool_begin",
+    "_torch_pool_end",
+    "_torch_pool_live",
+    "_torch_pool_counts",
+    "_torch_lend",
+    "_torch_is_live",
+    "TorchLoan",
     "_dtype_info",
     "DLPackOwner",
     "_import_cai",
@@ -463,8 +470,9 @@ def trim() -> int:
 def begin_capture(device: Optional[int] = None) -> None:
     """Tell gpuptr that a stream capture (a CUDA graph) begins on ``device``
     (default: the current device). Until the matching ``end_capture``, the
-    pool runs no fence: CUDA refuses ``cuCtxSynchronize`` while any stream
-    captures, in every capture mode, and that invalidates the capture. A
+    pool runs no fence: CUDA refuses ``cuCtxSynchronize`` of a context while
+    any stream of it captures, in every capture mode, and that invalidates
+    the capture. A
     fence already running is waited for first. Blocks freed meanwhile wait
     for the fence after the capture; an allocation that runs out of memory
     meanwhile raises ``OutOfMemoryError`` without waiting for a fence. Calls
@@ -474,7 +482,8 @@ def begin_capture(device: Optional[int] = None) -> None:
     """
 def end_capture(device: Optional[int] = None) -> None:
     """End a capture begun with ``begin_capture`` on ``device`` (default: the
-    current device).
+    current device) by the calling thread. ``InvalidArgumentError`` (and
+    nothing ends) when this thread has no such capture under way there.
     """
 def capture_started(stream: Any, device: Optional[int] = None) -> None:
     """Tell gpuptr that the capture ``stream`` takes part in has begun (call
@@ -664,6 +673,37 @@ def _flush_log() -> None:
     """Deliver the records the core queued (gpuptr's entry points do this
     themselves; this is for the end of a program, or a test).
     """
+def _torch_pool_begin(device: int, pool: tuple[int, int], all_threads: bool = False) -> None:
+    """Allocations on ``device`` go to ``pool`` from now: this thread's
+    (``all_threads=False``, ``_cuda_beginAllocateCurrentThreadToPool``) or
+    every thread's (``_cuda_beginAllocateToPool``), until
+    ``_torch_pool_end``.
+    """
+def _torch_pool_end(device: int, pool: tuple[int, int]) -> bool:
+    """Allocations on ``device`` no longer go to ``pool`` (the latest begin of
+    it on this thread, else for all threads). Whether one was under way.
+    """
+def _torch_pool_live(device: int, pool: tuple[int, int]) -> list[tuple[int, int]]:
+    """The live allocations of ``pool`` on ``device``: ``(address, bytes)``
+    pairs, by address.
+    """
+def _torch_pool_counts(device: int, pool: tuple[int, int]) -> dict[str, int]:
+    """The counts of ``pool`` on ``device`` (zeros for a pool that never
+    allocated): ``live``, ``live_bytes``, ``peak_bytes``, ``allocations``,
+    ``allocated_bytes``, ``frees``, ``freed_bytes``.
+    """
+@final
+class TorchLoan:
+    """A PyTorch allocation lent to another process: until it is dropped, a
+    free by PyTorch leaves the release to it.
+    """
+def _torch_lend(address: int) -> tuple[bytes, TorchLoan]:
+    """An IPC handle (as bytes) of the PyTorch allocation that starts at
+    ``address``, and a loan that keeps it alive. ``InvalidPointerError`` for
+    an address the hooks did not hand out (or freed).
+    """
+def _torch_is_live(address: int) -> bool:
+    """Whether ``address`` starts a live allocation of gpuptr's PyTorch hooks."""
 def _hooks_configure(stream_ordered: bool) -> None:
     """Set how the C entry points free memory: ordered on the allocating
     stream (``True``), or through the pool's fence (``False``, the default).
@@ -689,13 +729,14 @@ def _hooks_torch_errors(path: Any) -> bool:
     allocation raises in PyTorch instead of returning a null pointer.
     Whether it was found.
     """
-def _hooks_torch_oom(paths: list[Any]) -> bool:
+def _hooks_torch_oom_missing(paths: list[Any]) -> str | None:
     """Find what throwing PyTorch's ``c10::OutOfMemoryError`` takes in the
     loaded libraries at ``paths`` (``libc10.so`` and the others PyTorch
     loaded; none is loaded by this call) and the C++ runtime, so that an
     allocation that runs out of memory raises ``torch.cuda.OutOfMemoryError``.
-    Whether everything was found (else out of memory raises through
-    ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``).
+    None where everything was found; else what was not, in words (for the
+    warning ``install()`` logs), and out of memory raises through
+    ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``.
     """
 def _torch_counts(device: int) -> dict[str, Any]:
     """PyTorch's own counts on ``device``: ``allocation``,

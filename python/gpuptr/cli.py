@@ -32,10 +32,12 @@ _DRIVERS = ("auto", "cuda", "sim")
 #: may provide it; CuPy's also found through the module's own).
 _LIBRARIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("numba-cuda", "numba.cuda", ("numba-cuda",)),
+    ("numba-cuda-mlir", "numba_cuda_mlir", ("numba-cuda-mlir",)),
     ("CuPy", "cupy", ("cupy", "cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x")),
     ("torch", "torch", ("torch",)),
     ("cuda-bindings", "cuda.bindings", ("cuda-bindings",)),
     ("cuda-core", "cuda.core", ("cuda-core",)),
+    ("RMM", "rmm", ("rmm-cu13", "rmm-cu12", "rmm")),
 )
 
 
@@ -199,7 +201,7 @@ def _parser() -> Tuple[argparse.ArgumentParser, Dict[str, argparse.ArgumentParse
         "info",
         help="show the driver, the devices and the libraries gpuptr plugs into",
         description="Show the driver in use, its version, each device with its memory, and the versions of "
-        "numba-cuda, CuPy, torch, cuda-bindings and cuda-core where they are installed.",
+        "numba-cuda, numba-cuda-mlir, CuPy, torch, cuda-bindings, cuda-core and RMM where they are installed.",
     )
     p.add_argument("--json", action="store_true", help="print it as JSON on stdout")
     p.set_defaults(func=cmd_info)

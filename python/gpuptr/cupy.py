@@ -88,9 +88,17 @@ def installed() -> bool:
 def install(*, stream_ordered: bool = False, pinned: bool = True) -> None:
     """Make gpuptr CuPy's device allocator (and, with ``pinned``, its pinned
     host allocator). Arrays CuPy allocated before keep their memory.
-    ``ImportError`` without CuPy."""
+    Raises :class:`~gpuptr.InstallError`, with what to install, where CuPy
+    cannot be imported."""
     global _installed, _stream_ordered, _allocator
-    import cupy
+    try:
+        import cupy
+    except ImportError as e:
+        from gpuptr._install import _NEEDS  # the hint gpuptr.install() gives
+
+        raise InstallError(
+            f"gpuptr.cupy.install() needs CuPy, which cannot be imported ({e}): pip install {_NEEDS['cupy'][1]}"
+        ) from e
 
     _bind(cupy)
     try:

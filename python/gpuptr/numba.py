@@ -125,9 +125,10 @@ def _default_backend(hint: str = "") -> _Backend:
             return _backend(name)
         except ImportError as e:
             errors.append(e)
+    # Each error's cause, not its message: the message repeats the hint.
+    why = "; ".join(f"{name}: {e.__cause__ or e}" for name, e in zip(_DRIVERS, errors))
     raise ImportError(
-        'gpuptr.numba needs numba-cuda or numba-cuda-mlir: pip install "gpuptr[numba]" '
-        f'or "gpuptr[numba-mlir]" ({"; ".join(map(str, errors))})',
+        f'gpuptr.numba needs numba-cuda or numba-cuda-mlir: pip install "gpuptr[numba]" or "gpuptr[numba-mlir]" ({why})',
         name=errors[0].name,
     ) from errors[0]
 

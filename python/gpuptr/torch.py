@@ -16,9 +16,15 @@ each tensor on its stream.
 
 CUDA graphs: memory allocated during a ``torch.cuda.graph`` capture, and
 memory freed during it, is reused only after the graph is destroyed (gpuptr
-ties it to the graph). ``torch.compile(mode="reduce-overhead")`` captures
-one graph per compiled function (``install()`` turns inductor's CUDA graph
-trees off: they need PyTorch's own allocator's private pools).
+ties it to the graph). ``torch.compile(mode="reduce-overhead")`` keeps
+inductor's setting: with CUDA graph trees (its default) gpuptr answers the
+trees' allocator calls (``gpuptr._torch_trees``); ``install(graph_trees=False)``
+asks for one graph per compiled function instead.
+
+``torch.cuda.MemPool`` and ``use_mem_pool`` work as a tag over gpuptr's one
+pool (``gpuptr._torch_pool``), and CUDA tensors cross ``torch.multiprocessing``
+as gpuptr IPC handles, the memory kept until both sides let go
+(``gpuptr._torch_ipc``).
 
 Out of memory: a failed allocation raises ``torch.cuda.OutOfMemoryError``
 (PyTorch's own ``c10::OutOfMemoryError``, built from what ``libc10``
@@ -41,7 +47,7 @@ holds from the driver, for every library on it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gpuptr import _core
 from gpuptr._errors import InstallError
@@ -59,9 +65,14 @@ def installed() -> bool:
     return _allocator is not None
 
 
-def install(*, stream_ordered: bool = False) -> None:
+def install(*, stream_ordered: bool = False, graph_trees: Optional[bool] = None) -> None:
     """Make gpuptr PyTorch's CUDA allocator. Idempotent; a second call only
-    changes ``stream_ordered`` (for frees from then on).
+    changes ``stream_ordered`` (for frees from then on) and ``graph_trees``.
+
+    ``graph_trees``: None (the default) leaves inductor's
+    ``cudagraph_trees`` as it is (trees work on gpuptr; only a torch
+    without the entry points gpuptr answers for them gets one graph per
+    function, and the log says so); True or False sets it.
 
     Raises :class:`~gpuptr.InstallError` if PyTorch has already allocated
     CUDA memory with its own allocator (it cannot swap allocators then), and
@@ -72,6 +83,7 @@ def install(*, stream_ordered: bool = False) -> None:
 
     _core._hooks_configure(bool(stream_ordered))
     if _allocator is not None:
+        _graph_trees(graph_trees)
         return
     allocator = tmem.CUDAPluggableAllocator(_core.__file__, ALLOC_SYMBOL, FREE_SYMBOL)
     try:
@@ -84,10 +96,34 @@ def install(*, stream_ordered: bool = False) -> None:
         ) from e
     _allocator = allocator
     _raise_in_torch()
-    _graph_per_function()
     from gpuptr import _torch_stats
 
     _torch_stats.patch(_torch_C())
+    _pools_and_sharing(allocator)
+    _graph_trees(graph_trees)
+
+
+def _pools_and_sharing(allocator: Any) -> None:
+    """``torch.cuda.MemPool`` as gpuptr's tag, and gpuptr's reducers for
+    ``torch.multiprocessing``; a warning, the rest of ``install()`` holding,
+    for a torch without the pieces they replace."""
+    import torch
+
+    from gpuptr import _torch_ipc, _torch_pool
+
+    own: Any = getattr(allocator, "allocator", None)
+    mine: Any = own() if callable(own) else None
+    parts: "list[tuple[str, Callable[[], None]]]" = [
+        ("torch.cuda.MemPool", lambda: _torch_pool.install_pools(torch, mine)),
+        ("torch.multiprocessing", lambda: _torch_ipc.install_reducers(torch)),
+    ]
+    for what, part in parts:
+        try:
+            part()
+        except (ImportError, AttributeError) as e:
+            logging.getLogger("gpuptr").warning(
+                "%s is not served by gpuptr in this torch (%s)", what, e
+            )
 
 
 def _raise_in_torch() -> None:
@@ -101,9 +137,13 @@ def _raise_in_torch() -> None:
     here = getattr(torch, "__file__", None) or ""
     lib = os.path.join(os.path.dirname(here), "lib", "libc10.so")
     libs = [os.path.join(os.path.dirname(lib), n) for n in _OOM_LIBS]
-    if here and not _core._hooks_torch_oom(libs):
+    missing = _core._hooks_torch_oom_missing(libs) if here else None
+    if here and missing is not None:
         logging.getLogger("gpuptr").warning(
-            "c10::OutOfMemoryError was not found in %s: out of memory raises a RuntimeError in PyTorch", libs
+            "c10::OutOfMemoryError cannot be built from %s (%s not found): out of memory raises a "
+            "RuntimeError in PyTorch",
+            libs,
+            missing,
         )
     if not (here and _core._hooks_torch_errors(lib)):
         logging.getLogger("gpuptr").warning(
@@ -124,22 +164,39 @@ def _torch_C() -> Any:
     return getattr(torch, "_C", None)
 
 
-def _graph_per_function() -> None:
-    """``torch.compile(mode="reduce-overhead")`` on gpuptr: inductor's graph
-    per compiled function (``cudagraph_trees = False``). CUDA graph trees
-    share one private pool of PyTorch's own allocator across graphs, and
-    need allocator calls (``checkPoolLiveAllocations`` and the pool
-    checkpoints) that a pluggable allocator does not have; a graph per
-    function captures through ``torch.cuda.graph``, whose memory gpuptr
-    keeps for the graph."""
+def _graph_trees(wanted: Optional[bool]) -> None:
+    """``torch.compile(mode="reduce-overhead")`` on gpuptr: CUDA graph trees
+    (gpuptr answers their allocator calls, ``gpuptr._torch_trees``) or one
+    graph per compiled function (``cudagraph_trees = False``), as
+    ``wanted`` says; None keeps inductor's setting, unless this torch lacks
+    what trees need."""
     try:
         import torch._inductor.config as inductor_config
     except Exception:  # noqa: BLE001 - a torch without inductor: nothing to set
         return
+    import torch
+
+    from gpuptr import _torch_trees
+
     triton = getattr(inductor_config, "triton", None)
-    if triton is not None and getattr(triton, "cudagraph_trees", False):
+    if triton is None:
+        return
+    log = logging.getLogger("gpuptr")
+    # Applied whatever the setting, so that trees turned on later work too:
+    # the calls answered raise under any pluggable allocator.
+    answered = _torch_trees.patch_trees(torch)
+    if wanted is not None:
+        triton.cudagraph_trees = bool(wanted)
+    if getattr(triton, "cudagraph_trees", False) and not answered:
         triton.cudagraph_trees = False
-        logging.getLogger("gpuptr").info(
+        log.warning(
+            "this torch lacks what CUDA graph trees need on gpuptr (%s): "
             "torch.compile(mode='reduce-overhead') captures one CUDA graph per compiled "
-            "function on gpuptr (torch._inductor.config.triton.cudagraph_trees = False)"
+            "function (torch._inductor.config.triton.cudagraph_trees = False)",
+            ", ".join(n for n in _torch_trees.NEEDED if not hasattr(torch._C, n)),
+        )
+    elif wanted is False:
+        log.info(
+            "torch.compile(mode='reduce-overhead') captures one CUDA graph per compiled "
+            "function on gpuptr (torch._inductor.config.triton.cudagraph_trees = False, as asked)"
         )

@@ -91,6 +91,7 @@ impl DeviceState {
         // The history: the live allocations go before their segments.
         let recording = self.services.watch.on(Watch::HISTORY);
         self.services.history.forget_device(self.device, recording);
+        self.services.tracker.forget_device(self.device);
         if let Some(pool) = &self.pool {
             let held = pool.forget();
             self.unregister(held);

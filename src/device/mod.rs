@@ -72,6 +72,9 @@ pub(crate) struct DeviceState {
     epoch: AtomicU64,
     /// Pool blocks that CUDA graphs keep.
     graphs: GraphMemory,
+    /// Captures begun on this device and not ended, by the thread that
+    /// began them: an end is only taken from a thread with one open.
+    capture_threads: Mutex<Vec<(std::thread::ThreadId, usize)>>,
 }
 
 /// A device's live context, and the runtime's own hold on it, if taken
@@ -107,6 +110,7 @@ impl DeviceState {
             raw: AtomicUsize::new(0),
             epoch: AtomicU64::new(0),
             graphs: GraphMemory::default(),
+            capture_threads: Mutex::new(Vec::new()),
         }
     }
 
@@ -284,11 +288,63 @@ impl DeviceState {
     }
 
     /// Give `block` (handed out for `size` bytes in `epoch`) back to the
-    /// host cache, where it waits for the fence; a block of an older epoch
-    /// is refused, its memory gone with the reset.
-    pub(crate) fn host_release(&self, raw: RawContext, epoch: u64, block: HostBlock, size: usize) {
-        if let Some(pool) = &self.pool {
-            pool.host_release(raw, block, size, || self.epoch() == epoch);
+    /// host cache of `ctx`, where it waits for the fence; a block of an
+    /// older epoch is refused, its memory gone with the reset. When that
+    /// leaves the cache past its cap with blocks still waiting for their
+    /// fence, the pool's helper gives back what is past the cap once that
+    /// fence is done ([`DeviceState::host_settle`]).
+    pub(crate) fn host_release(
+        &self,
+        ctx: &Arc<Context>,
+        epoch: u64,
+        block: HostBlock,
+        size: usize,
+    ) {
+        let Some(pool) = &self.pool else {
+            return;
+        };
+        if pool.host_release(ctx.raw(), block, size, || self.epoch() == epoch) {
+            // Weak, as growth ahead's jobs: the job never keeps a context alive.
+            let me = Arc::downgrade(ctx.state());
+            let (weak, raw, born) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
+            pool.post_ahead(Box::new(move || {
+                if let Some(me) = me.upgrade() {
+                    me.host_settle(&weak, raw, born);
+                }
+            }));
+        }
+    }
+
+    /// On the pool's helper: seal the host cache, wait for its fence (no
+    /// lock held), and give back the ready blocks past the cap, each step
+    /// under the recovery lock and only while `weak` (handle `raw`, born in
+    /// `epoch`) is still the device's live context, as
+    /// [`DeviceState::grow_ahead`] checks: a reset or the last drop frees
+    /// the cache itself.
+    fn host_settle(&self, weak: &Weak<Context>, raw: RawContext, epoch: u64) {
+        let Some(pool) = &self.pool else {
+            return;
+        };
+        pool.host_settle_begin();
+        let live = || {
+            weak.strong_count() > 0
+                && self.epoch() == epoch
+                && self.live_raw() == raw
+                && !crate::fork::forked()
+        };
+        let n = {
+            let _recovering = lock(&self.recovery);
+            if !live() {
+                return;
+            }
+            pool.host_settle_seal(raw)
+        };
+        if !pool.host_settle_wait(n) {
+            return;
+        }
+        let _recovering = lock(&self.recovery);
+        if live() {
+            pool.host_settle(raw);
         }
     }
 
@@ -304,12 +360,36 @@ impl DeviceState {
     /// A stream capture begins (or ends) on this device: see
     /// [`Runtime::begin_capture`](crate::Runtime::begin_capture).
     pub(crate) fn begin_capture(&self) {
+        let me = std::thread::current().id();
+        {
+            let mut open = lock(&self.capture_threads);
+            match open.iter_mut().find(|(t, _)| *t == me) {
+                Some((_, n)) => *n += 1,
+                None => open.push((me, 1)),
+            }
+        }
         if let Some(pool) = &self.pool {
             pool.begin_capture();
         }
     }
 
-    pub(crate) fn end_capture(&self) {
+    /// `Err` when the calling thread has no capture begun on this device
+    /// under way: an unbalanced end would close another thread's gate.
+    pub(crate) fn end_capture(&self) -> Result<()> {
+        let me = std::thread::current().id();
+        {
+            let mut open = lock(&self.capture_threads);
+            let Some(i) = open.iter().position(|(t, _)| *t == me) else {
+                return Err(Error::InvalidArgument(format!(
+                    "end_capture: no capture begun on this thread is under way on device {}",
+                    self.device
+                )));
+            };
+            open[i].1 -= 1;
+            if open[i].1 == 0 {
+                open.swap_remove(i);
+            }
+        }
         if let Some(pool) = &self.pool {
             pool.end_capture();
         }
@@ -319,6 +399,7 @@ impl DeviceState {
                 self.graphs.end(ctx.driver(), ctx.raw());
             }
         }
+        Ok(())
     }
 
     /// The capture `stream` takes part in keeps its memory for its graph

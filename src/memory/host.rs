@@ -376,11 +376,12 @@ impl HostMemory {
             unsafe {
                 match (self.kind, self.block) {
                     // Back to the cache, where it waits for the fence.
-                    (HostKind::Allocated, Some(b)) => {
-                        self.context
-                            .state()
-                            .host_release(raw, self.generation, b, self.size)
-                    }
+                    (HostKind::Allocated, Some(b)) => self.context.state().host_release(
+                        &self.context,
+                        self.generation,
+                        b,
+                        self.size,
+                    ),
                     (HostKind::Allocated, None) => drv.host_free(raw, self.ptr)?,
                     (HostKind::Registered, _) => drv.host_unregister(raw, self.ptr)?,
                     (HostKind::Foreign, _) => {}

@@ -435,10 +435,13 @@ impl DevicePointer {
             // opens a handle of it from now on gets a typed error.
             ctx.services().exports.forget(self.export_key());
         }
-        if self.observed & Watch::HISTORY != 0 {
+        // A stale allocation's history and tracking entries went with the
+        // reset; its address may be a newer allocation's now, whose
+        // entries stay.
+        let stale = self.is_stale();
+        if self.observed & Watch::HISTORY != 0 && !stale {
             self.forget_history();
         }
-        let stale = self.is_stale();
         match self.origin {
             Origin::Driver if self.address != 0 && !stale => {
                 // SAFETY: a gpuptr `cuMemAlloc[Managed]` allocation of this
@@ -464,7 +467,7 @@ impl DevicePointer {
         if matches!(self.origin, Origin::Driver) && !stale {
             ctx.state().counters().released(self.size, self.client);
         }
-        if self.observed & Watch::TRACK != 0 {
+        if self.observed & Watch::TRACK != 0 && !stale {
             self.forget_site();
         }
         if self.has_keepalive {

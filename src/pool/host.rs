@@ -9,12 +9,15 @@
 //! block made with one combination never serves a request for another.
 //! Registered memory (`cuMemHostRegister`) is someone else's and is never
 //! cached. The cache holds at most [`PoolConfig::host_cache_bytes`]: a free
-//! past it gives ready blocks back to the driver; classes larger than it
-//! are not cached at all.
+//! past it gives ready blocks back to the driver, and when what passes it
+//! is still waiting for its fence, the owner has the pool's helper give
+//! back what is ready past the cap once that fence is done (a settle:
+//! [`Pool::host_settle_seal`], [`Pool::host_settle`]); classes larger than
+//! it are not cached at all.
 //!
 //! [`PoolConfig::host_cache_bytes`]: super::PoolConfig::host_cache_bytes
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::class::size_class;
@@ -47,6 +50,9 @@ pub(super) struct HostCache {
     cached: AtomicUsize,
     /// The most `cached` may be ([`PoolConfig::host_cache_bytes`](super::PoolConfig::host_cache_bytes)).
     cap: usize,
+    /// A settle (the cap enforced after a fence) is posted and has not
+    /// started yet: later frees past the cap need not post another.
+    settle_posted: AtomicBool,
 }
 
 impl HostCache {
@@ -58,6 +64,7 @@ impl HostCache {
             held: AtomicUsize::new(0),
             cached: AtomicUsize::new(0),
             cap,
+            settle_posted: AtomicBool::new(false),
         }
     }
 
@@ -163,17 +170,22 @@ impl Pool {
     /// shard lock, which a reset's [`Pool::forget`] takes too: a block of a
     /// context reset since is refused, its memory gone. No wait; a driver
     /// call only when the cache is past its cap (ready blocks go back).
+    /// `true` when the cache is still past its cap with blocks waiting for
+    /// a fence and no settle is posted: the owner then posts one to the
+    /// helper ([`Pool::host_settle_begin`], [`Pool::host_settle_seal`],
+    /// [`Pool::host_settle_wait`], [`Pool::host_settle`]), so that the cap holds once that fence is done, with no
+    /// later free needed.
     pub(crate) fn host_release(
         &self,
         context: RawContext,
         block: HostBlock,
         size: usize,
         still_valid: impl FnOnce() -> bool,
-    ) {
+    ) -> bool {
         {
             let mut sh = self.host.shard(block.flags);
             if !still_valid() {
-                return;
+                return false;
             }
             // Saturating: no panic in a deleter.
             sh.live_bytes = sh.live_bytes.saturating_sub(size);
@@ -185,6 +197,42 @@ impl Pool {
                 sh.seal(&self.fencer, context, false);
             }
         }
+        if self.host.cached.load(Ordering::Relaxed) > self.host.cap {
+            let _ = self.host_shrink(context, self.host.cap);
+        }
+        self.host.cached.load(Ordering::Relaxed) > self.host.cap
+            && !self.host.settle_posted.swap(true, Ordering::AcqRel)
+    }
+
+    /// A settle posted after [`Pool::host_release`] starts (whether or not
+    /// its context is still live): frees from now on post their own settle
+    /// if they need one.
+    pub(crate) fn host_settle_begin(&self) {
+        self.host.settle_posted.store(false, Ordering::Release);
+    }
+
+    /// The first step of a settle (the owner calls it while `context` is
+    /// live): seal what every host shard holds back; the number of the
+    /// fence that covers it (0: none).
+    pub(crate) fn host_settle_seal(&self, context: RawContext) -> u64 {
+        let mut newest = 0;
+        self.host.each(|sh| {
+            sh.seal(&self.fencer, context, false);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
+        });
+        newest
+    }
+
+    /// Wait for fence `n` (from [`Pool::host_settle_seal`]; no lock held);
+    /// whether it is done (`false` during a capture or on a failed fence:
+    /// the next free past the cap settles again).
+    pub(crate) fn host_settle_wait(&self, n: u64) -> bool {
+        n == 0 || self.fencer.wait(n)
+    }
+
+    /// The second half of a settle: give back the ready blocks past the
+    /// cap (the owner calls it while `context` is live).
+    pub(crate) fn host_settle(&self, context: RawContext) {
         if self.host.cached.load(Ordering::Relaxed) > self.host.cap {
             let _ = self.host_shrink(context, self.host.cap);
         }
@@ -274,11 +322,7 @@ impl Pool {
             }
             return (freed, first_err);
         }
-        let mut newest = 0;
-        self.host.each(|sh| {
-            sh.seal(&self.fencer, context, false);
-            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
-        });
+        let newest = self.host_settle_seal(context);
         if newest != 0 {
             // `false` (a capture, a failed fence): what waits stays.
             let _ = self.fencer.wait(newest);

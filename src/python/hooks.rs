@@ -73,6 +73,7 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate
     let (address, block) = allocate(client, Entry::Torch, size, device, ordered, Some(stream))?;
     if address != 0 {
         super::torch_stats::allocated(device, size, block);
+        super::torch_pools::note_alloc(address, size, device);
     }
     Ok(address)
 }
@@ -214,6 +215,14 @@ fn take(address: u64, entry: Entry) -> Option<Arc<DevicePointer>> {
     mem
 }
 
+/// The live allocation [`gpuptr_torch_alloc`] handed out at `address`.
+pub(crate) fn torch_allocation(address: u64) -> Option<Arc<DevicePointer>> {
+    match live().shard(address).get(&address) {
+        Some((mem, Entry::Torch)) => Some(mem.clone()),
+        _ => None,
+    }
+}
+
 /// The Python stack of the thread allocating, if it holds the GIL now (a
 /// PyTorch call from Python); the hooks never wait for the GIL.
 fn caller_site() -> Site {
@@ -240,6 +249,7 @@ fn free(ptr: *mut c_void, stream: RawStream) {
         return;
     };
     super::torch_stats::freed(mem.context().device(), mem.size(), block_bytes(&mem));
+    super::torch_pools::note_free(ptr as usize as u64);
     if STREAM_ORDERED.load(Ordering::Relaxed) {
         // A failed free leaves it live; dropping the last holder retries.
         let _ = mem.free_on(stream);

@@ -17,6 +17,8 @@ mod shutdown;
 mod sizes;
 mod testing;
 mod torch_oom;
+mod torch_pools;
+mod torch_share;
 mod torch_stats;
 mod track;
 
@@ -273,8 +275,9 @@ fn capture_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
 
 /// Tell gpuptr that a stream capture (a CUDA graph) begins on ``device``
 /// (default: the current device). Until the matching ``end_capture``, the
-/// pool runs no fence: CUDA refuses ``cuCtxSynchronize`` while any stream
-/// captures, in every capture mode, and that invalidates the capture. A
+/// pool runs no fence: CUDA refuses ``cuCtxSynchronize`` of a context while
+/// any stream of it captures, in every capture mode, and that invalidates
+/// the capture. A
 /// fence already running is waited for first. Blocks freed meanwhile wait
 /// for the fence after the capture; an allocation that runs out of memory
 /// meanwhile raises ``OutOfMemoryError`` without waiting for a fence. Calls
@@ -290,7 +293,8 @@ fn begin_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<
 }
 
 /// End a capture begun with ``begin_capture`` on ``device`` (default: the
-/// current device).
+/// current device) by the calling thread. ``InvalidArgumentError`` (and
+/// nothing ends) when this thread has no such capture under way there.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
 fn end_capture(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
@@ -377,7 +381,7 @@ fn set_pool_limit(
     for d in devices {
         // A share is of each device's own memory.
         let bytes = match limit {
-            Some(l) => Some(l.bytes_of(rt.device_total_memory(d)?)),
+            Some(l) => Some(l.bytes_on(rt.device_total_memory(d)?, "nbytes")?),
             None => None,
         };
         rt.set_pool_limit(d, bytes)?;
@@ -423,7 +427,7 @@ fn reserve(
     // A share of a reservation is of what the device has free now.
     let bytes = match wanted {
         crate::sizes::Size::Bytes(n) => n,
-        share => share.bytes_of(ctx.memory_info()?.0),
+        share => share.bytes_on(ctx.memory_info()?.0, "nbytes")?,
     };
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }
@@ -532,8 +536,15 @@ mod _core {
             _hooks_torch_errors,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
-        torch_oom::_hooks_torch_oom,
+        torch_oom::_hooks_torch_oom_missing,
         torch_stats::{_torch_counts, _torch_reset_accumulated, _torch_reset_peak},
+    };
+
+    // PyTorch's memory pools and tensor sharing (gpuptr._torch_pool, _torch_ipc).
+    #[pymodule_export]
+    use super::{
+        torch_pools::{_torch_pool_begin, _torch_pool_counts, _torch_pool_end, _torch_pool_live},
+        torch_share::{_torch_is_live, _torch_lend, TorchLoan},
     };
 
     #[pymodule_export]

@@ -13,6 +13,12 @@ pub(crate) fn size_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Size> {
     if obj.is_instance_of::<PyFloat>() {
         return Ok(Size::share(obj.extract::<f64>()?, what)?);
     }
+    if is_float_scalar(obj) {
+        // A numpy float scalar (np.float32 is no float subclass): the
+        // same share a Python float gives.
+        let f = obj.call_method0("__float__")?.extract::<f64>()?;
+        return Ok(Size::share(f, what)?);
+    }
     if obj.is_instance_of::<PyString>() {
         return Ok(sizes::parse(&obj.extract::<String>()?, what)?);
     }
@@ -22,4 +28,15 @@ pub(crate) fn size_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Size> {
         )));
     }
     Ok(Size::Bytes(size_arg(obj, what)?))
+}
+
+/// A float-like scalar that is not an int (numpy's `float32`, `float16`):
+/// `__float__` without `__index__`, which every int-like (numpy's integer
+/// scalars too, taken as ints) has.
+fn is_float_scalar(obj: &Bound<'_, PyAny>) -> bool {
+    if obj.is_instance_of::<pyo3::types::PyInt>() || obj.is_instance_of::<PyString>() {
+        return false;
+    }
+    let ty = obj.get_type();
+    ty.hasattr("__float__").unwrap_or(false) && !ty.hasattr("__index__").unwrap_or(true)
 }

@@ -109,9 +109,9 @@ fn symbol(handle: *mut c_void, name: &CStr) -> Option<*mut c_void> {
 /// Find what throwing `c10::OutOfMemoryError` needs in the loaded
 /// libraries `libs` (already loaded: never loads one) and the process's
 /// C++ runtime. Whether everything was found.
-fn find(libs: &[std::path::PathBuf]) -> bool {
+fn find(libs: &[std::path::PathBuf]) -> Result<(), &'static str> {
     if THROWER.get().is_some() {
-        return true;
+        return Ok(());
     }
     use std::os::unix::ffi::OsStrExt;
     let handles: Vec<*mut c_void> = libs
@@ -126,22 +126,40 @@ fn find(libs: &[std::path::PathBuf]) -> bool {
         .filter(|h| !h.is_null())
         .collect();
     let in_libs = |name: &CStr| handles.iter().find_map(|&h| symbol(h, name));
-    let found = (|| {
-        let ctor = ERROR_CTORS.iter().find_map(|n| in_libs(n))?;
-        let (typeinfo, vtable, slot0) = handles.iter().find_map(|&h| {
-            // SAFETY: the symbol is a vtable (its mangled name says so), at
-            // least offset-to-top, typeinfo and the two destructors long:
-            // its first three words are read, nothing is written.
-            unsafe { oom_vtable(symbol(h, OOM_VTABLE)?) }
-        })?;
+    let found = (|| -> Result<Thrower, &'static str> {
+        if handles.is_empty() {
+            return Err("none of the libraries is loaded");
+        }
+        let ctor = ERROR_CTORS
+            .iter()
+            .find_map(|n| in_libs(n))
+            .ok_or("c10::Error's constructor")?;
+        let (typeinfo, vtable, slot0) = handles
+            .iter()
+            .find_map(|&h| {
+                // SAFETY: the symbol is a vtable (its mangled name says so), at
+                // least offset-to-top, typeinfo and the two destructors long:
+                // its first three words are read, nothing is written.
+                unsafe { oom_vtable(symbol(h, OOM_VTABLE)?) }
+            })
+            .ok_or("c10::OutOfMemoryError's vtable (or its layout)")?;
         // The destructor by name where a library exports it (PyTorch 2.11
         // does not: it is inline); else the vtable's, which a virtual
         // destruction through a `c10::Error*` calls too.
         let dtor = ERROR_DTORS.iter().find_map(|n| in_libs(n)).unwrap_or(slot0);
-        let alloc_exception = symbol(std::ptr::null_mut(), c"__cxa_allocate_exception")?;
-        let throw = symbol(std::ptr::null_mut(), c"__cxa_throw")?;
-        let new = symbol(std::ptr::null_mut(), c"_Znwm")?;
-        let delete = symbol(std::ptr::null_mut(), c"_ZdlPv")?;
+        // The C++ runtime PyTorch's libraries use: through their handles
+        // first (`dlsym` on a handle searches the library's dependencies,
+        // and Python loads PyTorch with RTLD_LOCAL, so its libstdc++ is in
+        // no global scope), then the process's global scope.
+        let runtime = |name: &'static CStr| {
+            in_libs(name)
+                .or_else(|| symbol(std::ptr::null_mut(), name))
+                .ok_or("the C++ runtime's exception or allocation calls")
+        };
+        let alloc_exception = runtime(c"__cxa_allocate_exception")?;
+        let throw = runtime(c"__cxa_throw")?;
+        let new = runtime(c"_Znwm")?;
+        let delete = runtime(c"_ZdlPv")?;
         // SAFETY: each symbol is the function its mangled (or C) name says,
         // with the signature of the type it is given: `c10::Error`'s
         // constructor, `c10::OutOfMemoryError`'s complete-object destructor
@@ -149,7 +167,7 @@ fn find(libs: &[std::path::PathBuf]) -> bool {
         // exception calls, and `operator new(size_t)` / `operator
         // delete(void*)`.
         unsafe {
-            Some(Thrower {
+            Ok(Thrower {
                 ctor: std::mem::transmute::<*mut c_void, ErrorCtor>(ctor),
                 dtor: std::mem::transmute::<*mut c_void, Dtor>(dtor),
                 typeinfo,
@@ -164,11 +182,11 @@ fn find(libs: &[std::path::PathBuf]) -> bool {
         }
     })();
     match found {
-        Some(t) => {
+        Ok(t) => {
             let _ = THROWER.set(t);
-            true
+            Ok(())
         }
-        None => false,
+        Err(what) => Err(what),
     }
 }
 
@@ -264,9 +282,10 @@ pub(super) fn throw(message: &CStr) {
 /// loaded libraries at ``paths`` (``libc10.so`` and the others PyTorch
 /// loaded; none is loaded by this call) and the C++ runtime, so that an
 /// allocation that runs out of memory raises ``torch.cuda.OutOfMemoryError``.
-/// Whether everything was found (else out of memory raises through
-/// ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``).
+/// None where everything was found; else what was not, in words (for the
+/// warning ``install()`` logs), and out of memory raises through
+/// ``_hooks_torch_errors``'s thrower, as a ``RuntimeError``.
 #[pyo3::pyfunction]
-pub(crate) fn _hooks_torch_oom(paths: Vec<std::path::PathBuf>) -> bool {
-    find(&paths)
+pub(crate) fn _hooks_torch_oom_missing(paths: Vec<std::path::PathBuf>) -> Option<&'static str> {
+    find(&paths).err()
 }

@@ -125,8 +125,9 @@ impl Runtime {
 
     /// Tell the pool that a stream capture (a CUDA graph) begins on
     /// `device`. Until the matching [`Runtime::end_capture`], the pool runs
-    /// no fence: CUDA refuses `cuCtxSynchronize` while any stream captures,
-    /// in every capture mode, and the refusal invalidates the capture. A
+    /// no fence: CUDA refuses `cuCtxSynchronize` of a context while any
+    /// stream of it captures, in every capture mode, and the refusal
+    /// invalidates the capture (another device's context is not held). A
     /// fence already running is waited for first. Blocks freed meanwhile
     /// wait for the fence after the capture (they are never handed out
     /// early), and an allocation that runs out of memory meanwhile returns
@@ -139,11 +140,13 @@ impl Runtime {
         Ok(())
     }
 
-    /// End a capture begun with [`Runtime::begin_capture`].
+    /// End a capture begun with [`Runtime::begin_capture`] on the calling
+    /// thread. [`Error::InvalidArgument`](crate::Error::InvalidArgument) (and nothing ends) when this
+    /// thread has no such capture under way on `device`: an unbalanced end
+    /// would otherwise close the gate of another thread's capture.
     pub fn end_capture(&self, device: usize) -> Result<()> {
         self.check_device(device)?;
-        self.devices[device].end_capture();
-        Ok(())
+        self.devices[device].end_capture()
     }
 
     /// The capture `stream` takes part in (begun after

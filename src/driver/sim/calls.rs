@@ -110,7 +110,7 @@ impl Driver for SimDriver {
 
     unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
         let (mut st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
-        st.capture_rule("cuCtxSynchronize", true)?;
+        st.sync_capture_rule("cuCtxSynchronize", device)?;
         drop(self.wait_idle(st, device, None));
         Ok(())
     }
@@ -487,8 +487,18 @@ impl Driver for SimDriver {
         let (mut st, device) = self.begin(CallKind::Ipc, "cuIpcOpenMemHandle", context)?;
         let word = |i: usize| u64::from_le_bytes(handle[i..i + 8].try_into().expect("8 bytes"));
         let invalid = || err("cuIpcOpenMemHandle", CUDA_ERROR_INVALID_VALUE);
-        if &handle[..8] != SIM_IPC_MAGIC || word(8) != self.instance {
+        if &handle[..8] != SIM_IPC_MAGIC {
             return Err(invalid());
+        }
+        if word(8) != self.instance {
+            // A real driver maps another process's memory; a simulator's
+            // devices are its own host memory, which no other one can see.
+            return Err(Error::InvalidArgument(
+                "this IPC handle comes from another simulator (another process, or another \
+                 SimDriver): gpuptr's simulator cannot share memory between processes; open the \
+                 handle in the process that exported it, or use a CUDA driver"
+                    .into(),
+            ));
         }
         let (base, serial, owner) = (word(16), word(24), word(32));
         if st.ipc_serials.get(&base) != Some(&serial) || owner != device as u64 {

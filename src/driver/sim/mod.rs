@@ -215,6 +215,8 @@ struct State {
 /// A capture under way in the simulator.
 struct SimCapture {
     id: u64,
+    /// The device whose context the capturing stream is of.
+    device: usize,
     /// A refused call invalidated it.
     invalidated: bool,
     /// What the graph owns (user objects): run when the graph is destroyed.
@@ -261,6 +263,22 @@ impl State {
             self.captures
                 .values_mut()
                 .for_each(|c| c.invalidated = true);
+            return Err(err(call, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
+        }
+        Ok(())
+    }
+
+    /// The rule for `cuCtxSynchronize` of `device`'s context: refused (and
+    /// the captures invalidated) only while a stream of that context
+    /// captures, in every mode; another context's capture is no matter,
+    /// as on the H200.
+    fn sync_capture_rule(&mut self, call: &'static str, device: usize) -> Result<()> {
+        let mut hit = false;
+        for c in self.captures.values_mut().filter(|c| c.device == device) {
+            c.invalidated = true;
+            hit = true;
+        }
+        if hit {
             return Err(err(call, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
         }
         Ok(())
@@ -563,8 +581,25 @@ impl SimDriver {
 
     /// Begin a global-mode capture of `stream` (as `cuStreamBeginCapture`
     /// from some thread): until [`SimDriver::end_capture`], the capture
-    /// rule of [`CaptureMode`] applies to every thread.
+    /// rule of [`CaptureMode`] applies to every thread. The stream is taken
+    /// to be of the calling thread's current context (device 0 when none):
+    /// see [`SimDriver::begin_capture_on`].
     pub fn begin_capture(&self, stream: RawStream) {
+        let device = {
+            let st = self.lock();
+            let me = std::thread::current().id();
+            st.current
+                .get(&me)
+                .and_then(|c| self.device_of(&st, *c, "").ok())
+                .unwrap_or(0)
+        };
+        self.begin_capture_on(device, stream);
+    }
+
+    /// [`SimDriver::begin_capture`] of a stream of `device`'s context: a
+    /// `cuCtxSynchronize` of that context is refused until it ends (and
+    /// invalidates it), one of another device's is not.
+    pub fn begin_capture_on(&self, device: usize, stream: RawStream) {
         let mut st = self.lock();
         st.next_capture_id += 1;
         let id = st.next_capture_id;
@@ -572,6 +607,7 @@ impl SimDriver {
             stream,
             SimCapture {
                 id,
+                device,
                 invalidated: false,
                 owned: Vec::new(),
             },
@@ -660,6 +696,25 @@ impl SimDriver {
             .values()
             .filter(|b| matches!(b.kind, Kind::Registered { .. }))
             .count()
+    }
+
+    /// `cuDevicePrimaryCtxReset` of `device`, done behind gpuptr's back (as
+    /// numba's `cuda.close()` does after [`Runtime::reset`](crate::Runtime::reset)):
+    /// every allocation of the device is gone, whoever still holds it, and
+    /// its addresses are free for the next allocations to reuse, as on a
+    /// GPU; the retains stay. Nothing happens for a device that does not
+    /// exist.
+    pub fn reset_primary_context(&self, device: usize) {
+        let mut st = self.lock();
+        let gone: Vec<DevicePtr> = st
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.device == device && b.counts_as_device())
+            .map(|(s, _)| *s)
+            .collect();
+        for start in gone {
+            st.remove(start);
+        }
     }
 
     /// The primary-context retain count of `device`.

@@ -138,13 +138,6 @@ impl Pool {
             sh.ahead_cooldown -= 1;
             return false;
         }
-        // Only a busy GPU's fence holds blocks back for long: an idle one's
-        // makes them ready within microseconds, and growing ahead for it
-        // would only hold memory (an atomic load, then a clock read only
-        // while a fence runs).
-        if !self.fencer.busy() {
-            return false;
-        }
         sh.wanted |= 1 << i;
         true
     }
@@ -200,8 +193,7 @@ impl Pool {
         class: usize,
     ) -> Result<Allocation, &'static str> {
         let i = class_index(class).ok_or("not a small class")?;
-        let want = self.ahead_blocks[i] as usize;
-        let bytes = want * class;
+        let mut want = self.ahead_blocks[i] as usize;
         {
             let mut sh = self.shard(shard);
             sh.promote(self.fencer.done());
@@ -214,9 +206,23 @@ impl Pool {
                 return Err("no free waits for a fence");
             }
         }
-        if !self.fencer.busy() {
-            return Err("the GPU is not busy: its fence keeps up");
+        // A GPU whose fence has not run long (idle, or turning busy just
+        // now) gets growth within the pool's budget only: enough to carry
+        // a turn to busy past the helper's first growth, and no more than
+        // the pool may hold anyway.
+        let (room, waiting) = self.room(class);
+        if !self.fencer.busy_confirmed() {
+            want = want.min(room / class);
+            if want == 0 {
+                return Err("past the pool's budget, and the GPU is not busy");
+            }
+        } else {
+            // A busy GPU: as much as waits for its fence (at least what
+            // the budget leaves), which goes on growing while it is busy;
+            // a fence thread merely held up grows the pool little.
+            want = want.min((room.max(waiting) / class).max(1));
         }
+        let bytes = want * class;
         let ready: usize = (0..self.shards.len())
             .map(|i| self.shard(i).ready_bytes)
             .sum();

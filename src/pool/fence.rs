@@ -114,6 +114,18 @@ impl Fencer {
         t != 0 && now_ns().saturating_sub(t) >= FENCE_BUSY.as_nanos() as u64
     }
 
+    /// [`Fencer::busy`], checked twice around a yield of the CPU: a fence
+    /// thread that was only preempted (one CPU, or a loaded host), not
+    /// held by the GPU, finishes meanwhile on an idle GPU and reads as not
+    /// busy. For decisions that grow the pool, off the fast path.
+    pub(crate) fn busy_confirmed(&self) -> bool {
+        if !self.busy() {
+            return false;
+        }
+        std::thread::yield_now();
+        self.busy()
+    }
+
     /// Wait until fence `n` is done, for at most `limit`; whether it is.
     /// Unlike [`Fencer::wait`] it never synchronizes on this thread (with
     /// no helper it returns `false` at once): a bounded wait, for a miss of
@@ -123,35 +135,30 @@ impl Fencer {
             return true;
         }
         let sh = &self.helper.shared;
+        {
+            let st = lock(&sh.state);
+            let held_back = st.s.captures > 0 && st.s.started < n;
+            if !st.spawned || st.shutdown || held_back || st.s.failed >= n {
+                return false;
+            }
+            // Cut the helper's rest (or its poll) short.
+            sh.work.notify_one();
+        }
+        // An idle GPU's fence ends within a microsecond or two (an H200:
+        // 0.3 us): spin for it, yielding the CPU each turn so that, on one
+        // CPU, the fence thread runs. A sleep on a condition variable would
+        // cost more than the fence (the wake-up, and Linux's timer slack of
+        // 50 us on a timed wait).
         let deadline = Instant::now() + limit;
-        // A fence that runs now on an idle GPU ends within microseconds:
-        // spin for it (yielding now and then) before sleeping on it.
-        let mut spins = 0u32;
-        while self.ext().started_ns.load(Ordering::Relaxed) != 0 && spins < 4096 {
+        loop {
             if self.done() >= n {
                 return true;
             }
-            spins += 1;
-            if spins % 64 == 0 {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-        let mut st = lock(&sh.state);
-        while self.done() < n {
-            let now = Instant::now();
-            let held_back = st.s.captures > 0 && st.s.started < n;
-            if now >= deadline || !st.spawned || st.shutdown || held_back || st.s.failed >= n {
+            if Instant::now() >= deadline {
                 return false;
             }
-            st.s.waiters += 1;
-            // Cut the helper's rest (or its poll) short.
-            sh.work.notify_one();
-            st = wait_timeout(&sh.done, st, deadline - now);
-            st.s.waiters -= 1;
+            std::thread::yield_now();
         }
-        true
     }
 
     /// Ask for a fence of `context` that starts after now; its number.

@@ -162,7 +162,7 @@ impl Pool {
             }
             let bytes = (CARVE_BYTES << g.carves).min(CARVE_BYTES_MAX);
             g.carves = (g.carves + 1).min(8);
-            let bytes = if self.fencer.busy() {
+            let bytes = if self.fencer.busy_confirmed() {
                 bytes.max(waiting.min(CARVE_BYTES_MAX))
             } else {
                 bytes.min(room)
@@ -264,6 +264,21 @@ impl Pool {
         (made, Ok(()))
     }
 
+    /// [`Pool::give_back`], unless the last call found nothing to give and
+    /// no fence has finished since (nothing new can be whole and ready):
+    /// a pool whose budget its own blocks fill looks once per fence, not
+    /// at every miss.
+    pub(super) fn give_back_once(&self, context: RawContext, want: usize) -> usize {
+        let done = self.fencer.done();
+        if self.gave_nothing_at.load(std::sync::atomic::Ordering::Relaxed) == done.wrapping_add(1) {
+            return 0;
+        }
+        let freed = self.give_back(context, want);
+        let mark = if freed == 0 { done.wrapping_add(1) } else { 0 };
+        self.gave_nothing_at.store(mark, std::sync::atomic::Ordering::Relaxed);
+        freed
+    }
+
     /// Past the budget on an idle GPU: give back to the driver whole
     /// allocations whose blocks are all ready (fenced, so no queued work
     /// uses them), about `want` bytes or more, and put every other ready
@@ -274,7 +289,7 @@ impl Pool {
         let Some(hook) = &self.forget_hook else {
             return 0;
         };
-        if self.fencer.busy() || self.fencer.capturing() {
+        if self.fencer.busy_confirmed() || self.fencer.capturing() {
             return 0;
         }
         let mut ready = Vec::new();

@@ -134,7 +134,7 @@ impl Default for PoolConfig {
             fence_count: 32,
             fence_bytes: 64 << 20,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
-            fence_pace: Duration::from_micros(5),
+            fence_pace: Duration::ZERO,
             ahead_bytes: 64 << 20,
             ahead_total: 512 << 20,
             headroom_bytes: 32 << 20,
@@ -174,6 +174,9 @@ pub(crate) struct Pool {
     /// forgets its blocks' registry entries. Without it nothing is given
     /// back but by a trim.
     forget_hook: Option<ForgetHook>,
+    /// One past the fence count at which [`Pool::give_back_once`] last
+    /// found nothing to give back (0: it has not, or it gave).
+    gave_nothing_at: std::sync::atomic::AtomicU64,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
@@ -224,6 +227,7 @@ impl Pool {
                 .collect(),
             segments: None,
             forget_hook: None,
+            gave_nothing_at: std::sync::atomic::AtomicU64::new(0),
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -430,23 +434,28 @@ impl Pool {
                 return Ok(block(p, None, false));
             }
         }
-        // Past its budget on an idle GPU, the pool reuses rather than grows:
-        // a block of this class that waits for a fence is worth the few
-        // microseconds an idle GPU's fence takes.
-        let (room, waiting) = self.room(class);
-        if room < class && !self.fencer.busy() {
-            if let Some(p) = self.wait_fence_and_take(context, own, class) {
-                Self::handed_out(&mut self.shard(own), size, class, true, client);
-                return Ok(block(p, None, false));
-            }
-            // None waits: the cache holds other classes. Give idle ones back
-            // (fenced, whole driver allocations) to make room for this one.
+        // Past its budget on an idle GPU, the pool reuses rather than grows.
+        let (mut room, mut waiting) = self.room(class);
+        if room < class && !self.fencer.busy_confirmed() {
             let want = class - room;
-            if self.give_back(context, want) < want && waiting > 0 {
-                // What waits for a fence may be given back once fenced.
-                self.seal_all_and_wait_for(context);
-                self.give_back(context, want);
+            // Idle cache of other classes (fenced, whole driver
+            // allocations) goes back first: the budget is then this class's
+            // to fill, and its blocks pass through the fence many at a time
+            // rather than one by one, each miss waiting for the last.
+            if self.give_back_once(context, want) < want {
+                // A block of this class that waits for a fence is worth the
+                // microsecond an idle GPU's fence takes.
+                if let Some(p) = self.wait_fence_and_take(context, own, class) {
+                    Self::handed_out(&mut self.shard(own), size, class, true, client);
+                    return Ok(block(p, None, false));
+                }
+                if waiting > 0 {
+                    // What waits for a fence may be given back once fenced.
+                    self.seal_all_and_wait_for(context);
+                    self.give_back(context, want);
+                }
             }
+            (room, waiting) = self.room(class);
         }
         let new = match self.alloc_new(context, class, room, waiting) {
             Ok(new) => new,
@@ -511,7 +520,8 @@ impl Pool {
                 // other half is handed out, and a pool kept within its
                 // budget rarely has a miss wait for it.
                 if sh.fence_due(&self.config)
-                    || (sh.pending_bytes >= sh.ready_bytes && sh.pending_bytes >= SEAL_AT_HALF_MIN)
+                    || (sh.pending_bytes >= SEAL_AT_HALF_MIN
+                        && (sh.pending_bytes >= sh.ready_bytes || !self.fencer.outstanding()))
                 {
                     sh.seal(&self.fencer, context, false);
                 }

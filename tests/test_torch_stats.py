@@ -346,6 +346,45 @@ def test_history_and_snapshots_through_torchs_entry_points(fake_C):
     assert not gpuptr.recording_history()
 
 
+def _a_users_allocation(size):
+    # PyTorch's operators release the GIL around their work, as a ctypes
+    # call does: the hook is entered on a Python thread without the GIL.
+    return t_alloc(size, 0, None)
+
+
+def test_the_history_names_the_python_caller_of_an_allocation_made_without_the_gil(fake_C):
+    import threading
+
+    _torch_stats.patch(fake_C)
+    fake_C._cuda_record_memory_history("all", "all", "all", 1000, False, False, False, [], False, True)
+    try:
+        got = {}
+        p = _a_users_allocation(MiB)
+        t = threading.Thread(target=lambda: got.setdefault("p", _a_users_allocation(4096)))
+        t.start()
+        t.join()
+        trace = fake_C._cuda_memorySnapshot(None)["device_traces"][0]
+        for addr in (p, got["p"]):
+            frames = [e["frames"] for e in trace if e["action"] == "alloc" and e["addr"] == addr][0]
+            assert frames[0]["name"] == "client=torch"
+            assert any(f["filename"] == __file__ and f["name"] == "_a_users_allocation" for f in frames), frames
+        t_free(p, MiB, 0, None)
+        t_free(got["p"], 4096, 0, None)
+    finally:
+        fake_C._cuda_record_memory_history(None)
+    # With the history off, the leak report alone never waits for the GIL:
+    # a hook entered without it names no Python frame.
+    gpuptr.track(True)
+    try:
+        q = _a_users_allocation(4096)
+        sites = [str(o["site"]) for o in gpuptr.outstanding()]
+        assert any("outside Python" in site for site in sites), sites
+        assert not any("_a_users_allocation" in site for site in sites), sites
+        t_free(q, 4096, 0, None)
+    finally:
+        gpuptr.track(False)
+
+
 def test_torch_install_patches_torchs_entry_points(monkeypatch):
     import gpuptr.torch as gt
 

@@ -223,21 +223,37 @@ pub(crate) fn torch_allocation(address: u64) -> Option<Arc<DevicePointer>> {
     }
 }
 
-/// The Python stack of the thread allocating, if it holds the GIL now (a
-/// PyTorch call from Python); the hooks never wait for the GIL.
+/// The Python stack of the thread allocating: if it holds the GIL now, or,
+/// while the allocation history records, if it is a thread Python knows
+/// that let the GIL go (PyTorch's operators release it around their work):
+/// the GIL is taken back for the walk, as PyTorch's own allocator does to
+/// give its history Python frames. Otherwise, and once the interpreter
+/// exits, the hooks never wait for the GIL.
 fn caller_site() -> Site {
     extern "C" {
         // In every CPython 3 (pyo3's abi3 bindings leave it out): whether
         // the calling thread holds the GIL.
         fn PyGILState_Check() -> c_int;
+        // Stable ABI: the calling thread's Python thread state, or null for
+        // a thread Python has never run on.
+        fn PyGILState_GetThisThreadState() -> *mut c_void;
     }
     // SAFETY: it only reads the calling thread's state, and the extension
     // module is loaded into a CPython, which exports it.
     if unsafe { PyGILState_Check() } == 1 {
-        Python::attach(super::track::python_site)
-    } else {
-        Site::Described("<a PyTorch allocation outside Python>".into())
+        return Python::attach(super::track::python_site);
     }
+    let history = Runtime::global_if_open().is_some_and(|rt| rt.recording_history());
+    // SAFETY: as above, a read of the calling thread's state.
+    if history && !unsafe { PyGILState_GetThisThreadState() }.is_null() {
+        // No gpuptr lock is held here (the site is asked for after the
+        // allocation), and once the exit hook closed the regions the walk
+        // is skipped instead of waiting for a finalizing interpreter.
+        if let Some(_region) = super::shutdown::Region::enter() {
+            return Python::attach(super::track::python_site);
+        }
+    }
+    Site::Described("<a PyTorch allocation outside Python>".into())
 }
 
 fn free(ptr: *mut c_void, stream: RawStream) {

@@ -86,6 +86,7 @@ GROUPS = (
     "mlir",
     "pinned",
     "ipc",
+    "footprint",
 )
 
 

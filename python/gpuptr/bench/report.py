@@ -68,6 +68,10 @@ def format_table(report: Dict[str, Any]) -> str:
             if reason not in reasons:
                 reasons.append(reason)
             cells.append((r["row"], "-", r["baseline"], "-", f"skipped [{reasons.index(reason) + 1}]"))
+        elif "footprint" in (r.get("extra") or {}):  # held/live ratios, not times
+            cells.append(
+                (r["row"], f"{r['gpuptr_ns'] / 100:.2f}x", r["baseline"], f"{r['baseline_ns'] / 100:.2f}x", f"{r['ratio']:.2f}x")
+            )
         else:
             cells.append(
                 (r["row"], _ns_cell(r["gpuptr_ns"]), r["baseline"], _ns_cell(r["baseline_ns"]), f"{r['ratio']:.2f}x")
@@ -90,6 +94,12 @@ def format_table(report: Dict[str, Any]) -> str:
                 f" p99 {mine['p99_ns'] / 1e3:.1f} vs {other['p99_ns'] / 1e3:.1f} us;"
                 f" worst {mine['worst_ns'] / 1e3:.1f} vs {other['worst_ns'] / 1e3:.1f} us;"
                 f" kernel still running after the loop: {mine['busy']} / {other['busy']}"
+            )
+        if not r["skipped"] and "footprint" in e:
+            f = e["footprint"]
+            lines.append(
+                f"{'':{w[0]}}  held {f['gpuptr']['peak_held'] / 2**20:.1f} vs {f['baseline']['peak_held'] / 2**20:.1f} MiB"
+                f" for {f['gpuptr']['peak_live'] / 2**20:.1f} MiB live"
             )
         if not r["skipped"] and "probe" in e:
             p, g = e["probe"], e["gpuptr"]

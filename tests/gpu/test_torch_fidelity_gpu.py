@@ -191,9 +191,9 @@ def section_cupy():
 
 # Each section gets its own verdict: one that dies records why, and the
 # next still runs.
-for name in ("stats", "oom", "history", "cupy"):
+for name, section in (("stats", section_stats), ("oom", section_oom), ("history", section_history), ("cupy", section_cupy)):
     try:
-        globals()["section_" + name]()
+        section()
     except BaseException as e:  # noqa: BLE001 - recorded for the test's verdict
         r[name + "_died"] = f"{type(e).__name__}: {str(e)[:300]}"
 print(json.dumps(r))

@@ -25,7 +25,7 @@ import tempfile
 from functools import partial
 from typing import Any, Dict, List, Tuple
 
-from gpuptr.bench._bench import Bench, Measured
+from gpuptr.bench._bench import Bench, Measured, Result
 from gpuptr.bench._child import child_json, child_out
 
 Op = Tuple[int, int]  # (id, size): size > 0 allocates id, 0 frees it
@@ -102,21 +102,13 @@ def rows(b: Bench) -> None:
         if not wanted:
             continue
         b.say(f"{row}, gpuptr against {', '.join(p for p, _ in wanted)}")
-
-        def ours_and(make: Any = make) -> Tuple[Dict[str, Any], List[Op]]:
+        try:
             b.need_gpu()
             ops = make()
-            return replay("gpuptr", ops), ops
-
-        try:
-            ours, ops = ours_and()
+            ours = replay("gpuptr", ops)
         except Exception as e:  # no GPU, or no torch for (c)
             for _, label in wanted:
-                b.record(row, label, partial(_raise, e))
+                b.add(Result.skip(row, label, e))
             continue
         for peer, label in wanted:
             b.record(row, label, partial(_row, ours, peer, ops))
-
-
-def _raise(e: Exception) -> Measured:
-    raise e

@@ -13,7 +13,54 @@ use crate::sync::{lock, wait, wait_timeout};
 /// GPU: queued work holds the freed blocks back, and waiting for them would
 /// be slow. A fence of an idle GPU takes a few microseconds (an H200: 2-5
 /// µs; the simulator: less than one).
-pub(crate) const FENCE_BUSY: Duration = Duration::from_micros(50);
+pub(crate) const FENCE_BUSY: Duration = Duration::from_micros(20);
+
+/// A fence that has run this long means a busy GPU, whatever its thread's
+/// CPU time (a driver set to block rather than spin while it waits; a
+/// preempted thread waits a few ms at most).
+pub(crate) const FENCE_BUSY_SURE: Duration = Duration::from_millis(10);
+
+/// How long [`Fencer::busy_confirmed`] watches the fence thread's CPU time.
+const CONFIRM_WINDOW: Duration = Duration::from_micros(3);
+
+/// No thread CPU clock ([`FenceExt::cpu_clock`]).
+const NO_CLOCK: i64 = i64::MIN;
+
+/// The calling thread's CPU-time clock, for other threads to read.
+fn own_cpu_clock() -> i64 {
+    #[cfg(target_os = "linux")]
+    {
+        let mut id: libc::clockid_t = 0;
+        // SAFETY: pthread_self() is the calling thread, alive for the call;
+        // `id` is a valid place for the result.
+        if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut id) } == 0 {
+            return i64::from(id);
+        }
+    }
+    NO_CLOCK
+}
+
+/// The CPU time of the thread whose clock is `clock` ([`own_cpu_clock`]),
+/// in nanoseconds; `None` if it cannot be read (no clock, or the thread
+/// ended).
+fn thread_cpu_ns(clock: i64) -> Option<u64> {
+    if clock == NO_CLOCK {
+        return None;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid place for the result; an id of a thread
+        // that ended makes the call fail (EINVAL), never touch memory.
+        if unsafe { libc::clock_gettime(clock as libc::clockid_t, &mut ts) } == 0 {
+            return Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
+        }
+    }
+    None
+}
 
 /// Nanoseconds since the first call (0 is never returned: it means "not
 /// running" in [`FenceExt::started_ns`]).
@@ -44,6 +91,9 @@ pub(crate) struct FenceExt {
     requested: AtomicU64,
     /// When the running synchronize started ([`now_ns`]); 0: none runs.
     started_ns: AtomicU64,
+    /// The fence thread's CPU-time clock ([`own_cpu_clock`]; [`NO_CLOCK`]
+    /// until it starts).
+    cpu_clock: std::sync::atomic::AtomicI64,
 }
 
 #[derive(Default)]
@@ -81,6 +131,7 @@ impl Fencer {
             done: AtomicU64::new(0),
             requested: AtomicU64::new(0),
             started_ns: AtomicU64::new(0),
+            cpu_clock: std::sync::atomic::AtomicI64::new(NO_CLOCK),
         };
         Fencer {
             helper: Helper::new("gpuptr-fence", FenceState::default(), ext),
@@ -110,20 +161,58 @@ impl Fencer {
     /// rests between fences) says nothing of the GPU: not busy.
     #[inline]
     pub(crate) fn busy(&self) -> bool {
-        let t = self.ext().started_ns.load(Ordering::Relaxed);
-        t != 0 && now_ns().saturating_sub(t) >= FENCE_BUSY.as_nanos() as u64
+        self.busy_fence() != 0
     }
 
-    /// [`Fencer::busy`], checked twice around a yield of the CPU: a fence
-    /// thread that was only preempted (one CPU, or a loaded host), not
-    /// held by the GPU, finishes meanwhile on an idle GPU and reads as not
-    /// busy. For decisions that grow the pool, off the fast path.
+    /// [`Fencer::busy`], naming the fence: when the running one started
+    /// (its identity for [`Fencer::busy_confirmed`]'s verdicts), or 0 if
+    /// the GPU is not busy.
+    #[inline]
+    pub(crate) fn busy_fence(&self) -> u64 {
+        let t = self.ext().started_ns.load(Ordering::Relaxed);
+        if t != 0 && now_ns().saturating_sub(t) >= FENCE_BUSY.as_nanos() as u64 {
+            t
+        } else {
+            0
+        }
+    }
+
+    /// [`Fencer::busy`], confirmed: the fence thread is on a CPU in its
+    /// fence (its CPU time grows by at least a third of a short window,
+    /// [`CONFIRM_WINDOW`]: the driver spins while it waits for the GPU), or
+    /// the fence has run [`FENCE_BUSY_SURE`]. A fence thread that was only
+    /// preempted (one CPU, a loaded host) gets no CPU time, or finishes
+    /// within the window; either way not busy. Costs the caller the window
+    /// (a few µs): for decisions that grow the pool, off the fast path.
     pub(crate) fn busy_confirmed(&self) -> bool {
-        if !self.busy() {
+        let ext = self.ext();
+        let t = ext.started_ns.load(Ordering::Relaxed);
+        if t == 0 {
             return false;
         }
-        std::thread::yield_now();
-        self.busy()
+        let ran = now_ns().saturating_sub(t);
+        if ran < FENCE_BUSY.as_nanos() as u64 {
+            return false;
+        }
+        if ran >= FENCE_BUSY_SURE.as_nanos() as u64 {
+            return true;
+        }
+        let Some(c1) = thread_cpu_ns(ext.cpu_clock.load(Ordering::Relaxed)) else {
+            // No clock to read: the wall time alone.
+            return true;
+        };
+        let since = Instant::now();
+        while since.elapsed() < CONFIRM_WINDOW {
+            std::thread::yield_now();
+            if ext.started_ns.load(Ordering::Relaxed) != t {
+                return false;
+            }
+        }
+        let Some(c2) = thread_cpu_ns(ext.cpu_clock.load(Ordering::Relaxed)) else {
+            return true;
+        };
+        ext.started_ns.load(Ordering::Relaxed) == t
+            && c2.saturating_sub(c1) * 3 >= since.elapsed().as_nanos() as u64
     }
 
     /// Wait until fence `n` is done, for at most `limit`; whether it is.
@@ -276,6 +365,9 @@ fn spin_for_request(ext: &FenceExt, started: u64, since: Instant) {
 }
 
 fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
+    sh.ext.cpu_clock.store(own_cpu_clock(), Ordering::Relaxed);
+    // With one CPU a spin only takes it from the thread that would ask.
+    let spare_cpus = std::thread::available_parallelism().map_or(false, |n| n.get() > 1);
     let pace = sh.ext.pace;
     let poll = pace.max(FENCE_POLL);
     let mut st = lock(&sh.state);
@@ -283,7 +375,7 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         // Wait for a request: poll for a while (a request then needs no
         // wake-up), then sleep until a request wakes this thread.
         let idle = Instant::now();
-        if st.s.requested == st.s.started && st.s.captures == 0 && !st.shutdown {
+        if spare_cpus && st.s.requested == st.s.started && st.s.captures == 0 && !st.shutdown {
             // First spin, without the lock, on the newest number asked for:
             // a loop that allocates and frees fast asks again within
             // microseconds, and a fence that answers at once keeps the
@@ -294,7 +386,7 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             st = lock(&sh.state);
         }
         while (st.s.requested == st.s.started || st.s.captures > 0) && !st.shutdown {
-            if idle.elapsed() < FENCE_IDLE_POLL {
+            if spare_cpus && idle.elapsed() < FENCE_IDLE_POLL {
                 st = wait_timeout(&sh.work, st, poll);
             } else {
                 st = sh.sleep(st);

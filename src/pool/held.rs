@@ -55,6 +55,9 @@ pub(crate) struct Grant {
     /// The pool asks its owner to grow this block's class ahead of demand
     /// ([`Pool::post_ahead`], then [`Pool::grow_ahead`] on the helper).
     pub ahead: bool,
+    /// The pool grew past its budget for this request: it asks its owner to
+    /// give idle cache back on the helper ([`Pool::settle`]).
+    pub settle: bool,
 }
 
 /// A driver allocation of the pool: at `base`, `blocks` blocks of `class`
@@ -264,77 +267,64 @@ impl Pool {
         (made, Ok(()))
     }
 
-    /// [`Pool::give_back`], unless the last call found nothing to give and
-    /// no fence has finished since (nothing new can be whole and ready):
-    /// a pool whose budget its own blocks fill looks once per fence, not
-    /// at every miss.
-    pub(super) fn give_back_once(&self, context: RawContext, want: usize) -> usize {
-        let done = self.fencer.done();
-        if self.gave_nothing_at.load(std::sync::atomic::Ordering::Relaxed) == done.wrapping_add(1) {
-            return 0;
-        }
-        let freed = self.give_back(context, want);
-        let mark = if freed == 0 { done.wrapping_add(1) } else { 0 };
-        self.gave_nothing_at.store(mark, std::sync::atomic::Ordering::Relaxed);
-        freed
-    }
-
-    /// Past the budget on an idle GPU: give back to the driver whole
-    /// allocations whose blocks are all ready (fenced, so no queued work
-    /// uses them), about `want` bytes or more, and put every other ready
-    /// block back where it was. Nothing while the GPU is busy (a
-    /// `cuMemFree` would wait for it) or a capture is under way, or when
-    /// the owner set no hook ([`Pool::on_give_back`]). The bytes freed.
-    pub(super) fn give_back(&self, context: RawContext, want: usize) -> usize {
+    /// Give back to the driver whole allocations whose blocks are all ready
+    /// (fenced, so no queued work uses them), `want` bytes or more, the
+    /// largest first and those of `keep_class` (the class a miss just grew)
+    /// last. Each allocation is taken out of the shards in one step with
+    /// the check that all its blocks are still there, so the other blocks
+    /// stay where they are, for the threads that allocate meanwhile.
+    /// Nothing while the GPU is busy (a `cuMemFree` would wait for it) or a
+    /// capture is under way, or when the owner set no hook
+    /// ([`Pool::on_give_back`]). The owner calls it with its context live
+    /// and kept so (under the lock a reset takes). The bytes freed.
+    pub(crate) fn give_back(&self, context: RawContext, want: usize, keep_class: usize) -> usize {
         let Some(hook) = &self.forget_hook else {
             return 0;
         };
-        if self.fencer.busy_confirmed() || self.fencer.capturing() {
+        if want == 0 || self.fencer.busy_confirmed() || self.fencer.capturing() {
             return 0;
         }
-        let mut ready = Vec::new();
-        for i in 0..self.shards.len() {
-            let mut sh = self.shard(i);
-            while let Some((p, class)) = sh.take_any_ready() {
-                ready.push((p, class, i));
-            }
-        }
-        let mut by_base: FastMap<DevicePtr, Vec<(DevicePtr, usize, usize)>> = FastMap::default();
+        // Ready blocks by allocation (a copy: the shards go on serving).
+        let mut ready: FastMap<DevicePtr, usize> = FastMap::default();
+        let mut candidates: Vec<Allocation> = Vec::new();
         {
+            let mut found = Vec::new();
+            for i in 0..self.shards.len() {
+                let sh = self.shard(i);
+                found.extend(sh.ready.iter().flatten().copied());
+                found.extend(sh.large.values().flatten().copied());
+            }
             let held = lock(&self.held);
-            for b in ready {
-                by_base.entry(held.base_of(b.0)).or_default().push(b);
+            for p in found {
+                *ready.entry(held.base_of(p)).or_default() += 1;
+            }
+            for (base, n) in &ready {
+                if let Some(a) = held.allocations.get(base) {
+                    if a.blocks == *n {
+                        candidates.push(*a);
+                    }
+                }
             }
         }
-        let (mut freed, mut keep) = (0, Vec::new());
-        for (base, blocks) in by_base {
-            let taken = (freed < want)
-                .then(|| {
-                    let mut held = lock(&self.held);
-                    let whole = held
-                        .allocations
-                        .get(&base)
-                        .is_some_and(|a| a.blocks == blocks.len());
-                    whole.then(|| {
-                        let a = held.forget(base);
-                        held.pending += a.bytes();
-                        a
-                    })
-                })
-                .flatten();
-            let Some(a) = taken else {
-                keep.extend(blocks);
+        candidates.sort_by_key(|a| (a.class == keep_class, std::cmp::Reverse(a.bytes())));
+        let mut freed = 0;
+        for a in candidates {
+            if freed >= want {
+                break;
+            }
+            if !self.take_whole(&a) {
                 continue;
-            };
+            }
             // The owner forgets the blocks before the driver may hand the
             // addresses to another allocation.
             hook(&a);
             self.segment_event(false, &a);
             // SAFETY: an allocation this pool made in `context` (the
-            // caller's live context) whose blocks are all ready, taken out
-            // of every shard: no owner and no queued work uses it.
+            // caller's live context) whose blocks were all ready and are
+            // now out of every shard and out of `held`: no owner and no
+            // queued work uses it.
             let r = relaxed(self.driver.as_ref(), || unsafe {
-                self.driver.mem_free(context, base)
+                self.driver.mem_free(context, a.base)
             });
             lock(&self.held).pending -= a.bytes();
             match r {
@@ -348,13 +338,55 @@ impl Pool {
                 ),
             }
         }
-        for (p, class, i) in keep {
-            self.shard(i).put_ready(p, class);
-        }
         if freed > 0 {
             log::debug!(target: "gpuptr::pool", "gave {freed} bytes of idle cache back to the driver");
         }
         freed
+    }
+
+    /// Take every block of `a` out of the ready lists and `a` out of
+    /// `held`, if all its blocks are still ready (none handed out since);
+    /// else leave everything as it was. All shards are locked for it, in
+    /// order (no one holds a shard lock while taking another).
+    fn take_whole(&self, a: &Allocation) -> bool {
+        let mut shards: Vec<_> = (0..self.shards.len()).map(|i| self.shard(i)).collect();
+        let mut held = lock(&self.held);
+        if held.allocations.get(&a.base) != Some(a) {
+            return false;
+        }
+        let end = a.base + a.bytes() as u64;
+        let inside = |p: &DevicePtr| (a.base..end).contains(p);
+        let count: usize = shards
+            .iter()
+            .map(|sh| match super::class::class_index(a.class) {
+                Some(i) => sh.ready[i].iter().filter(|p| inside(p)).count(),
+                None => sh
+                    .large
+                    .get(&a.class)
+                    .map_or(0, |v| v.iter().filter(|p| inside(p)).count()),
+            })
+            .sum();
+        if count != a.blocks {
+            return false;
+        }
+        for sh in &mut shards {
+            let before = sh.ready_bytes;
+            let list = match super::class::class_index(a.class) {
+                Some(i) => Some(&mut sh.ready[i]),
+                None => sh.large.get_mut(&a.class),
+            };
+            let mut gone = 0;
+            if let Some(v) = list {
+                let n = v.len();
+                v.retain(|p| !inside(p));
+                gone = n - v.len();
+            }
+            sh.ready_bytes = before - gone * a.class;
+        }
+        held.forget(a.base);
+        // Still the driver's until the free returns.
+        held.pending += a.bytes();
+        true
     }
 
     /// Return every allocation whose blocks are all cached to the driver

@@ -54,6 +54,7 @@
 //! pointers: a release hands it a [`Block`].
 
 mod ahead;
+mod budget;
 mod class;
 mod fence;
 mod held;
@@ -64,7 +65,7 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -83,8 +84,12 @@ use host::HostCache;
 use shard::{ticket, Padded, Shard};
 
 /// A free seals its shard's pending blocks once they are at least this many
-/// bytes and at least the shard's ready bytes (see [`Pool::release`]).
-const SEAL_AT_HALF_MIN: usize = 2 << 20;
+/// bytes and no fence is outstanding (see [`Pool::release`]).
+const SEAL_IDLE_BYTES: usize = 2 << 20;
+/// ... and once they are at least this many bytes in any case: a quarter
+/// of the default budget, so that a pool within it keeps most of its stock
+/// ready while a fence runs.
+const SEAL_BYTES: usize = 8 << 20;
 
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -174,9 +179,11 @@ pub(crate) struct Pool {
     /// forgets its blocks' registry entries. Without it nothing is given
     /// back but by a trim.
     forget_hook: Option<ForgetHook>,
-    /// One past the fence count at which [`Pool::give_back_once`] last
-    /// found nothing to give back (0: it has not, or it gave).
-    gave_nothing_at: std::sync::atomic::AtomicU64,
+    /// A settle ([`Pool::settle`]) is asked for or under way: one at a time.
+    settling: AtomicBool,
+    /// The fence (by its start, `Fencer::busy_fence`) the growth helper last
+    /// found running long but not busy.
+    idle_verdict: AtomicU64,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
@@ -227,7 +234,8 @@ impl Pool {
                 .collect(),
             segments: None,
             forget_hook: None,
-            gave_nothing_at: std::sync::atomic::AtomicU64::new(0),
+            settling: AtomicBool::new(false),
+            idle_verdict: AtomicU64::new(0),
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -402,6 +410,7 @@ impl Pool {
             shard: own as u16,
             new_allocation,
             ahead,
+            settle: false,
         };
         {
             // The fast path: one lock, the thread's own shard, no driver call.
@@ -435,27 +444,19 @@ impl Pool {
             }
         }
         // Past its budget on an idle GPU, the pool reuses rather than grows.
-        let (mut room, mut waiting) = self.room(class);
+        let (room, waiting) = self.room(class);
+        let mut settle = false;
         if room < class && !self.fencer.busy_confirmed() {
-            let want = class - room;
-            // Idle cache of other classes (fenced, whole driver
-            // allocations) goes back first: the budget is then this class's
-            // to fill, and its blocks pass through the fence many at a time
-            // rather than one by one, each miss waiting for the last.
-            if self.give_back_once(context, want) < want {
-                // A block of this class that waits for a fence is worth the
-                // microsecond an idle GPU's fence takes.
-                if let Some(p) = self.wait_fence_and_take(context, own, class) {
-                    Self::handed_out(&mut self.shard(own), size, class, true, client);
-                    return Ok(block(p, None, false));
-                }
-                if waiting > 0 {
-                    // What waits for a fence may be given back once fenced.
-                    self.seal_all_and_wait_for(context);
-                    self.give_back(context, want);
-                }
+            // A block of this class that waits for a fence is worth the
+            // microseconds an idle GPU's fence takes.
+            if let Some(p) = self.wait_fence_and_take(context, own, class) {
+                Self::handed_out(&mut self.shard(own), size, class, true, client);
+                return Ok(block(p, None, false));
             }
-            (room, waiting) = self.room(class);
+            // Else it grows, and idle cache goes back to the driver behind
+            // it, on the helper: a `cuMemFree` waits for the GPU, so the
+            // allocating thread never makes one.
+            settle = self.want_settle();
         }
         let new = match self.alloc_new(context, class, room, waiting) {
             Ok(new) => new,
@@ -477,7 +478,10 @@ impl Pool {
         }
         Self::handed_out(&mut sh, size, class, false, client);
         let ahead = self.ahead_wanted(&mut sh, index);
-        Ok(block(new.base, Some(new), ahead))
+        Ok(Grant {
+            settle,
+            ..block(new.base, Some(new), ahead)
+        })
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`
@@ -515,13 +519,12 @@ impl Pool {
             }
             None => {
                 sh.put_pending(block.address, block.class);
-                // Also once half the shard's stock waits (at least
-                // SEAL_AT_HALF_MIN bytes): the fence then runs while the
-                // other half is handed out, and a pool kept within its
-                // budget rarely has a miss wait for it.
+                // Also by bytes, sooner than the configured batch: the fence
+                // then runs while the rest of the stock is handed out, and a
+                // pool kept within its budget rarely has a miss wait for it.
                 if sh.fence_due(&self.config)
-                    || (sh.pending_bytes >= SEAL_AT_HALF_MIN
-                        && (sh.pending_bytes >= sh.ready_bytes || !self.fencer.outstanding()))
+                    || sh.pending_bytes >= SEAL_BYTES
+                    || (sh.pending_bytes >= SEAL_IDLE_BYTES && !self.fencer.outstanding())
                 {
                     sh.seal(&self.fencer, context, false);
                 }

@@ -4,16 +4,8 @@
 //! device's ([`DeviceState`](crate::device::DeviceState)), which keeps the
 //! registry entries. [`Pool::seal_all_and_wait`] covers the host cache too.
 
-use std::time::Duration;
-
 use super::Pool;
 use crate::driver::{DevicePtr, RawContext};
-use crate::sync::lock;
-
-/// The longest a miss of an idle GPU past the pool's budget waits for the
-/// fence of a freed block of its class (a fence of an idle GPU takes a few
-/// microseconds; a longer one means work is queued, and the pool grows).
-pub(crate) const FENCE_WAIT: Duration = Duration::from_micros(50);
 
 impl Pool {
     /// Seal every shard (stream-held blocks too) and wait for the fence that
@@ -39,23 +31,6 @@ impl Pool {
             sh.promote(done);
         });
         ok
-    }
-
-    /// [`Pool::seal_all_and_wait`] for an idle GPU past its budget: the
-    /// unordered frees only, and a wait of at most [`FENCE_WAIT`].
-    pub(super) fn seal_all_and_wait_for(&self, context: RawContext) {
-        let mut newest = 0;
-        for i in 0..self.shards.len() {
-            let mut sh = self.shard(i);
-            sh.seal(&self.fencer, context, false);
-            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
-        }
-        if newest > 0 && self.fencer.wait_for(newest, FENCE_WAIT) {
-            let done = self.fencer.done();
-            for i in 0..self.shards.len() {
-                self.shard(i).promote(done);
-            }
-        }
     }
 
     /// Out of memory: a cached block of `class` from any shard, waiting for
@@ -102,59 +77,8 @@ impl Pool {
         None
     }
 
-    /// What the pool may still grow by within its budget, `live + max(live
-    /// / 2, headroom)` with this request of `class` counted live, and the
-    /// bytes that wait for a fence. A look at every shard: misses only.
-    pub(super) fn room(&self, class: usize) -> (usize, usize) {
-        let (mut live, mut waiting) = (class, 0);
-        for i in 0..self.shards.len() {
-            let sh = self.shard(i);
-            live += sh.live_bytes;
-            waiting += sh.pending_bytes + sh.sealed_bytes;
-        }
-        let budget = live.saturating_add((live / 2).max(self.config.headroom_bytes));
-        let held = {
-            let h = lock(&self.held);
-            h.bytes + h.pending
-        };
-        (budget.saturating_sub(held), waiting)
-    }
-
-    /// A miss past the budget on an idle GPU: a block of `class` that waits
-    /// for a fence, claimed (out of every shard's reach) and handed out once
-    /// its fence is done, if that takes at most [`FENCE_WAIT`]; else it is
-    /// put back, waiting as before, and `None` (the pool grows).
-    pub(super) fn wait_fence_and_take(
-        &self,
-        context: RawContext,
-        own: usize,
-        class: usize,
-    ) -> Option<DevicePtr> {
-        let n = self.shards.len();
-        let done = self.fencer.done();
-        let mut claimed = None;
-        for d in 0..n {
-            let i = (own + d) % n;
-            let mut sh = self.shard(i);
-            sh.promote(done);
-            if let Some(p) = sh.take_ready(class) {
-                return Some(p);
-            }
-            if let Some((p, seq)) = sh.claim_sealed(class) {
-                claimed = Some((i, p, seq));
-                break;
-            }
-        }
-        let (i, p, seq) = claimed?;
-        if self.fencer.wait_for(seq, FENCE_WAIT) {
-            return Some(p);
-        }
-        self.wait_again(context, i, p, class);
-        None
-    }
-
     /// Put a claimed block back into shard `i`, waiting for the next fence.
-    fn wait_again(&self, context: RawContext, i: usize, p: DevicePtr, class: usize) {
+    pub(super) fn wait_again(&self, context: RawContext, i: usize, p: DevicePtr, class: usize) {
         let mut sh = self.shard(i);
         sh.put_pending(p, class);
         sh.seal(&self.fencer, context, false);

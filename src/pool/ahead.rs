@@ -119,9 +119,10 @@ fn grow_loop(sh: &Shared<GrowState, ()>) {
 
 impl Pool {
     /// After a hand-out from the calling thread's shard (locked as `sh`):
-    /// whether to ask for growth of the class at `index` (`class_index`) ahead of demand. It is asked
-    /// when the shard's ready blocks of that class ran below the target
-    /// while frees wait for a fence, once until served. A handful of loads
+    /// whether to ask for growth of the class at `index` (`class_index`)
+    /// ahead of demand. It is asked when the shard's ready blocks of that
+    /// class ran below the target while it holds freed blocks, once until
+    /// served (the helper grows an idle GPU's pool only within its budget). A handful of loads
     /// and compares; no shared atomic (four threads paid 50 ns a pair when
     /// this also started fences early).
     #[inline]
@@ -131,7 +132,9 @@ impl Pool {
         };
         if sh.ready[i].len() >= self.ahead_blocks[i] as usize
             || sh.wanted & (1 << i) != 0
-            || sh.pending_bytes + sh.sealed_bytes == 0
+            // Nothing freed yet (or a trim emptied the shard): a pool that
+            // only allocates grows nothing ahead.
+            || sh.pending_bytes + sh.sealed_bytes + sh.ready_bytes == 0
         {
             return false;
         }
@@ -211,18 +214,15 @@ impl Pool {
     ) -> Result<Allocation, &'static str> {
         let i = class_index(class).ok_or("not a small class")?;
         let mut want = self.ahead_blocks[i] as usize;
-        {
+        let short = {
             let mut sh = self.shard(shard);
             sh.promote(self.fencer.done());
-            // Not when a fence made the stock up meanwhile (an idle GPU), or
-            // frees no longer wait for one (a trim emptied the shard since).
+            // Not when a fence made the stock up meanwhile (an idle GPU).
             if sh.ready[i].len() >= want {
                 return Err("a fence made the stock up");
             }
-            if sh.pending_bytes + sh.sealed_bytes == 0 {
-                return Err("no free waits for a fence");
-            }
-        }
+            want - sh.ready[i].len()
+        };
         // A GPU whose fence has not run long (idle, or turning busy just
         // now) gets growth within the pool's budget only: enough to carry
         // a turn to busy past the helper's first growth, and no more than
@@ -233,7 +233,7 @@ impl Pool {
             // This fence is judged: its length alone no longer ends a
             // shard's pause in growth ahead.
             self.idle_verdict.store(fence, Ordering::Relaxed);
-            want = want.min(room / class);
+            want = short.min(room / class);
             if want == 0 {
                 return Err("past the pool's budget, and the GPU is not busy");
             }

@@ -206,8 +206,10 @@ impl Pool {
         // Relaxed: a capture under way on some thread neither refuses this
         // allocation nor is invalidated by it.
         // SAFETY: the pool's owner passes its live, retained context.
-        let r = relaxed(self.driver.as_ref(), || unsafe {
-            self.driver.mem_alloc(context, bytes)
+        let r = self.fencer.own_call(|| {
+            relaxed(self.driver.as_ref(), || unsafe {
+                self.driver.mem_alloc(context, bytes)
+            })
         });
         if let Some(t) = started {
             log::debug!(
@@ -323,8 +325,10 @@ impl Pool {
             // caller's live context) whose blocks were all ready and are
             // now out of every shard and out of `held`: no owner and no
             // queued work uses it.
-            let r = relaxed(self.driver.as_ref(), || unsafe {
-                self.driver.mem_free(context, a.base)
+            let r = self.fencer.own_call(|| {
+                relaxed(self.driver.as_ref(), || unsafe {
+                    self.driver.mem_free(context, a.base)
+                })
             });
             lock(&self.held).pending -= a.bytes();
             match r {
@@ -455,8 +459,10 @@ impl Pool {
             self.segment_event(false, &a);
             // SAFETY: an allocation this pool made in `context` whose blocks
             // are all cached (none handed out), so no one uses it after this.
-            let r = relaxed(self.driver.as_ref(), || unsafe {
-                self.driver.mem_free(context, base)
+            let r = self.fencer.own_call(|| {
+                relaxed(self.driver.as_ref(), || unsafe {
+                    self.driver.mem_free(context, base)
+                })
             });
             let mut held = lock(&self.held);
             held.pending -= a.bytes();

@@ -85,7 +85,7 @@ use shard::{ticket, Padded, Shard};
 
 /// A free seals its shard's pending blocks once they are at least this many
 /// bytes and no fence is outstanding (see [`Pool::release`]).
-const SEAL_IDLE_BYTES: usize = 2 << 20;
+const SEAL_IDLE_BYTES: usize = 4 << 20;
 /// ... and once they are at least this many bytes in any case: a quarter
 /// of the default budget, so that a pool within it keeps most of its stock
 /// ready while a fence runs.

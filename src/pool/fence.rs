@@ -477,7 +477,7 @@ fn spin_for_request(ext: &FenceExt, started: u64, since: Instant) {
 fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
     sh.ext.cpu_clock.store(own_cpu_clock(), Ordering::Relaxed);
     // With one CPU a spin only takes it from the thread that would ask.
-    let spare_cpus = std::thread::available_parallelism().map_or(false, |n| n.get() > 1);
+    let spare_cpus = std::thread::available_parallelism().is_ok_and(|n| n.get() > 1);
     let pace = sh.ext.pace;
     let poll = pace.max(FENCE_POLL);
     let mut st = lock(&sh.state);

@@ -205,8 +205,8 @@ impl Pool {
             log::log_enabled!(target: "gpuptr::pool", log::Level::Debug).then(Instant::now);
         // Relaxed: a capture under way on some thread neither refuses this
         // allocation nor is invalidated by it.
-        // SAFETY: the pool's owner passes its live, retained context.
         let r = self.fencer.own_call(|| {
+            // SAFETY: the pool's owner passes its live, retained context.
             relaxed(self.driver.as_ref(), || unsafe {
                 self.driver.mem_alloc(context, bytes)
             })
@@ -321,11 +321,11 @@ impl Pool {
             // addresses to another allocation.
             hook(&a);
             self.segment_event(false, &a);
-            // SAFETY: an allocation this pool made in `context` (the
-            // caller's live context) whose blocks were all ready and are
-            // now out of every shard and out of `held`: no owner and no
-            // queued work uses it.
             let r = self.fencer.own_call(|| {
+                // SAFETY: an allocation this pool made in `context` (the
+                // caller's live context) whose blocks were all ready and are
+                // now out of every shard and out of `held`: no owner and no
+                // queued work uses it.
                 relaxed(self.driver.as_ref(), || unsafe {
                     self.driver.mem_free(context, a.base)
                 })
@@ -457,9 +457,9 @@ impl Pool {
             // same addresses to another thread's new allocation.
             before_free(&a);
             self.segment_event(false, &a);
-            // SAFETY: an allocation this pool made in `context` whose blocks
-            // are all cached (none handed out), so no one uses it after this.
             let r = self.fencer.own_call(|| {
+                // SAFETY: an allocation this pool made in `context` whose blocks
+                // are all cached (none handed out), so no one uses it after this.
                 relaxed(self.driver.as_ref(), || unsafe {
                     self.driver.mem_free(context, base)
                 })

@@ -221,6 +221,10 @@ impl Pool {
             if sh.ready[i].len() >= want {
                 return Err("a fence made the stock up");
             }
+            // Nor when a trim emptied the shard since it asked.
+            if sh.pending_bytes + sh.sealed_bytes + sh.ready_bytes == 0 {
+                return Err("the shard holds no freed block");
+            }
             want - sh.ready[i].len()
         };
         // A GPU whose fence has not run long (idle, or turning busy just

@@ -104,7 +104,8 @@ pub struct PoolConfig {
     /// The least time between the starts of two fences: after each one the
     /// helper thread rests this long (unless an out-of-memory waiter needs
     /// the next), so frees gather into fewer fences and the helper takes
-    /// little CPU from the threads that allocate. Zero: back to back.
+    /// little CPU from the threads that allocate. Zero (the default): back
+    /// to back, which keeps an idle GPU's pool within its budget.
     pub fence_pace: Duration,
     /// Growth ahead of demand: while frees wait for a fence, each shard
     /// keeps up to this many bytes (at most 64 blocks) of every class it
@@ -116,13 +117,14 @@ pub struct PoolConfig {
     /// Growth ahead also stops while it would leave less than a quarter of
     /// the device's memory free.
     pub ahead_total: usize,
-    /// How far past what its users hold the pool grows while the GPU is
-    /// idle: it holds at most `live + max(live / 2, headroom_bytes)` bytes
-    /// then, and gives idle cache of other classes back to stay there. Past that, a miss waits (at most 50 µs) for the fence of a
-    /// freed block of its class and reuses it rather than grow. A busy GPU
-    /// (a fence running for 50 µs or more) grows past it: the blocks its
-    /// queued work holds back are never handed out, and growth ahead of
-    /// demand runs only then.
+    /// The least budget of the pool while the GPU is idle: it holds at most
+    /// `max(1.5 x live, headroom_bytes)` bytes then (`live`: what its
+    /// users hold). Past that, a miss waits (at most 20 µs) for the fence
+    /// of a freed block of its class and reuses it; else it grows, and the
+    /// helper gives idle cache back until the pool is within the budget
+    /// again (see the `budget` module). A busy GPU (a fence its thread has
+    /// run in for 20 µs) grows past it: the blocks its queued work holds
+    /// back are never handed out.
     pub headroom_bytes: usize,
     /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
     /// caches for reuse, under the same fence as device memory; classes

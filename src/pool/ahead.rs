@@ -121,7 +121,7 @@ impl Pool {
     /// After a hand-out from the calling thread's shard (locked as `sh`):
     /// whether to ask for growth of the class at `index` (`class_index`)
     /// ahead of demand. It is asked when the shard's ready blocks of that
-    /// class ran below the target while it holds freed blocks, once until
+    /// class ran below the target while frees wait for a fence, once until
     /// served (the helper grows an idle GPU's pool only within its budget). A handful of loads
     /// and compares; no shared atomic (four threads paid 50 ns a pair when
     /// this also started fences early).
@@ -132,9 +132,9 @@ impl Pool {
         };
         if sh.ready[i].len() >= self.ahead_blocks[i] as usize
             || sh.wanted & (1 << i) != 0
-            // Nothing freed yet (or a trim emptied the shard): a pool that
-            // only allocates grows nothing ahead.
-            || sh.pending_bytes + sh.sealed_bytes + sh.ready_bytes == 0
+            // No free waits for a fence: a pool that only allocates (or is
+            // served from a reservation) grows nothing ahead.
+            || sh.pending_bytes + sh.sealed_bytes == 0
         {
             return false;
         }

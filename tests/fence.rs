@@ -281,17 +281,22 @@ fn test_stats_stop_counting_a_batch_as_pending_once_its_fence_is_done() {
     let ctx = rt.context(0).unwrap();
     std::thread::scope(|s| {
         s.spawn(|| {
-            let held: Vec<_> = (0..40).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
-            drop(held); // 32 sealed for a fence, 8 pending
+            let held: Vec<_> = (0..41).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
+            // A free seals once 8 MiB are pending (sooner while no fence
+            // is outstanding): at most 7 blocks stay unsealed.
+            drop(held);
         });
     });
     assert_eq!(rt.stats()[0].live_bytes, 0);
     let start = Instant::now();
     let mut pending = rt.stats()[0].pending_bytes;
-    while pending > 8 << 20 && start.elapsed() < Duration::from_secs(5) {
+    while pending >= 8 << 20 && start.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(1));
         pending = rt.stats()[0].pending_bytes;
     }
-    assert_eq!(pending, 8 << 20, "only the unsealed 8 blocks wait");
-    assert_eq!(rt.stats()[0].cached_bytes, 40 << 20);
+    assert!(
+        pending < 8 << 20,
+        "only unsealed blocks wait: {pending} bytes"
+    );
+    assert_eq!(rt.stats()[0].cached_bytes, 41 << 20);
 }

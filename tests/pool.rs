@@ -151,9 +151,14 @@ fn test_blocks_freed_by_another_thread_go_home_and_are_reused_there() {
     assert!(rt.flush_pool(0).unwrap());
     let s = rt.stats()[0];
     assert_eq!((s.live_count, s.live_bytes), (0, 0));
-    assert_eq!((s.cached_bytes, s.pending_bytes), (n * 4096, 0));
-    // One fence for the consumer's frees, one for the second batch's.
-    assert_eq!(s.fences, 2);
+    // Everything cached, fenced: the blocks, and what the helper may have
+    // stocked ahead of demand within the pool's budget.
+    assert_eq!(s.pending_bytes, 0);
+    assert!(s.cached_bytes >= n * 4096);
+    assert_eq!(s.cached_bytes, drv.live_bytes());
+    // At least one fence for the consumer's frees and one for the second
+    // batch's.
+    assert!(s.fences >= 2, "{} fences", s.fences);
 }
 
 #[test]

@@ -27,6 +27,48 @@ impl DeviceState {
         }));
     }
 
+    /// Ask the pool's helper to settle the pool (give idle cache back past
+    /// its budget, [`Pool::settle`]) after a miss of `class` grew it; the
+    /// job holds the device and the context weakly, as growth ahead's.
+    pub(super) fn post_settle(&self, pool: &Pool, ctx: &Arc<Context>, class: usize) {
+        let me = Arc::downgrade(ctx.state());
+        let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
+        pool.post_ahead(Box::new(move || {
+            if let Some(me) = me.upgrade() {
+                me.settle(&weak, raw, epoch, class);
+            }
+        }));
+    }
+
+    /// On the pool's helper: settle the pool while `weak` (handle `raw`) is
+    /// still this device's live context in `epoch`, as [`Self::grow_ahead`]
+    /// checks. The fence is waited for without the recovery lock; memory
+    /// goes back under it, so a reset or teardown cannot end the context
+    /// during the driver's frees.
+    fn settle(&self, weak: &Weak<Context>, raw: RawContext, epoch: u64, class: usize) {
+        let Some(pool) = &self.pool else {
+            return;
+        };
+        let live = || {
+            weak.strong_count() > 0
+                && self.epoch() == epoch
+                && self.live_raw() == raw
+                && !crate::fork::forked()
+        };
+        let n = {
+            let _recovering = lock(&self.recovery);
+            live().then(|| pool.settle_seal(raw))
+        };
+        if let Some(n) = n {
+            pool.settle_wait(n);
+            let _recovering = lock(&self.recovery);
+            if live() {
+                pool.settle(raw, class);
+            }
+        }
+        pool.settle_over();
+    }
+
     /// On the pool's helper: grow `class` ahead in `shard`, register the
     /// new blocks, and stock them, while `weak` (whose handle is `raw`) is
     /// still this device's live context in `epoch`. All under the recovery lock, which a reset and

@@ -92,11 +92,16 @@ impl DeviceState {
             device,
             pool: pool.map(|c| {
                 let s = services.clone();
-                Pool::new(c, services.driver.clone()).on_segments(Box::new(move |made, a| {
-                    if s.watch.on(Watch::HISTORY) {
-                        s.history.segment(made, device, a.base, a.bytes());
-                    }
-                }))
+                let r = services.clone();
+                Pool::new(c, services.driver.clone())
+                    .on_segments(Box::new(move |made, a| {
+                        if s.watch.on(Watch::HISTORY) {
+                            s.history.segment(made, device, a.base, a.bytes());
+                        }
+                    }))
+                    // The pool gives idle cache back past its budget: its
+                    // blocks' registry entries go first.
+                    .on_give_back(Box::new(move |a| r.registry.remove_at(a.block_addresses())))
             }),
             services,
             slot: Mutex::new(Slot::default()),

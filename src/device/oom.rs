@@ -73,6 +73,9 @@ impl DeviceState {
         if block.ahead {
             self.post_ahead(pool, ctx, usize::from(block.shard), block.class);
         }
+        if block.settle {
+            self.post_settle(pool, ctx, block.class);
+        }
         if let Some(new) = block.new_allocation {
             self.register(ctx, &new);
             log::debug!(

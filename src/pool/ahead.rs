@@ -6,6 +6,7 @@
 //! its context is still live).
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::class::class_index;
@@ -118,9 +119,10 @@ fn grow_loop(sh: &Shared<GrowState, ()>) {
 
 impl Pool {
     /// After a hand-out from the calling thread's shard (locked as `sh`):
-    /// whether to ask for growth of the class at `index` (`class_index`) ahead of demand. It is asked
-    /// when the shard's ready blocks of that class ran below the target
-    /// while frees wait for a fence, once until served. A handful of loads
+    /// whether to ask for growth of the class at `index` (`class_index`)
+    /// ahead of demand. It is asked when the shard's ready blocks of that
+    /// class ran below the target while frees wait for a fence, once until
+    /// served (the helper grows an idle GPU's pool only within its budget). A handful of loads
     /// and compares; no shared atomic (four threads paid 50 ns a pair when
     /// this also started fences early).
     #[inline]
@@ -130,16 +132,34 @@ impl Pool {
         };
         if sh.ready[i].len() >= self.ahead_blocks[i] as usize
             || sh.wanted & (1 << i) != 0
+            // No free waits for a fence: a pool that only allocates (or is
+            // served from a reservation) grows nothing ahead.
             || sh.pending_bytes + sh.sealed_bytes == 0
         {
             return false;
         }
         if sh.ahead_cooldown > 0 {
-            sh.ahead_cooldown -= 1;
-            return false;
+            // The pause ends early once the GPU turns busy (looked at every
+            // fourth hand-out: a clock read): the stock an idle GPU's budget
+            // allows then lasts only until the helper's first growth.
+            if sh.alloc_count % 4 != 0 || !self.busy_unjudged() {
+                sh.ahead_cooldown -= 1;
+                return false;
+            }
+            sh.ahead_cooldown = 0;
         }
         sh.wanted |= 1 << i;
         true
+    }
+
+    /// Whether the GPU reads as busy by a fence not yet judged idle by
+    /// [`Fencer::busy_confirmed`](super::fence::Fencer::busy_confirmed) (a
+    /// fence thread that was preempted reads as busy by its length alone;
+    /// one verdict per fence keeps the shards from asking at every look).
+    #[inline]
+    fn busy_unjudged(&self) -> bool {
+        let f = self.fencer.busy_fence();
+        f != 0 && f != self.idle_verdict.load(Ordering::Relaxed)
     }
 
     /// Run `job` on the pool's growth helper: the owner's call of
@@ -193,20 +213,40 @@ impl Pool {
         class: usize,
     ) -> Result<Allocation, &'static str> {
         let i = class_index(class).ok_or("not a small class")?;
-        let want = self.ahead_blocks[i] as usize;
-        let bytes = want * class;
-        {
+        let mut want = self.ahead_blocks[i] as usize;
+        let short = {
             let mut sh = self.shard(shard);
             sh.promote(self.fencer.done());
-            // Not when a fence made the stock up meanwhile (an idle GPU), or
-            // frees no longer wait for one (a trim emptied the shard since).
+            // Not when a fence made the stock up meanwhile (an idle GPU).
             if sh.ready[i].len() >= want {
                 return Err("a fence made the stock up");
             }
-            if sh.pending_bytes + sh.sealed_bytes == 0 {
-                return Err("no free waits for a fence");
+            // Nor when a trim emptied the shard since it asked.
+            if sh.pending_bytes + sh.sealed_bytes + sh.ready_bytes == 0 {
+                return Err("the shard holds no freed block");
+            }
+            want - sh.ready[i].len()
+        };
+        // A GPU whose fence has not run long (idle, or turning busy just
+        // now) gets growth within the pool's budget only: enough to carry
+        // a turn to busy past the helper's first growth, and no more than
+        // the pool may hold anyway.
+        let (room, _) = self.room(class);
+        let fence = self.fencer.busy_fence();
+        if !self.fencer.busy_confirmed() {
+            // This fence is judged: its length alone no longer ends a
+            // shard's pause in growth ahead.
+            self.idle_verdict.store(fence, Ordering::Relaxed);
+            want = short.min(room / class);
+            if want == 0 {
+                return Err("past the pool's budget, and the GPU is not busy");
             }
         }
+        // A busy GPU gets the whole target: its queued work holds every
+        // free back for as long as it runs, and a growth made early keeps
+        // the driver's busy `cuMemAlloc` (90-270 µs on an H200) off the
+        // allocating thread.
+        let bytes = want * class;
         let ready: usize = (0..self.shards.len())
             .map(|i| self.shard(i).ready_bytes)
             .sum();

@@ -2,11 +2,76 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::helper::{Helper, Shared};
 use crate::driver::{Driver, RawContext};
 use crate::sync::{lock, wait, wait_timeout};
+
+/// A fence that has run (been in `cuCtxSynchronize`) this long means a busy
+/// GPU: queued work holds the freed blocks back, and waiting for them would
+/// be slow. A fence of an idle GPU takes a few microseconds (an H200: 2-5
+/// µs; the simulator: less than one).
+pub(crate) const FENCE_BUSY: Duration = Duration::from_micros(20);
+
+/// A fence that has run this long means a busy GPU, whatever its thread's
+/// CPU time (a driver set to block rather than spin while it waits; a
+/// preempted thread waits a few ms at most).
+pub(crate) const FENCE_BUSY_SURE: Duration = Duration::from_millis(10);
+
+/// The CPU time the fence thread spends in a fence, watched by
+/// [`Fencer::busy_confirmed`], that makes a busy GPU; and the longest it
+/// watches.
+const FENCE_SPUN: Duration = Duration::from_micros(2);
+const CONFIRM_WINDOW: Duration = Duration::from_micros(50);
+
+/// No thread CPU clock ([`FenceExt::cpu_clock`]).
+const NO_CLOCK: i64 = i64::MIN;
+
+/// The calling thread's CPU-time clock, for other threads to read.
+fn own_cpu_clock() -> i64 {
+    #[cfg(target_os = "linux")]
+    {
+        let mut id: libc::clockid_t = 0;
+        // SAFETY: pthread_self() is the calling thread, alive for the call;
+        // `id` is a valid place for the result.
+        if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut id) } == 0 {
+            return i64::from(id);
+        }
+    }
+    NO_CLOCK
+}
+
+/// The CPU time of the thread whose clock is `clock` ([`own_cpu_clock`]),
+/// in nanoseconds; `None` if it cannot be read (no clock, or the thread
+/// ended).
+fn thread_cpu_ns(clock: i64) -> Option<u64> {
+    if clock == NO_CLOCK {
+        return None;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid place for the result; an id of a thread
+        // that ended makes the call fail (EINVAL), never touch memory.
+        if unsafe { libc::clock_gettime(clock as libc::clockid_t, &mut ts) } == 0 {
+            return Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
+        }
+    }
+    None
+}
+
+/// Nanoseconds since the first call (0 is never returned: it means "not
+/// running" in [`FenceExt::started_ns`]).
+fn now_ns() -> u64 {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    let base = *BASE.get_or_init(Instant::now);
+    (base.elapsed().as_nanos() as u64).max(1)
+}
 
 /// The per-device helper that makes freed blocks safe to reuse: it runs
 /// `cuCtxSynchronize` on its own thread for every batch sealed before the
@@ -20,21 +85,57 @@ pub(crate) struct Fencer {
     helper: Helper<FenceState, FenceExt>,
 }
 
-/// What the fence thread and its users read without the lock.
+/// A value on cache lines of its own (two: adjacent-line prefetch), so
+/// that writes to its neighbours do not evict it from readers' caches.
+#[repr(align(128))]
+pub(crate) struct Line<T>(T);
+
+impl<T> std::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// What the fence thread and its users read without the lock. In order
+/// (`repr(C)`), on three sets of lines: `done` (read by every allocation),
+/// the request fields (written by requests and by each fence's start), and
+/// `started_ns` with the rest (written around each fence, read by
+/// decisions that grow the pool).
+#[repr(C)]
 pub(crate) struct FenceExt {
     driver: Arc<dyn Driver>,
     pace: Duration,
-    done: AtomicU64,
-    /// The newest number handed out.
+    done: Line<AtomicU64>,
+    /// The newest number handed out (a request that finds it not started
+    /// yet shares it, without the lock; one that finds it started takes
+    /// the next with a compare-and-swap).
     requested: AtomicU64,
+    /// The number the running (or last) synchronize covers (written by the
+    /// fence thread, under the lock).
+    started: AtomicU64,
+    /// The context of the newest request (also `FenceState::context`,
+    /// which the fence thread reads under the lock): a request for another
+    /// one takes the lock.
+    context: std::sync::atomic::AtomicUsize,
+    /// The fence thread is about to sleep, or sleeps, until woken: a
+    /// request that takes a new number wakes it.
+    sleeping: std::sync::atomic::AtomicBool,
+    /// When the running synchronize started ([`now_ns`]); 0: none runs.
+    started_ns: Line<AtomicU64>,
+    /// The fence thread's CPU-time clock ([`own_cpu_clock`]; [`NO_CLOCK`]
+    /// until it starts).
+    cpu_clock: std::sync::atomic::AtomicI64,
+    /// The fence (by its start) found busy: it stays so until it ends.
+    busy_verdict: AtomicU64,
+    /// The pool's own driver calls under way ([`Fencer::own_call`]), and
+    /// when the last one ended.
+    own_calls: std::sync::atomic::AtomicUsize,
+    own_call_end: AtomicU64,
 }
 
 #[derive(Default)]
 pub(crate) struct FenceState {
-    /// The newest number handed out.
-    requested: u64,
-    /// The number the running (or last) synchronize covers.
-    started: u64,
     /// The newest number whose synchronize failed.
     failed: u64,
     context: RawContext,
@@ -54,15 +155,23 @@ pub(crate) struct FenceState {
 /// a sleeping thread would cost the allocating thread a system call. Polling
 /// with timed sleeps, not spinning, leaves the CPU to the allocating threads.
 const FENCE_IDLE_POLL: Duration = Duration::from_millis(2);
-const FENCE_POLL: Duration = Duration::from_micros(20);
+const FENCE_POLL: Duration = Duration::from_micros(5);
 
 impl Fencer {
     pub(crate) fn new(driver: Arc<dyn Driver>, pace: Duration) -> Self {
         let ext = FenceExt {
             driver,
             pace,
-            done: AtomicU64::new(0),
+            done: Line(AtomicU64::new(0)),
             requested: AtomicU64::new(0),
+            started: AtomicU64::new(0),
+            context: std::sync::atomic::AtomicUsize::new(0),
+            sleeping: std::sync::atomic::AtomicBool::new(false),
+            started_ns: Line(AtomicU64::new(0)),
+            cpu_clock: std::sync::atomic::AtomicI64::new(NO_CLOCK),
+            busy_verdict: AtomicU64::new(0),
+            own_calls: std::sync::atomic::AtomicUsize::new(0),
+            own_call_end: AtomicU64::new(0),
         };
         Fencer {
             helper: Helper::new("gpuptr-fence", FenceState::default(), ext),
@@ -86,17 +195,179 @@ impl Fencer {
         self.ext().requested.load(Ordering::Relaxed) > self.done()
     }
 
+    /// Whether the GPU looks busy: a fence has been running for at least
+    /// [`FENCE_BUSY`] (queued work holds freed blocks back). A fence asked
+    /// for but not started says nothing of the GPU. Returns when the running
+    /// fence started (its identity for verdicts), or 0 if it does not look
+    /// busy. A clock read: cheap, but a preempted fence thread looks busy
+    /// too ([`Fencer::busy_confirmed`] tells them apart).
+    #[inline]
+    pub(crate) fn busy_fence(&self) -> u64 {
+        let t = self.ext().started_ns.load(Ordering::Relaxed);
+        if t != 0 && now_ns().saturating_sub(t) >= FENCE_BUSY.as_nanos() as u64 {
+            t
+        } else {
+            0
+        }
+    }
+
+    /// [`Fencer::busy_fence`], confirmed: the fence thread runs in this
+    /// fence and it does not end ([`Fencer::fence_thread_spins`]), and no
+    /// driver call of the pool's own held it up; or the fence has run
+    /// [`FENCE_BUSY_SURE`]. A fence thread that was only preempted (one
+    /// CPU, a loaded host) either gets no CPU or ends its fence at once:
+    /// not busy. A verdict of busy holds until the fence ends. Costs the
+    /// caller a few µs (up to 50 on a loaded host): for decisions that grow
+    /// the pool, off the fast path.
+    pub(crate) fn busy_confirmed(&self) -> bool {
+        let ext = self.ext();
+        let t = ext.started_ns.load(Ordering::Relaxed);
+        if t == 0 {
+            return false;
+        }
+        if ext.busy_verdict.load(Ordering::Relaxed) == t {
+            // This fence was found busy already: it stays so until it ends.
+            return true;
+        }
+        let now = now_ns();
+        let ran = now.saturating_sub(t);
+        if ran < FENCE_BUSY.as_nanos() as u64 {
+            return false;
+        }
+        let busy = ran >= FENCE_BUSY_SURE.as_nanos() as u64 || {
+            // The pool's own driver calls (an allocation, a free) hold the
+            // driver, and so the fence, up: that is not the GPU.
+            let quiet = ext.own_calls.load(Ordering::Acquire) == 0
+                && now.saturating_sub(ext.own_call_end.load(Ordering::Acquire))
+                    >= FENCE_BUSY.as_nanos() as u64;
+            quiet && self.fence_thread_spins(t)
+        };
+        if busy {
+            ext.busy_verdict.store(t, Ordering::Relaxed);
+        }
+        busy
+    }
+
+    /// Whether the fence thread, in the fence that started at `t`, runs: it
+    /// gets [`FENCE_SPUN`] of CPU time within [`CONFIRM_WINDOW`] and the
+    /// fence still has not ended (on an idle GPU a fence thread that gets
+    /// the CPU back ends its fence within a microsecond; the driver spins
+    /// while the GPU works). The caller yields the CPU meanwhile, so that
+    /// on one CPU the fence thread runs.
+    fn fence_thread_spins(&self, t: u64) -> bool {
+        let ext = self.ext();
+        let clock = ext.cpu_clock.load(Ordering::Relaxed);
+        let Some(c1) = thread_cpu_ns(clock) else {
+            // No clock to read: the wall time alone.
+            return true;
+        };
+        let since = Instant::now();
+        loop {
+            std::thread::yield_now();
+            let Some(c2) = thread_cpu_ns(clock) else {
+                return true;
+            };
+            if ext.started_ns.load(Ordering::Acquire) != t {
+                return false;
+            }
+            if c2.saturating_sub(c1) >= FENCE_SPUN.as_nanos() as u64 {
+                return true;
+            }
+            if since.elapsed() >= CONFIRM_WINDOW {
+                return false;
+            }
+        }
+    }
+
+    /// Run `f`, one of the pool's own driver calls that may hold the driver
+    /// up (an allocation or a free), so that a fence it delays does not
+    /// read as a busy GPU ([`Fencer::busy_confirmed`]).
+    pub(crate) fn own_call<T>(&self, f: impl FnOnce() -> T) -> T {
+        let ext = self.ext();
+        ext.own_calls.fetch_add(1, Ordering::AcqRel);
+        let r = f();
+        ext.own_call_end.store(now_ns(), Ordering::Release);
+        ext.own_calls.fetch_sub(1, Ordering::AcqRel);
+        r
+    }
+
+    /// Wait until fence `n` is done, for at most `limit`; whether it is.
+    /// Unlike [`Fencer::wait`] it never synchronizes on this thread (with
+    /// no helper it returns `false` at once): a bounded wait, for a miss of
+    /// an idle GPU that would rather reuse a block than grow.
+    pub(crate) fn wait_for(&self, n: u64, limit: Duration) -> bool {
+        if self.done() >= n {
+            return true;
+        }
+        let sh = &self.helper.shared;
+        {
+            let st = lock(&sh.state);
+            let held_back = st.s.captures > 0 && self.ext().started.load(Ordering::SeqCst) < n;
+            if !st.spawned || st.shutdown || held_back || st.s.failed >= n {
+                return false;
+            }
+            // Cut the helper's rest (or its poll) short.
+            sh.work.notify_one();
+        }
+        // An idle GPU's fence ends within a microsecond or two (an H200:
+        // 0.3 us): spin for it, yielding the CPU each turn so that, on one
+        // CPU, the fence thread runs. A sleep on a condition variable would
+        // cost more than the fence (the wake-up, and Linux's timer slack of
+        // 50 us on a timed wait).
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.done() >= n {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
     /// Ask for a fence of `context` that starts after now; its number.
     /// Requests made before the helper picks them up share one fence.
     pub(crate) fn request(&self, context: RawContext) -> u64 {
-        let mut st = self.helper.lock();
-        let f = &mut st.s;
-        if f.requested == f.started || f.context != context {
-            f.requested += 1;
+        let ext = self.ext();
+        // The fast path: no lock, as a hot loop seals every few frees and
+        // the fence thread takes the lock around each fence.
+        if context != 0 && ext.context.load(Ordering::SeqCst) == context {
+            loop {
+                let r = ext.requested.load(Ordering::SeqCst);
+                // SeqCst: this load comes before the fence thread's store of
+                // `started` that starts fence `r`, so that fence starts
+                // after this call (and after the frees before it).
+                if r > ext.started.load(Ordering::SeqCst) {
+                    return r;
+                }
+                if ext
+                    .requested
+                    .compare_exchange(r, r + 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
+                    // The fence thread sets `sleeping` and then looks at
+                    // `requested` again before it sleeps: one of the two
+                    // sees the other's store.
+                    if ext.sleeping.load(Ordering::SeqCst) {
+                        let st = self.helper.lock();
+                        drop(st);
+                        self.helper.shared.work.notify_one();
+                    }
+                    return r + 1;
+                }
+            }
         }
-        f.context = context;
-        let n = f.requested;
-        self.ext().requested.store(n, Ordering::Relaxed);
+        let mut st = self.helper.lock();
+        let r = ext.requested.load(Ordering::SeqCst);
+        let n = if r == ext.started.load(Ordering::SeqCst) || st.s.context != context {
+            r + 1
+        } else {
+            r
+        };
+        st.s.context = context;
+        ext.context.store(context, Ordering::SeqCst);
+        ext.requested.store(n, Ordering::SeqCst);
         // No thread: the next waiter fences inline instead.
         self.helper.start(&mut st, fence_loop);
         self.helper.wake(st);
@@ -126,7 +397,10 @@ impl Fencer {
     pub(crate) fn end_capture(&self) {
         let mut st = self.helper.lock();
         st.s.captures = st.s.captures.saturating_sub(1);
-        if st.s.captures == 0 && st.s.requested != st.s.started {
+        let ext = self.ext();
+        if st.s.captures == 0
+            && ext.requested.load(Ordering::SeqCst) != ext.started.load(Ordering::SeqCst)
+        {
             self.helper.shared.work.notify_one();
         }
     }
@@ -148,14 +422,14 @@ impl Fencer {
             }
             // A fence not started yet cannot start during a capture (one
             // under way goes on, and a capture's start waits for it).
-            let held_back = st.s.captures > 0 && st.s.started < n;
+            let held_back = st.s.captures > 0 && self.ext().started.load(Ordering::SeqCst) < n;
             if st.s.failed >= n || st.shutdown || held_back {
                 return false;
             }
             if !st.spawned {
                 // The helper could not start: synchronize here (a capture
                 // that begins meanwhile waits for it, as for the helper's).
-                let (target, context) = (st.s.requested, st.s.context);
+                let (target, context) = (sh.ext.requested.load(Ordering::SeqCst), st.s.context);
                 st.s.syncing = true;
                 drop(st);
                 // SAFETY: `context` is the live context the pool's owner
@@ -181,7 +455,29 @@ impl Fencer {
     }
 }
 
+/// How long the fence thread spins for a new request after a fence, before
+/// it polls with timed waits ([`FENCE_POLL`]).
+const FENCE_SPIN: Duration = Duration::from_micros(100);
+
+/// Spin (yielding the CPU now and then, so that one CPU still runs the
+/// threads that allocate) until a number past `started` is asked for, or
+/// for [`FENCE_SPIN`] after `since`.
+fn spin_for_request(ext: &FenceExt, started: u64, since: Instant) {
+    let mut n = 0u32;
+    while ext.requested.load(Ordering::Relaxed) == started && since.elapsed() < FENCE_SPIN {
+        n = n.wrapping_add(1);
+        if n % 64 == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
+    sh.ext.cpu_clock.store(own_cpu_clock(), Ordering::Relaxed);
+    // With one CPU a spin only takes it from the thread that would ask.
+    let spare_cpus = std::thread::available_parallelism().is_ok_and(|n| n.get() > 1);
     let pace = sh.ext.pace;
     let poll = pace.max(FENCE_POLL);
     let mut st = lock(&sh.state);
@@ -189,18 +485,36 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         // Wait for a request: poll for a while (a request then needs no
         // wake-up), then sleep until a request wakes this thread.
         let idle = Instant::now();
-        while (st.s.requested == st.s.started || st.s.captures > 0) && !st.shutdown {
-            if idle.elapsed() < FENCE_IDLE_POLL {
+        let asked = |ext: &FenceExt| {
+            ext.requested.load(Ordering::SeqCst) != ext.started.load(Ordering::SeqCst)
+        };
+        if spare_cpus && !asked(&sh.ext) && st.s.captures == 0 && !st.shutdown {
+            // First spin, without the lock, on the newest number asked for:
+            // a loop that allocates and frees fast asks again within
+            // microseconds, and a fence that answers at once keeps the
+            // pool within its budget without a miss waiting for it.
+            let started = sh.ext.started.load(Ordering::SeqCst);
+            drop(st);
+            spin_for_request(&sh.ext, started, idle);
+            st = lock(&sh.state);
+        }
+        while (!asked(&sh.ext) || st.s.captures > 0) && !st.shutdown {
+            if spare_cpus && idle.elapsed() < FENCE_IDLE_POLL {
                 st = wait_timeout(&sh.work, st, poll);
             } else {
-                st = sh.sleep(st);
+                // Announce the sleep, then look again (see `request`).
+                sh.ext.sleeping.store(true, Ordering::SeqCst);
+                if !asked(&sh.ext) || st.s.captures > 0 {
+                    st = sh.sleep(st);
+                }
+                sh.ext.sleeping.store(false, Ordering::SeqCst);
             }
         }
         if st.shutdown {
             return;
         }
-        let (target, context) = (st.s.requested, st.s.context);
-        st.s.started = target;
+        let (target, context) = (sh.ext.requested.load(Ordering::SeqCst), st.s.context);
+        sh.ext.started.store(target, Ordering::SeqCst);
         // A capture that begins from now waits for this synchronize.
         st.s.syncing = true;
         drop(st);
@@ -209,11 +523,13 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         }
         let started =
             log::log_enabled!(target: "gpuptr::fence", log::Level::Debug).then(Instant::now);
+        sh.ext.started_ns.store(now_ns(), Ordering::Release);
         // SAFETY: `context` is live: the pool's owner passes its retained
         // context with each request, and a reset or teardown (which ends
         // it) shuts this helper down or drains every batch first; a call
         // on a context gone since fails with an error, never touches memory.
         let r = unsafe { sh.ext.driver.synchronize(context) };
+        sh.ext.started_ns.store(0, Ordering::Relaxed);
         st = lock(&sh.state);
         st.s.syncing = false;
         match &r {
@@ -270,11 +586,15 @@ mod tests {
             // started (the helper polls between fences).
             let began = loop {
                 let st = f.helper.lock();
-                let fenced = st.s.started == st.s.requested && st.s.requested > 1;
+                let (started, requested) = (
+                    f.ext().started.load(Ordering::SeqCst),
+                    f.ext().requested.load(Ordering::SeqCst),
+                );
+                let fenced = started == requested && requested > 1;
                 if w.is_finished() || st.s.syncing || fenced {
                     break false;
                 }
-                if st.s.waiters > 0 && st.s.started < st.s.requested {
+                if st.s.waiters > 0 && started < requested {
                     drop(st);
                     f.begin_capture();
                     break true;

@@ -55,6 +55,9 @@ pub(crate) struct Grant {
     /// The pool asks its owner to grow this block's class ahead of demand
     /// ([`Pool::post_ahead`], then [`Pool::grow_ahead`] on the helper).
     pub ahead: bool,
+    /// The pool grew past its budget for this request: it asks its owner to
+    /// give idle cache back on the helper ([`Pool::settle`]).
+    pub settle: bool,
 }
 
 /// A driver allocation of the pool: at `base`, `blocks` blocks of `class`
@@ -138,7 +141,21 @@ impl Pool {
     /// New memory from the driver for blocks of `class`: one block, or,
     /// while a fence is outstanding (a busy GPU), several carved from one
     /// allocation, so that one driver call serves several misses.
-    pub(super) fn alloc_new(&self, context: RawContext, class: usize) -> Result<Allocation> {
+    ///
+    /// `room` is what the pool may still grow by within its budget
+    /// ([`PoolConfig::headroom_bytes`](super::PoolConfig::headroom_bytes))
+    /// and `waiting` the bytes that wait for a fence ([`Pool::room`]). On
+    /// an idle GPU (its fence lags only for a moment) a carve stays within
+    /// the room; on a busy one it is at least what waits (capped at
+    /// [`CARVE_BYTES_MAX`]): frees go on being held back at that rate, and
+    /// one allocation covers the time the growth helper needs for its first.
+    pub(super) fn alloc_new(
+        &self,
+        context: RawContext,
+        class: usize,
+        room: usize,
+        waiting: usize,
+    ) -> Result<Allocation> {
         let carve = if self.fencer.outstanding() {
             let mut g = lock(&self.growth);
             let done = self.fencer.done();
@@ -148,6 +165,11 @@ impl Pool {
             }
             let bytes = (CARVE_BYTES << g.carves).min(CARVE_BYTES_MAX);
             g.carves = (g.carves + 1).min(8);
+            let bytes = if self.fencer.busy_confirmed() {
+                bytes.max(waiting.min(CARVE_BYTES_MAX))
+            } else {
+                bytes.min(room)
+            };
             (bytes / class).clamp(1, CARVE_MAX)
         } else {
             1
@@ -183,9 +205,11 @@ impl Pool {
             log::log_enabled!(target: "gpuptr::pool", log::Level::Debug).then(Instant::now);
         // Relaxed: a capture under way on some thread neither refuses this
         // allocation nor is invalidated by it.
-        // SAFETY: the pool's owner passes its live, retained context.
-        let r = relaxed(self.driver.as_ref(), || unsafe {
-            self.driver.mem_alloc(context, bytes)
+        let r = self.fencer.own_call(|| {
+            // SAFETY: the pool's owner passes its live, retained context.
+            relaxed(self.driver.as_ref(), || unsafe {
+                self.driver.mem_alloc(context, bytes)
+            })
         });
         if let Some(t) = started {
             log::debug!(
@@ -243,6 +267,130 @@ impl Pool {
             want -= blocks;
         }
         (made, Ok(()))
+    }
+
+    /// Give back to the driver whole allocations whose blocks are all ready
+    /// (fenced, so no queued work uses them), `want` bytes or more, the
+    /// largest first and those of `keep_class` (the class a miss just grew)
+    /// last. Each allocation is taken out of the shards in one step with
+    /// the check that all its blocks are still there, so the other blocks
+    /// stay where they are, for the threads that allocate meanwhile.
+    /// Nothing while the GPU is busy (a `cuMemFree` would wait for it) or a
+    /// capture is under way, or when the owner set no hook
+    /// ([`Pool::on_give_back`]). The owner calls it with its context live
+    /// and kept so (under the lock a reset takes). The bytes freed.
+    pub(crate) fn give_back(&self, context: RawContext, want: usize, keep_class: usize) -> usize {
+        let Some(hook) = &self.forget_hook else {
+            return 0;
+        };
+        if want == 0 || self.fencer.busy_confirmed() || self.fencer.capturing() {
+            return 0;
+        }
+        // Ready blocks by allocation (a copy: the shards go on serving).
+        let mut ready: FastMap<DevicePtr, usize> = FastMap::default();
+        let mut candidates: Vec<Allocation> = Vec::new();
+        {
+            let mut found = Vec::new();
+            for i in 0..self.shards.len() {
+                let sh = self.shard(i);
+                found.extend(sh.ready.iter().flatten().copied());
+                found.extend(sh.large.values().flatten().copied());
+            }
+            let held = lock(&self.held);
+            for p in found {
+                *ready.entry(held.base_of(p)).or_default() += 1;
+            }
+            for (base, n) in &ready {
+                if let Some(a) = held.allocations.get(base) {
+                    if a.blocks == *n {
+                        candidates.push(*a);
+                    }
+                }
+            }
+        }
+        candidates.sort_by_key(|a| (a.class == keep_class, std::cmp::Reverse(a.bytes())));
+        let mut freed = 0;
+        for a in candidates {
+            if freed >= want {
+                break;
+            }
+            if !self.take_whole(&a) {
+                continue;
+            }
+            // The owner forgets the blocks before the driver may hand the
+            // addresses to another allocation.
+            hook(&a);
+            self.segment_event(false, &a);
+            let r = self.fencer.own_call(|| {
+                // SAFETY: an allocation this pool made in `context` (the
+                // caller's live context) whose blocks were all ready and are
+                // now out of every shard and out of `held`: no owner and no
+                // queued work uses it.
+                relaxed(self.driver.as_ref(), || unsafe {
+                    self.driver.mem_free(context, a.base)
+                })
+            });
+            lock(&self.held).pending -= a.bytes();
+            match r {
+                Ok(()) => freed += a.bytes(),
+                // Its registry entries are gone: it is not handed out again
+                // (the driver keeps it until the context goes).
+                Err(e) => log::warn!(
+                    target: "gpuptr::pool",
+                    "giving {} bytes back failed ({e}); they stay unused",
+                    a.bytes()
+                ),
+            }
+        }
+        if freed > 0 {
+            log::debug!(target: "gpuptr::pool", "gave {freed} bytes of idle cache back to the driver");
+        }
+        freed
+    }
+
+    /// Take every block of `a` out of the ready lists and `a` out of
+    /// `held`, if all its blocks are still ready (none handed out since);
+    /// else leave everything as it was. All shards are locked for it, in
+    /// order (no one holds a shard lock while taking another).
+    fn take_whole(&self, a: &Allocation) -> bool {
+        let mut shards: Vec<_> = (0..self.shards.len()).map(|i| self.shard(i)).collect();
+        let mut held = lock(&self.held);
+        if held.allocations.get(&a.base) != Some(a) {
+            return false;
+        }
+        let end = a.base + a.bytes() as u64;
+        let inside = |p: &DevicePtr| (a.base..end).contains(p);
+        let count: usize = shards
+            .iter()
+            .map(|sh| match super::class::class_index(a.class) {
+                Some(i) => sh.ready[i].iter().filter(|p| inside(p)).count(),
+                None => sh
+                    .large
+                    .get(&a.class)
+                    .map_or(0, |v| v.iter().filter(|p| inside(p)).count()),
+            })
+            .sum();
+        if count != a.blocks {
+            return false;
+        }
+        for sh in &mut shards {
+            let before = sh.ready_bytes;
+            let list = match super::class::class_index(a.class) {
+                Some(i) => Some(&mut sh.ready[i]),
+                None => sh.large.get_mut(&a.class),
+            };
+            let mut gone = 0;
+            if let Some(v) = list {
+                let n = v.len();
+                v.retain(|p| !inside(p));
+                gone = n - v.len();
+            }
+            sh.ready_bytes = before - gone * a.class;
+        }
+        held.forget(a.base);
+        // Still the driver's until the free returns.
+        held.pending += a.bytes();
+        true
     }
 
     /// Return every allocation whose blocks are all cached to the driver
@@ -309,10 +457,12 @@ impl Pool {
             // same addresses to another thread's new allocation.
             before_free(&a);
             self.segment_event(false, &a);
-            // SAFETY: an allocation this pool made in `context` whose blocks
-            // are all cached (none handed out), so no one uses it after this.
-            let r = relaxed(self.driver.as_ref(), || unsafe {
-                self.driver.mem_free(context, base)
+            let r = self.fencer.own_call(|| {
+                // SAFETY: an allocation this pool made in `context` whose blocks
+                // are all cached (none handed out), so no one uses it after this.
+                relaxed(self.driver.as_ref(), || unsafe {
+                    self.driver.mem_free(context, base)
+                })
             });
             let mut held = lock(&self.held);
             held.pending -= a.bytes();

@@ -54,6 +54,7 @@
 //! pointers: a release hands it a [`Block`].
 
 mod ahead;
+mod budget;
 mod class;
 mod fence;
 mod held;
@@ -64,7 +65,7 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -82,6 +83,14 @@ pub(crate) use host::HostBlock;
 use host::HostCache;
 use shard::{ticket, Padded, Shard};
 
+/// A free seals its shard's pending blocks once they are at least this many
+/// bytes and no fence is outstanding (see [`Pool::release`]).
+const SEAL_IDLE_BYTES: usize = 4 << 20;
+/// ... and once they are at least this many bytes in any case: a quarter
+/// of the default budget, so that a pool within it keeps most of its stock
+/// ready while a fence runs.
+const SEAL_BYTES: usize = 8 << 20;
+
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -95,7 +104,8 @@ pub struct PoolConfig {
     /// The least time between the starts of two fences: after each one the
     /// helper thread rests this long (unless an out-of-memory waiter needs
     /// the next), so frees gather into fewer fences and the helper takes
-    /// little CPU from the threads that allocate. Zero: back to back.
+    /// little CPU from the threads that allocate. Zero (the default): back
+    /// to back, which keeps an idle GPU's pool within its budget.
     pub fence_pace: Duration,
     /// Growth ahead of demand: while frees wait for a fence, each shard
     /// keeps up to this many bytes (at most 64 blocks) of every class it
@@ -107,6 +117,15 @@ pub struct PoolConfig {
     /// Growth ahead also stops while it would leave less than a quarter of
     /// the device's memory free.
     pub ahead_total: usize,
+    /// The least budget of the pool while the GPU is idle: it holds at most
+    /// `max(1.5 x live, headroom_bytes)` bytes then (`live`: what its
+    /// users hold). Past that, a miss waits (at most 20 µs) for the fence
+    /// of a freed block of its class and reuses it; else it grows, and the
+    /// helper gives idle cache back until the pool is within the budget
+    /// again (see the `budget` module). A busy GPU (a fence its thread has
+    /// run in for 20 µs) grows past it: the blocks its queued work holds
+    /// back are never handed out.
+    pub headroom_bytes: usize,
     /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
     /// caches for reuse, under the same fence as device memory; classes
     /// larger than this are not cached. Zero: no host cache (every free
@@ -122,9 +141,10 @@ impl Default for PoolConfig {
             fence_count: 32,
             fence_bytes: 64 << 20,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
-            fence_pace: Duration::from_micros(20),
+            fence_pace: Duration::ZERO,
             ahead_bytes: 64 << 20,
             ahead_total: 512 << 20,
+            headroom_bytes: 32 << 20,
             host_cache_bytes: 512 << 20,
         }
     }
@@ -156,9 +176,22 @@ pub(crate) struct Pool {
     /// (`false`), before any of its blocks is handed out and before the
     /// driver may hand its addresses to someone else ([`Pool::on_segments`]).
     segments: Option<SegmentEvents>,
+    /// Told of each allocation the pool gives back on its own (idle cache
+    /// past its budget, [`Pool::give_back`]) before its free: the owner
+    /// forgets its blocks' registry entries. Without it nothing is given
+    /// back but by a trim.
+    forget_hook: Option<ForgetHook>,
+    /// A settle ([`Pool::settle`]) is asked for or under way: one at a time.
+    settling: AtomicBool,
+    /// The fence (by its start, `Fencer::busy_fence`) the growth helper last
+    /// found running long but not busy.
+    idle_verdict: AtomicU64,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
+
+/// What [`Pool::on_give_back`] calls.
+pub(crate) type ForgetHook = Box<dyn Fn(&Allocation) + Send + Sync>;
 
 /// What [`Pool::on_segments`] calls.
 pub(crate) type SegmentEvents = Box<dyn Fn(bool, &Allocation) + Send + Sync>;
@@ -202,6 +235,9 @@ impl Pool {
                 })
                 .collect(),
             segments: None,
+            forget_hook: None,
+            settling: AtomicBool::new(false),
+            idle_verdict: AtomicU64::new(0),
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -210,6 +246,14 @@ impl Pool {
     /// gives up (`false`): the allocation history's segment events.
     pub(crate) fn on_segments(mut self, f: SegmentEvents) -> Self {
         self.segments = Some(f);
+        self
+    }
+
+    /// Let the pool give idle cache back to the driver past its budget,
+    /// calling `f` with each allocation before its free (see
+    /// [`PoolConfig::headroom_bytes`]).
+    pub(crate) fn on_give_back(mut self, f: ForgetHook) -> Self {
+        self.forget_hook = Some(f);
         self
     }
 
@@ -368,6 +412,7 @@ impl Pool {
             shard: own as u16,
             new_allocation,
             ahead,
+            settle: false,
         };
         {
             // The fast path: one lock, the thread's own shard, no driver call.
@@ -400,7 +445,22 @@ impl Pool {
                 return Ok(block(p, None, false));
             }
         }
-        let new = match self.alloc_new(context, class) {
+        // Past its budget on an idle GPU, the pool reuses rather than grows.
+        let (room, waiting) = self.room(class);
+        let mut settle = false;
+        if room < class && !self.fencer.busy_confirmed() {
+            // A block of this class that waits for a fence is worth the
+            // microseconds an idle GPU's fence takes.
+            if let Some(p) = self.wait_fence_and_take(context, own, class) {
+                Self::handed_out(&mut self.shard(own), size, class, true, client);
+                return Ok(block(p, None, false));
+            }
+            // Else it grows, and idle cache goes back to the driver behind
+            // it, on the helper: a `cuMemFree` waits for the GPU, so the
+            // allocating thread never makes one.
+            settle = self.want_settle();
+        }
+        let new = match self.alloc_new(context, class, room, waiting) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {
@@ -420,7 +480,10 @@ impl Pool {
         }
         Self::handed_out(&mut sh, size, class, false, client);
         let ahead = self.ahead_wanted(&mut sh, index);
-        Ok(block(new.base, Some(new), ahead))
+        Ok(Grant {
+            settle,
+            ..block(new.base, Some(new), ahead)
+        })
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`
@@ -458,7 +521,13 @@ impl Pool {
             }
             None => {
                 sh.put_pending(block.address, block.class);
-                if sh.fence_due(&self.config) {
+                // Also by bytes, sooner than the configured batch: the fence
+                // then runs while the rest of the stock is handed out, and a
+                // pool kept within its budget rarely has a miss wait for it.
+                if sh.fence_due(&self.config)
+                    || sh.pending_bytes >= SEAL_BYTES
+                    || (sh.pending_bytes >= SEAL_IDLE_BYTES && !self.fencer.outstanding())
+                {
                     sh.seal(&self.fencer, context, false);
                 }
             }

@@ -78,7 +78,7 @@ impl Pool {
     }
 
     /// Put a claimed block back into shard `i`, waiting for the next fence.
-    fn wait_again(&self, context: RawContext, i: usize, p: DevicePtr, class: usize) {
+    pub(super) fn wait_again(&self, context: RawContext, i: usize, p: DevicePtr, class: usize) {
         let mut sh = self.shard(i);
         sh.put_pending(p, class);
         sh.seal(&self.fencer, context, false);

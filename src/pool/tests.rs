@@ -147,6 +147,8 @@ fn a_miss_ends_the_pause_in_growth_ahead() {
     let pool = Pool::new(config, sim.clone());
     // A busy GPU: queued work holds every block freed from now on.
     let first = pool.alloc(ctx, 1 << 20, None, 0, Client::Direct).unwrap();
+    // Its request for growth ahead, served (the helper found nothing to do).
+    pool.ahead_over(0, first.class);
     sim.queue_write(0x99, first.address, &[1; 4]).unwrap();
     pool.release(ctx, back(first, 1 << 20), None, || true);
     // The pause an idle GPU earned.

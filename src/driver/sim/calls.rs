@@ -111,7 +111,7 @@ impl Driver for SimDriver {
     unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
         let (mut st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
         st.sync_capture_rule("cuCtxSynchronize", device)?;
-        drop(self.wait_idle(st, device, None));
+        drop(self.spin_until_idle(st, device));
         Ok(())
     }
 

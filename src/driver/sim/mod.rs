@@ -518,6 +518,25 @@ impl SimDriver {
         st
     }
 
+    /// [`Self::wait_idle`] for all of `device`'s work as the real driver
+    /// waits in `cuCtxSynchronize` under its default scheduling (one
+    /// context, spare cores): spinning, yielding the CPU each turn, so the
+    /// waiting thread's CPU time grows as the GPU's work runs (the pool
+    /// tells a busy GPU from a preempted fence thread by it).
+    fn spin_until_idle<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        device: usize,
+    ) -> MutexGuard<'a, State> {
+        let seq = st.next_op;
+        while st.busy(device, None, seq) {
+            drop(st);
+            std::thread::yield_now();
+            st = self.lock();
+        }
+        st
+    }
+
     /// Queue a write of `bytes` at `ptr` on `stream`, as a kernel that runs
     /// until [`SimDriver::complete`] lets it: a device-side use of memory
     /// that outlives the host's view of it.

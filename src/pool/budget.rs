@@ -1,0 +1,146 @@
+//! The pool's budget on an idle GPU: it holds at most `max(live + live /
+//! 2, headroom)` bytes ([`PoolConfig::headroom_bytes`]). Past it a miss
+//! waits briefly for the fence of a freed block of its class and reuses it;
+//! if none can be had, it grows, and asks its owner to *settle* the pool
+//! on the helper thread: fence what waits, then give whole idle
+//! allocations back to the driver until the pool is within its budget
+//! again. A busy GPU (a fence running [`FENCE_BUSY`] or more) is exempt:
+//! its queued work holds freed blocks back, so the pool grows.
+//!
+//! [`PoolConfig::headroom_bytes`]: super::PoolConfig::headroom_bytes
+//! [`FENCE_BUSY`]: super::fence::FENCE_BUSY
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::Pool;
+use crate::driver::{DevicePtr, RawContext};
+use crate::sync::lock;
+
+/// The longest a miss of an idle GPU past the pool's budget waits for the
+/// fence of a freed block of its class (a fence of an idle GPU takes a few
+/// microseconds; a longer one means work is queued, and the pool grows).
+/// With a busy `cuMemAlloc` after it (40-60 µs on an H200), a miss that
+/// meets a GPU turning busy stays under 100 µs.
+pub(crate) const FENCE_WAIT: Duration = Duration::from_micros(20);
+
+/// How long a settle waits for the fence of what waits, before it gives
+/// back what is ready by then.
+const SETTLE_WAIT: Duration = Duration::from_millis(1);
+
+impl Pool {
+    /// What the pool may still grow by within its budget with `extra`
+    /// bytes more counted live (a request's class), and the bytes that wait
+    /// for a fence. The budget is `max(live + live / 2, headroom)`: the
+    /// most an idle GPU's pool holds. A look at every shard: misses and
+    /// the helper only.
+    pub(super) fn room(&self, extra: usize) -> (usize, usize) {
+        let (mut live, mut waiting) = (extra, 0);
+        for i in 0..self.shards.len() {
+            let sh = self.shard(i);
+            live += sh.live_bytes;
+            waiting += sh.pending_bytes + sh.sealed_bytes;
+        }
+        let budget = live
+            .saturating_add(live / 2)
+            .max(self.config.headroom_bytes);
+        let held = {
+            let h = lock(&self.held);
+            h.bytes + h.pending
+        };
+        (budget.saturating_sub(held), waiting)
+    }
+
+    /// The bytes the pool holds past its budget (see [`Pool::room`]).
+    pub(super) fn over_budget(&self) -> usize {
+        let (mut live, mut held) = (0usize, 0usize);
+        for i in 0..self.shards.len() {
+            live += self.shard(i).live_bytes;
+        }
+        let budget = live
+            .saturating_add(live / 2)
+            .max(self.config.headroom_bytes);
+        {
+            let h = lock(&self.held);
+            held += h.bytes;
+        }
+        held.saturating_sub(budget)
+    }
+
+    /// A miss past the budget on an idle GPU: a block of `class` that waits
+    /// for a fence, claimed (out of every shard's reach) and handed out once
+    /// its fence is done, if that takes at most [`FENCE_WAIT`]; else it is
+    /// put back, waiting as before, and `None` (the pool grows).
+    pub(super) fn wait_fence_and_take(
+        &self,
+        context: RawContext,
+        own: usize,
+        class: usize,
+    ) -> Option<DevicePtr> {
+        let n = self.shards.len();
+        let done = self.fencer.done();
+        let mut claimed = None;
+        for d in 0..n {
+            let i = (own + d) % n;
+            let mut sh = self.shard(i);
+            sh.promote(done);
+            if let Some(p) = sh.take_ready(class) {
+                return Some(p);
+            }
+            if let Some((p, seq)) = sh.claim_sealed(class) {
+                claimed = Some((i, p, seq));
+                break;
+            }
+        }
+        let (i, p, seq) = claimed?;
+        if self.fencer.wait_for(seq, FENCE_WAIT) {
+            return Some(p);
+        }
+        self.wait_again(context, i, p, class);
+        None
+    }
+
+    /// Whether the owner should settle the pool now: no settle is asked
+    /// for or under way, and the owner can give memory back (its hook is
+    /// set). Claims the settle: the owner must call [`Pool::settle`].
+    pub(super) fn want_settle(&self) -> bool {
+        self.forget_hook.is_some() && !self.settling.swap(true, Ordering::AcqRel)
+    }
+
+    /// The first step of a settle, on the helper after a miss grew the
+    /// pool past its budget (the owner calls it while `context` is live):
+    /// seal every shard's unordered frees; the number of the fence that
+    /// covers them (0: none).
+    pub(crate) fn settle_seal(&self, context: RawContext) -> u64 {
+        let mut newest = 0;
+        for i in 0..self.shards.len() {
+            let mut sh = self.shard(i);
+            sh.seal(&self.fencer, context, false);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
+        }
+        newest
+    }
+
+    /// Wait (no lock held, at most [`SETTLE_WAIT`]) for fence `n` and make
+    /// ready what it covers.
+    pub(crate) fn settle_wait(&self, n: u64) {
+        if n > 0 && self.fencer.wait_for(n, SETTLE_WAIT) {
+            let done = self.fencer.done();
+            for i in 0..self.shards.len() {
+                self.shard(i).promote(done);
+            }
+        }
+    }
+
+    /// The last step (the owner calls it while `context` is live): give
+    /// idle allocations back until the pool is within its budget, those of
+    /// `class` last.
+    pub(crate) fn settle(&self, context: RawContext, class: usize) {
+        self.give_back(context, self.over_budget(), class);
+    }
+
+    /// The settle is over (done, or given up): a later miss may ask again.
+    pub(crate) fn settle_over(&self) {
+        self.settling.store(false, Ordering::Release);
+    }
+}

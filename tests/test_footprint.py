@@ -1,0 +1,83 @@
+"""The pool's footprint on the simulator: what it holds from the driver
+stays close to what its users hold. Each test runs in a child process on
+one CPU (``os.sched_setaffinity``), where the pool's fence thread gets the
+CPU only when the allocating thread lets it go: the case in which a pool
+that grows whenever a fence is outstanding takes most of the device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.sim
+
+DEVICE = 1 << 30
+
+PRELUDE = r"""
+import json, os, random, sys
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+import gpuptr
+MiB = 1 << 20
+"""
+
+
+def _child(body: str, **settings: str) -> dict:
+    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(DEVICE))
+    for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD", "GPUPTR_POOL_HEADROOM"):
+        env.pop(k, None)
+    env.update(settings)
+    r = subprocess.run([sys.executable, "-c", PRELUDE + body], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out: dict = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+LOOP = r"""
+for _ in range(2000):
+    a = gpuptr.alloc(MiB); b = gpuptr.alloc(MiB); c = gpuptr.alloc(MiB)
+    del a, b, c
+s = gpuptr.stats()[0]
+print(json.dumps({"held": s["pool_bytes"], "peak": s["peak_pool_bytes"], "live": s["live_bytes"]}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_three_one_mib_blocks_churned_2000_times_on_one_cpu_hold_at_most_64_mib():
+    out = _child(LOOP)
+    assert out["live"] == 0
+    # Before: 787-1024 MiB, most or all of the 1 GiB device.
+    assert out["peak"] <= 64 << 20, f"the pool held up to {out['peak'] >> 20} MiB for a 3 MiB working set"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_a_working_set_of_one_percent_never_grows_the_pool_past_ten_percent():
+    # A rolling working set of mixed sizes (4 KiB to 2 MiB) kept at about
+    # 1% of the device, every block replaced many times over.
+    out = _child(r"""
+rng = random.Random(36)
+budget = (1 << 30) // 100
+live, total, worst_live = [], 0, 0
+for _ in range(20000):
+    n = rng.choice((4096, 65536, 300_000, MiB, 2 * MiB - 4096))
+    while live and total + n > budget:
+        old = live.pop(rng.randrange(len(live)))
+        total -= old.size
+    live.append(gpuptr.alloc(n)); total += n
+    worst_live = max(worst_live, total)
+s = gpuptr.stats()[0]
+print(json.dumps({"peak": s["peak_pool_bytes"], "worst_live": worst_live}))
+""")
+    assert out["worst_live"] <= DEVICE // 100
+    assert out["peak"] <= DEVICE // 10, f"the pool held up to {out['peak'] >> 20} MiB for a {out['worst_live'] >> 20} MiB working set"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_gpuptr_pool_headroom_sets_how_far_past_the_live_set_the_pool_grows():
+    # No headroom: the budget is 1.5 x the live set (4.5 MiB here), and the
+    # loop reuses fenced blocks rather than carve 8 MiB and more.
+    out = _child(LOOP, GPUPTR_POOL_HEADROOM="0")
+    assert out["peak"] <= 12 << 20, f"the pool held up to {out['peak'] >> 20} MiB"

@@ -49,12 +49,7 @@ impl DeviceState {
         let Some(pool) = &self.pool else {
             return;
         };
-        let live = || {
-            weak.strong_count() > 0
-                && self.epoch() == epoch
-                && self.live_raw() == raw
-                && !crate::fork::forked()
-        };
+        let live = || self.still_live(weak, raw, epoch);
         let n = {
             let _recovering = lock(&self.recovery);
             live().then(|| pool.settle_seal(raw))
@@ -67,6 +62,21 @@ impl DeviceState {
             }
         }
         pool.settle_over();
+    }
+
+    /// Whether `weak` (whose handle is `raw`) is still this device's live
+    /// context in `epoch`, and this process is not a forked child: the
+    /// check of every job on the pool's helper, made under the recovery
+    /// lock. A live context born in the current epoch is the slot's (a
+    /// successor needs this one gone, or a reset: a new epoch; a context
+    /// kept across a reset was born in an older one), and one whose handle
+    /// is still the device's is not being reset (a reset clears the handle
+    /// before it takes the recovery lock).
+    pub(super) fn still_live(&self, weak: &Weak<Context>, raw: RawContext, epoch: u64) -> bool {
+        weak.strong_count() > 0
+            && self.epoch() == epoch
+            && self.live_raw() == raw
+            && !crate::fork::forked()
     }
 
     /// On the pool's helper: grow `class` ahead in `shard`, register the
@@ -88,13 +98,7 @@ impl DeviceState {
             return;
         };
         let _recovering = lock(&self.recovery);
-        // A live context born in the current epoch is the slot's (a
-        // successor needs this one gone, or a reset: a new epoch; a context
-        // kept across a reset was born in an older one), and one whose
-        // handle is still the device's is not being reset (a reset clears
-        // the handle before it takes the recovery lock).
-        let live = weak.strong_count() > 0 && self.epoch() == epoch && self.live_raw() == raw;
-        if !live || crate::fork::forked() {
+        if !self.still_live(weak, raw, epoch) {
             pool.ahead_over(shard, class);
             return;
         }

@@ -326,12 +326,7 @@ impl DeviceState {
             return;
         };
         pool.host_settle_begin();
-        let live = || {
-            weak.strong_count() > 0
-                && self.epoch() == epoch
-                && self.live_raw() == raw
-                && !crate::fork::forked()
-        };
+        let live = || self.still_live(weak, raw, epoch);
         let n = {
             let _recovering = lock(&self.recovery);
             if !live() {

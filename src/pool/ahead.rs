@@ -122,9 +122,9 @@ impl Pool {
     /// whether to ask for growth of the class at `index` (`class_index`)
     /// ahead of demand. It is asked when the shard's ready blocks of that
     /// class ran below the target while frees wait for a fence, once until
-    /// served (the helper grows an idle GPU's pool only within its budget). A handful of loads
-    /// and compares; no shared atomic (four threads paid 50 ns a pair when
-    /// this also started fences early).
+    /// served (the helper grows an idle GPU's pool only within its budget).
+    /// A handful of loads and compares; no shared atomic (four threads paid
+    /// 50 ns a pair when this also started fences early).
     #[inline]
     pub(super) fn ahead_wanted(&self, sh: &mut Shard, index: Option<usize>) -> bool {
         let Some(i) = index else {

@@ -41,30 +41,25 @@ impl Pool {
             live += sh.live_bytes;
             waiting += sh.pending_bytes + sh.sealed_bytes;
         }
-        let budget = live
-            .saturating_add(live / 2)
-            .max(self.config.headroom_bytes);
         let held = {
             let h = lock(&self.held);
             h.bytes + h.pending
         };
-        (budget.saturating_sub(held), waiting)
+        (self.budget(live).saturating_sub(held), waiting)
     }
 
     /// The bytes the pool holds past its budget (see [`Pool::room`]).
     pub(super) fn over_budget(&self) -> usize {
-        let (mut live, mut held) = (0usize, 0usize);
-        for i in 0..self.shards.len() {
-            live += self.shard(i).live_bytes;
-        }
-        let budget = live
-            .saturating_add(live / 2)
-            .max(self.config.headroom_bytes);
-        {
-            let h = lock(&self.held);
-            held += h.bytes;
-        }
-        held.saturating_sub(budget)
+        let live: usize = (0..self.shards.len())
+            .map(|i| self.shard(i).live_bytes)
+            .sum();
+        lock(&self.held).bytes.saturating_sub(self.budget(live))
+    }
+
+    /// The budget for `live` bytes handed out: `max(1.5 x live, headroom)`.
+    fn budget(&self, live: usize) -> usize {
+        live.saturating_add(live / 2)
+            .max(self.config.headroom_bytes)
     }
 
     /// A miss past the budget on an idle GPU: a block of `class` that waits
@@ -112,23 +107,14 @@ impl Pool {
     /// seal every shard's unordered frees; the number of the fence that
     /// covers them (0: none).
     pub(crate) fn settle_seal(&self, context: RawContext) -> u64 {
-        let mut newest = 0;
-        for i in 0..self.shards.len() {
-            let mut sh = self.shard(i);
-            sh.seal(&self.fencer, context, false);
-            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
-        }
-        newest
+        self.seal_every_shard(context, false)
     }
 
     /// Wait (no lock held, at most [`SETTLE_WAIT`]) for fence `n` and make
     /// ready what it covers.
     pub(crate) fn settle_wait(&self, n: u64) {
         if n > 0 && self.fencer.wait_for(n, SETTLE_WAIT) {
-            let done = self.fencer.done();
-            for i in 0..self.shards.len() {
-                self.shard(i).promote(done);
-            }
+            self.promote_every_shard();
         }
     }
 

@@ -144,17 +144,22 @@ impl Pool {
     ///
     /// `room` is what the pool may still grow by within its budget
     /// ([`PoolConfig::headroom_bytes`](super::PoolConfig::headroom_bytes))
-    /// and `waiting` the bytes that wait for a fence ([`Pool::room`]). On
-    /// an idle GPU (its fence lags only for a moment) a carve stays within
-    /// the room; on a busy one it is at least what waits (capped at
-    /// [`CARVE_BYTES_MAX`]): frees go on being held back at that rate, and
-    /// one allocation covers the time the growth helper needs for its first.
+    /// and `waiting` the bytes that wait for a fence ([`Pool::room`]);
+    /// `busy` is the caller's [`Fencer::busy_confirmed`] (asked whenever a
+    /// fence is outstanding). On an idle GPU (its fence lags only for a
+    /// moment) a carve stays within the room; on a busy one it is at least
+    /// what waits (capped at [`CARVE_BYTES_MAX`]): frees go on being held
+    /// back at that rate, and one allocation covers the time the growth
+    /// helper needs for its first.
+    ///
+    /// [`Fencer::busy_confirmed`]: super::fence::Fencer::busy_confirmed
     pub(super) fn alloc_new(
         &self,
         context: RawContext,
         class: usize,
         room: usize,
         waiting: usize,
+        busy: bool,
     ) -> Result<Allocation> {
         let carve = if self.fencer.outstanding() {
             let mut g = lock(&self.growth);
@@ -165,7 +170,7 @@ impl Pool {
             }
             let bytes = (CARVE_BYTES << g.carves).min(CARVE_BYTES_MAX);
             g.carves = (g.carves + 1).min(8);
-            let bytes = if self.fencer.busy_confirmed() {
+            let bytes = if busy {
                 bytes.max(waiting.min(CARVE_BYTES_MAX))
             } else {
                 bytes.min(room)
@@ -317,20 +322,12 @@ impl Pool {
             if !self.take_whole(&a) {
                 continue;
             }
-            // The owner forgets the blocks before the driver may hand the
-            // addresses to another allocation.
-            hook(&a);
-            self.segment_event(false, &a);
-            let r = self.fencer.own_call(|| {
-                // SAFETY: an allocation this pool made in `context` (the
-                // caller's live context) whose blocks were all ready and are
-                // now out of every shard and out of `held`: no owner and no
-                // queued work uses it.
-                relaxed(self.driver.as_ref(), || unsafe {
-                    self.driver.mem_free(context, a.base)
-                })
-            });
-            lock(&self.held).pending -= a.bytes();
+            // SAFETY: an allocation this pool made in `context` (the
+            // caller's live context) whose blocks were all ready and are now
+            // out of every shard and out of `held` (`take_whole`): no owner
+            // and no queued work uses it.
+            let (r, held) = unsafe { self.free_taken(context, &a, hook) };
+            drop(held);
             match r {
                 Ok(()) => freed += a.bytes(),
                 // Its registry entries are gone: it is not handed out again
@@ -346,6 +343,38 @@ impl Pool {
             log::debug!(target: "gpuptr::pool", "gave {freed} bytes of idle cache back to the driver");
         }
         freed
+    }
+
+    /// Give `a`, already taken out of `held` (its bytes counted in
+    /// `held.pending` meanwhile), back to the driver: `forget` sees it
+    /// first (the owner forgets its blocks before the driver may hand the
+    /// addresses to another allocation), then the segment event, then
+    /// `cuMemFree`. Returns the driver's answer and `held`, locked, with
+    /// the pending bytes taken off (a caller whose free failed records `a`
+    /// again under the same lock).
+    ///
+    /// # Safety
+    ///
+    /// `a` is an allocation this pool made in `context`, a live context,
+    /// and no owner, shard or queued work uses any of its blocks.
+    unsafe fn free_taken(
+        &self,
+        context: RawContext,
+        a: &Allocation,
+        forget: impl FnOnce(&Allocation),
+    ) -> (Result<()>, std::sync::MutexGuard<'_, Held>) {
+        forget(a);
+        self.segment_event(false, a);
+        let r = self.fencer.own_call(|| {
+            // SAFETY: the caller's promise: `a` is this pool's, in the live
+            // `context`, and unused.
+            relaxed(self.driver.as_ref(), || unsafe {
+                self.driver.mem_free(context, a.base)
+            })
+        });
+        let mut held = lock(&self.held);
+        held.pending -= a.bytes();
+        (r, held)
     }
 
     /// Take every block of `a` out of the ready lists and `a` out of
@@ -453,19 +482,10 @@ impl Pool {
                 keep.extend(blocks);
                 continue;
             };
-            // The owner forgets the blocks before the driver may hand the
-            // same addresses to another thread's new allocation.
-            before_free(&a);
-            self.segment_event(false, &a);
-            let r = self.fencer.own_call(|| {
-                // SAFETY: an allocation this pool made in `context` whose blocks
-                // are all cached (none handed out), so no one uses it after this.
-                relaxed(self.driver.as_ref(), || unsafe {
-                    self.driver.mem_free(context, base)
-                })
-            });
-            let mut held = lock(&self.held);
-            held.pending -= a.bytes();
+            // SAFETY: an allocation this pool made in `context` whose blocks
+            // are all cached (none handed out), taken out of `held` above and
+            // drained from every shard, so no one uses it after this.
+            let (r, mut held) = unsafe { self.free_taken(context, &a, &mut before_free) };
             match r {
                 Ok(()) => freed.push(a),
                 Err(e) => {

@@ -19,14 +19,15 @@
 //!   A block also used on another stream (`record_stream`) takes the
 //!   unordered path.
 //! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
-//!   [`PoolConfig::fence_bytes`] bytes are pending, and on any miss that
-//!   finds blocks pending. Out of memory seals every shard, *waits* for the
+//!   [`PoolConfig::fence_bytes`] bytes are pending, at [`SEAL_IDLE_BYTES`]
+//!   while no fence is outstanding and at [`SEAL_BYTES`] in any case, and
+//!   on any miss that finds blocks pending. Out of memory seals every shard, *waits* for the
 //!   fence, and retries; past that rung its owner (the device's ladder,
 //!   `device/oom.rs`) gives the cache back to the driver and asks again, up
 //!   to four rounds while each trim frees something.
 //!
 //! **Growth.** On an idle device a miss allocates one block
-//! (`cuMemAlloc`). While a fence is outstanding (a busy GPU holds freed
+//! (`cuMemAlloc`), within the pool's budget (`budget.rs`). While a fence is outstanding (a busy GPU holds freed
 //! blocks back), a miss allocates up to [`CARVE_MAX`] blocks of its class
 //! in one allocation of [`CARVE_BYTES`], doubling with each growth under
 //! the same fence up to [`CARVE_BYTES_MAX`], and keeps the rest ready:
@@ -447,8 +448,11 @@ impl Pool {
         }
         // Past its budget on an idle GPU, the pool reuses rather than grows.
         let (room, waiting) = self.room(class);
+        // Asked once (it may watch the fence thread for a while), and only
+        // where it decides: past the budget, or for a carve.
+        let busy = (room < class || self.fencer.outstanding()) && self.fencer.busy_confirmed();
         let mut settle = false;
-        if room < class && !self.fencer.busy_confirmed() {
+        if room < class && !busy {
             // A block of this class that waits for a fence is worth the
             // microseconds an idle GPU's fence takes.
             if let Some(p) = self.wait_fence_and_take(context, own, class) {
@@ -460,7 +464,7 @@ impl Pool {
             // allocating thread never makes one.
             settle = self.want_settle();
         }
-        let new = match self.alloc_new(context, class, room, waiting) {
+        let new = match self.alloc_new(context, class, room, waiting, busy) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {

@@ -11,26 +11,41 @@ impl Pool {
     /// Seal every shard (stream-held blocks too) and wait for the fence that
     /// covers them all; `false` if it failed. Then make ready what it covers.
     pub(super) fn seal_all_and_wait(&self, context: RawContext) -> bool {
-        let mut newest = 0;
-        for i in 0..self.shards.len() {
-            let mut sh = self.shard(i);
-            sh.seal(&self.fencer, context, true);
-            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
-        }
+        let mut newest = self.seal_every_shard(context, true);
         // The host cache's blocks wait for the same fence.
         self.host.each(|sh| {
             sh.seal(&self.fencer, context, false);
             newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
         });
         let ok = newest == 0 || self.fencer.wait(newest);
-        let done = self.fencer.done();
-        for i in 0..self.shards.len() {
-            self.shard(i).promote(done);
-        }
+        let done = self.promote_every_shard();
         self.host.each(|sh| {
             sh.promote(done);
         });
         ok
+    }
+
+    /// Seal every shard's unordered frees (and, with `streams`, its
+    /// stream-held blocks); the number of the newest fence a shard's
+    /// batches wait for (0: none waits).
+    pub(super) fn seal_every_shard(&self, context: RawContext, streams: bool) -> u64 {
+        let mut newest = 0;
+        for i in 0..self.shards.len() {
+            let mut sh = self.shard(i);
+            sh.seal(&self.fencer, context, streams);
+            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
+        }
+        newest
+    }
+
+    /// Make ready, in every shard, the batches whose fence is done; the
+    /// number of the last finished fence.
+    pub(super) fn promote_every_shard(&self) -> u64 {
+        let done = self.fencer.done();
+        for i in 0..self.shards.len() {
+            self.shard(i).promote(done);
+        }
+        done
     }
 
     /// Out of memory: a cached block of `class` from any shard, waiting for

@@ -19,10 +19,12 @@ use gpuptr::{PoolConfig, Runtime, SimConfig, SimDriver};
 /// the same loop misses at every carve.
 #[test]
 fn test_a_busy_device_is_grown_ahead_on_the_helper_so_allocations_hit() {
+    let _one = one_at_a_time();
     fn busy_churn(config: PoolConfig) -> (u64, usize) {
         let drv = Arc::new(SimDriver::new(SimConfig::new(1, 2 << 30)));
         let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
         let ctx = rt.context(0).unwrap();
+        let _ends = EndsKernels(&drv);
         let a = ctx.alloc(1 << 20).unwrap();
         let a_addr = a.address();
         drv.queue_write(NON_BLOCKING, a_addr, &[7; 64]).unwrap();
@@ -82,6 +84,7 @@ fn test_a_busy_device_is_grown_ahead_on_the_helper_so_allocations_hit() {
 /// covers the fences' cadence, however long it goes on.
 #[test]
 fn test_growth_ahead_needs_frees_held_back_and_converges() {
+    let _one = one_at_a_time();
     let (drv, rt) = sim_pooled(1, 1 << 30);
     let ctx = rt.context(0).unwrap();
     let held: Vec<_> = (0..10).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
@@ -114,6 +117,7 @@ fn test_growth_ahead_needs_frees_held_back_and_converges() {
 /// stocked or handed out, no registration is left behind, nothing leaks.
 #[test]
 fn test_resets_racing_growth_ahead_leave_no_stale_block_or_registration() {
+    let _one = one_at_a_time();
     let (drv, rt) = sim_pooled(1, 2 << 30);
     for round in 0..20 {
         let ctx = rt.context(0).unwrap();
@@ -148,12 +152,31 @@ fn test_resets_racing_growth_ahead_leave_no_stale_block_or_registration() {
     assert_eq!(drv.lost_writes(), 0);
 }
 
+/// One test at a time: each judges a busy GPU by its fence thread's CPU
+/// time, and four at once on a two-CPU host starve those threads (which
+/// the pool rightly reads as preempted, not busy).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Completes the simulator's queued kernels when dropped.
+struct EndsKernels<'a>(&'a SimDriver);
+
+impl Drop for EndsKernels<'_> {
+    fn drop(&mut self) {
+        self.0.complete(None);
+    }
+}
+
 /// Growth ahead leaves a quarter of a busy device free: it is never why
 /// another allocation runs out of memory, which would then wait for the
 /// kernel (the Python suite's 256 MiB device hung so, when the helper had
 /// grown every churned class ahead).
 #[test]
 fn test_growth_ahead_leaves_a_quarter_of_a_busy_device_free() {
+    let _one = one_at_a_time();
     let total = 2usize << 30;
     let drv = Arc::new(SimDriver::new(SimConfig::new(1, total)));
     // 64 blocks of each class churned below: 256-512 MiB a class, with no
@@ -165,6 +188,9 @@ fn test_growth_ahead_leaves_a_quarter_of_a_busy_device_free() {
     };
     let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
     let ctx = rt.context(0).unwrap();
+    // A failed assertion ends the kernel first: the context's teardown
+    // (its cuMemFree) would wait for it forever.
+    let _ends = EndsKernels(&drv);
     let a = ctx.alloc(1 << 20).unwrap();
     drv.queue_write(NON_BLOCKING, a.address(), &[7; 64])
         .unwrap();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use common::{sim_pooled, sim_sharded};
 use gpuptr::driver::CallKind;
-use gpuptr::{codes, size_class, Error, PoolConfig};
+use gpuptr::{codes, size_class, Error, PoolConfig, Runtime, SimConfig, SimDriver};
 
 #[test]
 fn test_pool_reuses_blocks_by_size_class_after_a_fence() {
@@ -92,7 +92,15 @@ fn test_pool_stats_return_to_zero_and_trim_frees_everything() {
 
 #[test]
 fn test_pool_fence_failure_hands_out_nothing_unfenced_and_loses_no_block() {
-    let (drv, rt) = sim_pooled(1, 64 << 20);
+    // Paced: a fence thread that runs fences back to back (unpaced, with a
+    // spare CPU) would retry the failed one at once, and the batch would be
+    // ready again before the allocation below looks.
+    let drv = Arc::new(SimDriver::new(SimConfig::new(1, 64 << 20)));
+    let config = PoolConfig {
+        fence_pace: std::time::Duration::from_millis(50),
+        ..PoolConfig::default()
+    };
+    let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
     let ctx = rt.context(0).unwrap();
     let n = PoolConfig::default().fence_count;
     drv.fail_nth(CallKind::Synchronize, 1, codes::CUDA_ERROR_LAUNCH_FAILED);

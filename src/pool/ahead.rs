@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::class::class_index;
+use super::fence::now_ns;
 use super::held::Allocation;
 use super::helper::{Helper, Shared};
 use super::shard::Shard;
@@ -28,6 +29,11 @@ pub(super) const AHEAD_COOLDOWN: u32 = 1024;
 /// Growth ahead leaves at least this fraction (1/n) of the device's memory
 /// free.
 const AHEAD_HEADROOM: usize = 4;
+
+/// How often a shard paused in growth ahead looks whether the GPU turned
+/// busy: half of [`FENCE_BUSY`](super::fence::FENCE_BUSY), so that a turn
+/// to busy ends the pause within a busy fence's first microseconds.
+const BUSY_LOOK: Duration = Duration::from_micros(10);
 
 /// A miss waits at most this long for the helper's growth of its class.
 pub(super) const AHEAD_WAIT: Duration = Duration::from_millis(5);
@@ -139,10 +145,10 @@ impl Pool {
             return false;
         }
         if sh.ahead_cooldown > 0 {
-            // The pause ends early once the GPU turns busy (looked at every
-            // fourth hand-out: a clock read): the stock an idle GPU's budget
-            // allows then lasts only until the helper's first growth.
-            if sh.alloc_count % 4 != 0 || !self.busy_unjudged() {
+            // The pause ends early once the GPU turns busy: the stock an
+            // idle GPU's budget allows then lasts only until the helper's
+            // first growth.
+            if sh.alloc_count % 4 != 0 || !self.busy_look(sh) {
                 sh.ahead_cooldown -= 1;
                 return false;
             }
@@ -150,6 +156,21 @@ impl Pool {
         }
         sh.wanted |= 1 << i;
         true
+    }
+
+    /// [`Pool::busy_unjudged`], asked at most once per [`BUSY_LOOK`] per
+    /// shard (a clock read otherwise). The fence's start time is written by
+    /// the fence thread at every fence, which an idle GPU runs every few
+    /// frees in a tight loop: a hand-out that read it each time would fetch
+    /// its cache line from the fence thread's core.
+    #[inline]
+    fn busy_look(&self, sh: &mut Shard) -> bool {
+        let now = now_ns();
+        if now.saturating_sub(sh.busy_look_ns) < BUSY_LOOK.as_nanos() as u64 {
+            return false;
+        }
+        sh.busy_look_ns = now;
+        self.busy_unjudged()
     }
 
     /// Whether the GPU reads as busy by a fence not yet judged idle by
@@ -232,8 +253,9 @@ impl Pool {
         // a turn to busy past the helper's first growth, and no more than
         // the pool may hold anyway.
         let (room, _) = self.room(class);
+        let busy = self.fencer.busy_judged();
         let fence = self.fencer.busy_fence();
-        if !self.fencer.busy_confirmed() {
+        if !busy {
             // This fence is judged: its length alone no longer ends a
             // shard's pause in growth ahead.
             self.idle_verdict.store(fence, Ordering::Relaxed);

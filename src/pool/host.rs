@@ -117,7 +117,7 @@ impl Pool {
             if !still_valid() {
                 return Ok(None);
             }
-            if let Some(p) = sh.take(class, None, self.fencer.done()) {
+            if let Some(p) = sh.take(class, None, || self.fencer.done()) {
                 self.host.cached.fetch_sub(class, Ordering::Relaxed);
                 Self::handed_out(&mut sh, size, class, true, Client::Direct);
                 return Ok(Some(block(p as HostPtr)));

@@ -385,7 +385,7 @@ impl Pool {
         let done = self.fencer.done();
         (1..n).find_map(|d| {
             let mut sh = self.shards[(own + d) % n].0.try_lock().ok()?;
-            let p = sh.take(class, stream, done);
+            let p = sh.take(class, stream, || done);
             if p.is_none() && sh.fence_due(&self.config) {
                 // Its own thread may never allocate again: start its fence.
                 sh.seal(&self.fencer, context, false);
@@ -418,7 +418,7 @@ impl Pool {
         {
             // The fast path: one lock, the thread's own shard, no driver call.
             let mut sh = self.shard(own);
-            if let Some(p) = sh.take(class, stream, self.fencer.done()) {
+            if let Some(p) = sh.take(class, stream, || self.fencer.done()) {
                 Self::handed_out(&mut sh, size, class, true, client);
                 let ahead = self.ahead_wanted(&mut sh, index);
                 return Ok(block(p, None, ahead));
@@ -441,7 +441,7 @@ impl Pool {
         if self.wait_ahead(own, class) {
             // The helper grew this class meanwhile.
             let mut sh = self.shard(own);
-            if let Some(p) = sh.take(class, stream, self.fencer.done()) {
+            if let Some(p) = sh.take(class, stream, || self.fencer.done()) {
                 Self::handed_out(&mut sh, size, class, true, client);
                 return Ok(block(p, None, false));
             }

@@ -60,6 +60,9 @@ pub(super) struct Shard {
     /// found nothing to grow (a fence had made the stock up again): a tight
     /// loop on an idle GPU would otherwise wake it at every dip.
     pub(super) ahead_cooldown: u32,
+    /// When (`fence::now_ns`) such a hand-out last looked whether the GPU
+    /// turned busy (see `Pool::ahead_wanted`).
+    pub(super) busy_look_ns: u64,
 }
 
 /// Blocks of one class handed out from one shard: now, and at most.
@@ -93,6 +96,7 @@ impl Default for Shard {
             clients: Default::default(),
             wanted: 0,
             ahead_cooldown: 0,
+            busy_look_ns: 0,
         }
     }
 }
@@ -243,12 +247,16 @@ impl Shard {
     }
 
     /// A block of `class` this shard may hand to an owner on `stream`
-    /// without waiting.
+    /// without waiting. `done` (the fences done) is read only when no
+    /// ready block is left: the fence thread writes it at every fence
+    /// (every few frees of a tight loop on an idle GPU), and a hit that read
+    /// it would fetch its cache line from that thread's core.
+    #[inline]
     pub(super) fn take(
         &mut self,
         class: usize,
         stream: Option<RawStream>,
-        done: u64,
+        done: impl FnOnce() -> u64,
     ) -> Option<DevicePtr> {
         if let Some(s) = stream {
             if let Some(p) = self.on_stream.get_mut(&(s, class)).and_then(Vec::pop) {
@@ -259,7 +267,7 @@ impl Shard {
         if let Some(p) = self.take_ready(class) {
             return Some(p);
         }
-        if self.promote(done) {
+        if self.promote(done()) {
             return self.take_ready(class);
         }
         None

@@ -139,8 +139,9 @@ pub(super) struct Growth {
 
 impl Pool {
     /// New memory from the driver for blocks of `class`: one block, or,
-    /// while a fence is outstanding (a busy GPU), several carved from one
-    /// allocation, so that one driver call serves several misses.
+    /// while frees wait for an outstanding fence (a busy GPU), several
+    /// carved from one allocation, so that one driver call serves several
+    /// misses.
     ///
     /// `room` is what the pool may still grow by within its budget
     /// ([`PoolConfig::headroom_bytes`](super::PoolConfig::headroom_bytes))
@@ -161,7 +162,9 @@ impl Pool {
         waiting: usize,
         busy: bool,
     ) -> Result<Allocation> {
-        let carve = if self.fencer.outstanding() {
+        // Frees held back by a fence not yet done (a fence the fence thread
+        // asked for itself, running back to back, holds nothing back).
+        let carve = if waiting > 0 && self.fencer.outstanding() {
             let mut g = lock(&self.growth);
             let done = self.fencer.done();
             if g.done != done {

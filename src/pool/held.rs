@@ -12,10 +12,10 @@ use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
 use crate::stats::{Client, SegmentStats};
 use crate::sync::lock;
 
-/// When the pool grows while a fence is outstanding (a busy GPU), it carves
-/// blocks from allocations of about this many bytes, doubling with each
-/// growth under the same fence up to [`CARVE_BYTES_MAX`]: one driver call
-/// then serves several misses, and a `cuMemAlloc` costs about the same
+/// When the pool grows while frees wait for an outstanding fence (a busy
+/// GPU), it carves blocks from allocations of about this many bytes,
+/// doubling with each growth under the same fence up to
+/// [`CARVE_BYTES_MAX`]: one driver call then serves several misses, and a `cuMemAlloc` costs about the same
 /// (40-60 µs on an H200) for 8 MiB as for 128 MiB.
 pub(super) const CARVE_BYTES: usize = 8 << 20;
 pub(super) const CARVE_BYTES_MAX: usize = 64 << 20;

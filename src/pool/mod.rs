@@ -27,8 +27,8 @@
 //!   to four rounds while each trim frees something.
 //!
 //! **Growth.** On an idle device a miss allocates one block
-//! (`cuMemAlloc`), within the pool's budget (`budget.rs`). While a fence is outstanding (a busy GPU holds freed
-//! blocks back), a miss allocates up to [`CARVE_MAX`] blocks of its class
+//! (`cuMemAlloc`), within the pool's budget (`budget.rs`). While freed
+//! blocks wait for an outstanding fence (a busy GPU holds them back), a miss allocates up to [`CARVE_MAX`] blocks of its class
 //! in one allocation of [`CARVE_BYTES`], doubling with each growth under
 //! the same fence up to [`CARVE_BYTES_MAX`], and keeps the rest ready:
 //! fresh memory is safe for anyone, and one driver call serves several

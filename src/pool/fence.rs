@@ -339,7 +339,7 @@ impl Fencer {
         let since = Instant::now();
         let capturing = self.capturing();
         while self.done() < n && !capturing && since.elapsed() < FENCE_BUSY_SURE {
-            if self.busy_fence() != 0 && self.busy_confirmed() {
+            if self.busy_confirmed() {
                 return true;
             }
             std::thread::yield_now();

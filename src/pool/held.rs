@@ -15,8 +15,9 @@ use crate::sync::lock;
 /// When the pool grows while frees wait for an outstanding fence (a busy
 /// GPU), it carves blocks from allocations of about this many bytes,
 /// doubling with each growth under the same fence up to
-/// [`CARVE_BYTES_MAX`]: one driver call then serves several misses, and a `cuMemAlloc` costs about the same
-/// (40-60 µs on an H200) for 8 MiB as for 128 MiB.
+/// [`CARVE_BYTES_MAX`]: one driver call then serves several misses, and a
+/// `cuMemAlloc` costs about the same (40-60 µs on an H200) for 8 MiB as for
+/// 128 MiB.
 pub(super) const CARVE_BYTES: usize = 8 << 20;
 pub(super) const CARVE_BYTES_MAX: usize = 64 << 20;
 /// At most this many blocks per allocation.
@@ -146,8 +147,9 @@ impl Pool {
     /// `room` is what the pool may still grow by within its budget
     /// ([`PoolConfig::headroom_bytes`](super::PoolConfig::headroom_bytes))
     /// and `waiting` the bytes that wait for a fence ([`Pool::room`]);
-    /// `busy` is the caller's [`Fencer::busy_confirmed`] (asked whenever a
-    /// fence is outstanding). On an idle GPU (its fence lags only for a
+    /// `held_back`: some of them wait for an outstanding fence (the carve's
+    /// condition); `busy` is the caller's [`Fencer::busy_confirmed`] (asked
+    /// whenever `held_back`). On an idle GPU (its fence lags only for a
     /// moment) a carve stays within the room; on a busy one it is at least
     /// what waits (capped at [`CARVE_BYTES_MAX`]): frees go on being held
     /// back at that rate, and one allocation covers the time the growth
@@ -160,11 +162,10 @@ impl Pool {
         class: usize,
         room: usize,
         waiting: usize,
+        held_back: bool,
         busy: bool,
     ) -> Result<Allocation> {
-        // Frees held back by a fence not yet done (a fence the fence thread
-        // asked for itself, running back to back, holds nothing back).
-        let carve = if waiting > 0 && self.fencer.outstanding() {
+        let carve = if held_back {
             let mut g = lock(&self.growth);
             let done = self.fencer.done();
             if g.done != done {

@@ -21,15 +21,16 @@
 //! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
 //!   [`PoolConfig::fence_bytes`] bytes are pending, at [`SEAL_IDLE_BYTES`]
 //!   while no fence is outstanding and at [`SEAL_BYTES`] in any case, and
-//!   on any miss that finds blocks pending. Out of memory seals every shard, *waits* for the
-//!   fence, and retries; past that rung its owner (the device's ladder,
+//!   on any miss that finds blocks pending. Out of memory seals every
+//!   shard, *waits* for the fence, and retries; past that rung its owner (the device's ladder,
 //!   `device/oom.rs`) gives the cache back to the driver and asks again, up
 //!   to four rounds while each trim frees something.
 //!
 //! **Growth.** On an idle device a miss allocates one block
 //! (`cuMemAlloc`), within the pool's budget (`budget.rs`). While freed
-//! blocks wait for an outstanding fence (a busy GPU holds them back), a miss allocates up to [`CARVE_MAX`] blocks of its class
-//! in one allocation of [`CARVE_BYTES`], doubling with each growth under
+//! blocks wait for an outstanding fence (a busy GPU holds them back), a
+//! miss allocates up to [`CARVE_MAX`] blocks of its class in one
+//! allocation of [`CARVE_BYTES`], doubling with each growth under
 //! the same fence up to [`CARVE_BYTES_MAX`], and keeps the rest ready:
 //! fresh memory is safe for anyone, and one driver call serves several
 //! misses. A carved block lies inside one driver allocation, so IPC
@@ -448,9 +449,13 @@ impl Pool {
         }
         // Past its budget on an idle GPU, the pool reuses rather than grows.
         let (room, waiting) = self.room(class);
+        // Frees held back by a fence not yet done: a miss carves (a fence
+        // the fence thread asked for itself, running back to back, holds
+        // nothing back).
+        let held_back = waiting > 0 && self.fencer.outstanding();
         // Asked once (it may watch the fence thread for a while), and only
         // where it decides: past the budget, or for a carve.
-        let busy = (room < class || self.fencer.outstanding()) && self.fencer.busy_confirmed();
+        let busy = (room < class || held_back) && self.fencer.busy_confirmed();
         let mut settle = false;
         if room < class && !busy {
             // A block of this class that waits for a fence is worth the
@@ -464,7 +469,7 @@ impl Pool {
             // allocating thread never makes one.
             settle = self.want_settle();
         }
-        let new = match self.alloc_new(context, class, room, waiting, busy) {
+        let new = match self.alloc_new(context, class, room, waiting, held_back, busy) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {

@@ -573,9 +573,8 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         if crate::fork::forked() {
             return;
         }
-        // Fences run back to back (`FENCE_HOT`) are not logged one by one.
-        let started = (asked_for && log::log_enabled!(target: "gpuptr::fence", log::Level::Debug))
-            .then(Instant::now);
+        let started =
+            log::log_enabled!(target: "gpuptr::fence", log::Level::Debug).then(Instant::now);
         sh.ext.started_ns.store(now_ns(), Ordering::Release);
         // SAFETY: `context` is live: the pool's owner passes its retained
         // context with each request, and a reset or teardown (which ends
@@ -594,7 +593,10 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             Err(_) => st.s.failed = st.s.failed.max(target),
         }
         // The logger only queues the record (no GIL, no lock but its own).
-        match (r, started) {
+        // Fences run back to back (`FENCE_HOT`) are not logged one by one:
+        // only those someone asked for or waits for.
+        let logged = started.filter(|_| asked_for || st.s.waiters > 0);
+        match (r, logged) {
             (Ok(()), Some(t)) => log::debug!(
                 target: "gpuptr::fence",
                 "fence {target} done in {} us",

@@ -20,9 +20,10 @@ impl DeviceState {
     pub(super) fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, shard: usize, class: usize) {
         let me = Arc::downgrade(ctx.state());
         let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
+        let asked = std::time::Instant::now();
         pool.post_ahead(Box::new(move || {
             if let Some(me) = me.upgrade() {
-                me.grow_ahead(&weak, raw, epoch, shard, class);
+                me.grow_ahead(&weak, raw, epoch, shard, class, asked);
             }
         }));
     }
@@ -93,10 +94,12 @@ impl DeviceState {
         epoch: u64,
         shard: usize,
         class: usize,
+        asked: std::time::Instant,
     ) {
         let Some(pool) = &self.pool else {
             return;
         };
+        let began = asked.elapsed();
         let _recovering = lock(&self.recovery);
         if !self.still_live(weak, raw, epoch) {
             pool.ahead_over(shard, class);
@@ -104,13 +107,17 @@ impl DeviceState {
         }
         let grown = pool.grow_ahead(raw, shard, class, |a| self.register_weak(weak, a));
         if let Some(a) = grown {
+            // When it began and ended, from the hand-out that asked: where a
+            // busy GPU's first growth lands against the stock.
             log::debug!(
                 target: "gpuptr::pool",
-                "device {}: grew ahead by {} bytes ({} block(s) of {} bytes)",
+                "device {}: grew ahead by {} bytes ({} block(s) of {} bytes), begun {} us and done {} us after the ask",
                 self.device,
                 a.bytes(),
                 a.blocks,
-                a.class
+                a.class,
+                began.as_micros(),
+                asked.elapsed().as_micros()
             );
         }
     }

@@ -20,7 +20,7 @@
 //!   unordered path.
 //! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
 //!   [`PoolConfig::fence_bytes`] bytes are pending, at [`SEAL_IDLE_BYTES`]
-//!   while no fence is outstanding and at [`SEAL_BYTES`] in any case, and
+//!   if no fence is outstanding as they reach it, and at [`SEAL_BYTES`] in any case, and
 //!   on any miss that finds blocks pending. Out of memory seals every
 //!   shard, *waits* for the fence, and retries; past that rung its owner (the device's ladder,
 //!   `device/oom.rs`) gives the cache back to the driver and asks again, up
@@ -85,8 +85,8 @@ pub(crate) use host::HostBlock;
 use host::HostCache;
 use shard::{ticket, Padded, Shard};
 
-/// A free seals its shard's pending blocks once they are at least this many
-/// bytes and no fence is outstanding (see [`Pool::release`]).
+/// A free seals its shard's pending blocks as they reach this many bytes,
+/// if no fence is outstanding then (see [`Pool::release`]).
 const SEAL_IDLE_BYTES: usize = 4 << 20;
 /// ... and once they are at least this many bytes in any case: a quarter
 /// of the default budget, so that a pool within it keeps most of its stock
@@ -421,6 +421,9 @@ impl Pool {
             let mut sh = self.shard(own);
             if let Some(p) = sh.take(class, stream, || self.fencer.done()) {
                 Self::handed_out(&mut sh, size, class, true, client);
+                if self.fencer.take_rest() {
+                    self.back_from_rest(&mut sh, context);
+                }
                 let ahead = self.ahead_wanted(&mut sh, index);
                 return Ok(block(p, None, ahead));
             }
@@ -495,6 +498,26 @@ impl Pool {
         })
     }
 
+    /// The first hand-out after a rest of the pool ([`Fencer::take_rest`]):
+    /// ask for a fence now (sealing what waits in the shard), and welcome
+    /// growth ahead again. A GPU that turned busy during the rest (a kernel
+    /// launched while nothing allocated) holds back every free from here
+    /// on, and the stock an idle GPU's budget allows lasts a few hundred
+    /// µs of a tight loop: the fence thread and the growth helper (asked at
+    /// the next hand-out that finds a free waiting) wake side by side, and
+    /// the helper's first busy growth lands about when the stock runs out
+    /// rather than a wake-up or two after it. On an idle GPU it costs one
+    /// fence and the helper's look, once per rest.
+    #[cold]
+    fn back_from_rest(&self, sh: &mut Shard, context: RawContext) {
+        if sh.pending.is_empty() {
+            let _ = self.fencer.request(context);
+        } else {
+            sh.seal(&self.fencer, context, false);
+        }
+        sh.ahead_cooldown = 0;
+    }
+
     /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`
     /// (`None`: no stream known). No driver call, and no wait.
     /// `still_valid` is asked under the shard lock, which a reset's
@@ -533,9 +556,16 @@ impl Pool {
                 // Also by bytes, sooner than the configured batch: the fence
                 // then runs while the rest of the stock is handed out, and a
                 // pool kept within its budget rarely has a miss wait for it.
+                // The fence count is read once a batch, as the pending bytes
+                // cross the idle threshold: the fence thread writes it at
+                // every fence, and a free that read it each time would fetch
+                // its line from that thread's core (about one fetch a pair
+                // in a tight loop of 1 MiB pairs, a fifth of the pair).
+                let crossed = sh.pending_bytes >= SEAL_IDLE_BYTES
+                    && sh.pending_bytes - block.class < SEAL_IDLE_BYTES;
                 if sh.fence_due(&self.config)
                     || sh.pending_bytes >= SEAL_BYTES
-                    || (sh.pending_bytes >= SEAL_IDLE_BYTES && !self.fencer.outstanding())
+                    || (crossed && !self.fencer.outstanding())
                 {
                     sh.seal(&self.fencer, context, false);
                 }

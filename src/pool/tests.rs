@@ -198,3 +198,66 @@ fn pool_counts_its_segments_by_pool_with_peaks_and_totals() {
     assert_eq!((s.count.all.current, s.bytes.all.current), (0, 0));
     assert_eq!(s.count.small.freed, 1);
 }
+
+/// After a rest (no request for the fence thread's whole poll, so it
+/// sleeps), the first hand-out asks for a fence, with no free to seal: a
+/// GPU that turned busy during the rest is seen at once, not a wake-up
+/// after the first seal. The next hand-outs do not ask again, and a pool
+/// that never rested (one CPU: its fence thread sleeps at once) asks for
+/// nothing.
+#[test]
+fn the_first_hand_out_after_a_rest_asks_for_a_fence() {
+    use crate::driver::CallKind;
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 256 << 20)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let pool = Pool::new(
+        PoolConfig {
+            shards: 1,
+            ..PoolConfig::default()
+        },
+        sim.clone(),
+    );
+    let size = 1 << 20;
+    let first: Vec<Grant> = (0..8)
+        .map(|_| pool.alloc(ctx, size, None, 0, Client::Direct).unwrap())
+        .collect();
+    let keep = first[0].address;
+    let mut first = first.into_iter();
+    let held = first.next().unwrap();
+    for g in first {
+        pool.release(ctx, back(g, size), None, || true);
+    }
+    assert!(pool.flush(ctx));
+    // Rest well past the poll, then let the GPU turn busy.
+    std::thread::sleep(Duration::from_millis(30));
+    sim.queue_write(0x77, keep, &[1; 4]).unwrap();
+    let syncs = || sim.calls(CallKind::Synchronize);
+    let before = syncs();
+    let a = pool.alloc(ctx, size, None, 0, Client::Direct).unwrap();
+    assert!(a.new_allocation.is_none(), "a hit from the stock");
+    let spare = std::thread::available_parallelism().is_ok_and(|n| n.get() > 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    if spare {
+        while pool.fencer.busy_fence() == 0 && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert_ne!(
+            pool.fencer.busy_fence(),
+            0,
+            "the hand-out's fence runs on the busy GPU"
+        );
+        assert_eq!(syncs(), before + 1);
+        let requested = pool.fencer.requested();
+        let b = pool.alloc(ctx, size, None, 0, Client::Direct).unwrap();
+        assert_eq!(pool.fencer.requested(), requested, "asked once per rest");
+        pool.release(ctx, back(b, size), None, || true);
+    } else {
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(syncs(), before, "no rest is seen on one CPU");
+    }
+    sim.complete(None);
+    for g in [a, held] {
+        pool.release(ctx, back(g, size), None, || true);
+    }
+    assert!(pool.flush(ctx));
+}

@@ -20,8 +20,8 @@
 //!   unordered path.
 //! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
 //!   [`PoolConfig::fence_bytes`] bytes are pending, at [`SEAL_IDLE_BYTES`]
-//!   if no fence is outstanding as they reach it, and at [`SEAL_BYTES`] in any case, and
-//!   on any miss that finds blocks pending. Out of memory seals every
+//!   if no fence is outstanding as they reach it, at [`SEAL_BYTES`] in any
+//!   case, and on any miss that finds blocks pending. Out of memory seals every
 //!   shard, *waits* for the fence, and retries; past that rung its owner (the device's ladder,
 //!   `device/oom.rs`) gives the cache back to the driver and asks again, up
 //!   to four rounds while each trim frees something.
@@ -559,8 +559,7 @@ impl Pool {
                 // The fence count is read once a batch, as the pending bytes
                 // cross the idle threshold: the fence thread writes it at
                 // every fence, and a free that read it each time would fetch
-                // its line from that thread's core (about one fetch a pair
-                // in a tight loop of 1 MiB pairs, a fifth of the pair).
+                // its line from that thread's core.
                 let crossed = sh.pending_bytes >= SEAL_IDLE_BYTES
                     && sh.pending_bytes - block.class < SEAL_IDLE_BYTES;
                 if sh.fence_due(&self.config)

@@ -264,6 +264,13 @@ impl Pool {
                 return Err("past the pool's budget, and the GPU is not busy");
             }
         }
+        if busy && log::log_enabled!(target: "gpuptr::pool", log::Level::Debug) {
+            log::debug!(
+                target: "gpuptr::pool",
+                "growth ahead of class {class} for a busy GPU: the fence has run {} us",
+                now_ns().saturating_sub(fence) / 1000
+            );
+        }
         // A busy GPU gets the whole target: its queued work holds every
         // free back for as long as it runs, and a growth made early keeps
         // the driver's busy `cuMemAlloc` (90-270 µs on an H200) off the

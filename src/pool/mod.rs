@@ -91,7 +91,7 @@ const SEAL_IDLE_BYTES: usize = 4 << 20;
 /// ... and once they are at least this many bytes in any case: a quarter
 /// of the default budget, so that a pool within it keeps most of its stock
 /// ready while a fence runs.
-const SEAL_BYTES: usize = 8 << 20;
+const SEAL_BYTES: usize = 16 << 20;
 
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -564,7 +564,7 @@ impl Pool {
                     && sh.pending_bytes - block.class < SEAL_IDLE_BYTES;
                 if sh.fence_due(&self.config)
                     || sh.pending_bytes >= SEAL_BYTES
-                    || (crossed && !self.fencer.outstanding())
+                    || (crossed && sh.sealed.is_empty())
                 {
                     sh.seal(&self.fencer, context, false);
                 }

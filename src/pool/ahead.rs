@@ -12,6 +12,7 @@ use std::time::Duration;
 use super::class::class_index;
 use super::fence::now_ns;
 use super::held::Allocation;
+use super::held::Fit;
 use super::helper::{Helper, Shared};
 use super::shard::Shard;
 use super::Pool;
@@ -235,7 +236,7 @@ impl Pool {
     ) -> Result<Allocation, &'static str> {
         let i = class_index(class).ok_or("not a small class")?;
         let mut want = self.ahead_blocks[i] as usize;
-        let short = {
+        {
             let mut sh = self.shard(shard);
             sh.promote(self.fencer.done());
             // Not when a fence made the stock up meanwhile (an idle GPU).
@@ -246,25 +247,20 @@ impl Pool {
             if sh.pending_bytes + sh.sealed_bytes + sh.ready_bytes == 0 {
                 return Err("the shard holds no freed block");
             }
-            want - sh.ready[i].len()
-        };
+            want -= sh.ready[i].len();
+        }
         // A GPU whose fence has not run long (idle, or turning busy just
         // now) gets growth within the pool's budget only: enough to carry
         // a turn to busy past the helper's first growth, and no more than
-        // the pool may hold anyway.
-        let (room, _) = self.room(class);
+        // the pool may hold anyway. The budget is applied as the growth is
+        // claimed, against misses that grow meanwhile.
         let busy = self.fencer.busy_judged();
         let fence = self.fencer.busy_fence();
         if !busy {
             // This fence is judged: its length alone no longer ends a
             // shard's pause in growth ahead.
             self.idle_verdict.store(fence, Ordering::Relaxed);
-            want = short.min(room / class);
-            if want == 0 {
-                return Err("past the pool's budget, and the GPU is not busy");
-            }
-        }
-        if busy && log::log_enabled!(target: "gpuptr::pool", log::Level::Debug) {
+        } else if log::log_enabled!(target: "gpuptr::pool", log::Level::Debug) {
             log::debug!(
                 target: "gpuptr::pool",
                 "growth ahead of class {class} for a busy GPU: the fence has run {} us",
@@ -284,16 +280,32 @@ impl Pool {
         }
         // Leave room: growth ahead must never be why another allocation runs
         // out of memory (which would then wait for the busy GPU's fence).
-        // SAFETY: the owner passes its live context, kept retained across
-        // this call (see `DeviceState::grow_ahead`).
-        let (free, total) =
-            unsafe { self.driver.mem_get_info(context) }.map_err(|_| "cuMemGetInfo failed")?;
+        // One of the pool's own calls: a fence it holds up in the driver
+        // must not read as a busy GPU.
+        let (free, total) = self
+            .fencer
+            .own_call(|| {
+                // SAFETY: the owner passes its live context, kept retained
+                // across this call (see `DeviceState::grow_ahead`).
+                unsafe { self.driver.mem_get_info(context) }
+            })
+            .map_err(|_| "cuMemGetInfo failed")?;
         if free < bytes.saturating_add(total / AHEAD_HEADROOM) {
             return Err("the device would be left with less than a quarter free");
         }
+        let fit = if busy {
+            Fit::Exact
+        } else {
+            Fit::Budget { least: 0 }
+        };
+        match self.claim(class, want, fit) {
+            Ok(0) => return Err("past the pool's budget, and the GPU is not busy"),
+            Ok(blocks) => want = blocks,
+            Err(_) => return Err("the pool limit refused"),
+        }
         *lock(&self.ahead) = Some((shard, class));
-        self.allocate(context, class, want)
-            .map_err(|_| "the driver (or the pool limit) refused")
+        self.allocate_claimed(context, class, want)
+            .map_err(|_| "the driver refused")
     }
 
     /// Put the blocks of `a` in shard `shard`, ready for anyone (fresh

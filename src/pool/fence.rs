@@ -22,8 +22,12 @@ pub(crate) const FENCE_BUSY_SURE: Duration = Duration::from_millis(10);
 
 /// The CPU time the fence thread spends in a fence, watched by
 /// [`Fencer::busy_confirmed`], that makes a busy GPU; and the longest it
-/// watches.
-const FENCE_SPUN: Duration = Duration::from_micros(2);
+/// watches. Well past what an idle GPU's fence costs in all (1-3 µs): a
+/// fence thread preempted in the middle of an idle fence spends a few µs
+/// more to end it once it runs again, which 2 µs took for a busy GPU (the
+/// simulator on two CPUs: a 73 µs fence read as busy, and the growth
+/// helper grew 36 MiB ahead for a 3 MiB working set).
+const FENCE_SPUN: Duration = Duration::from_micros(10);
 const CONFIRM_WINDOW: Duration = Duration::from_micros(50);
 
 /// No thread CPU clock ([`FenceExt::cpu_clock`]).
@@ -257,6 +261,11 @@ impl Fencer {
         };
         if busy {
             ext.busy_verdict.store(t, Ordering::Relaxed);
+            log::debug!(
+                target: "gpuptr::fence",
+                "the fence that started {} us ago reads as a busy GPU",
+                ran / 1000
+            );
         }
         busy
     }
@@ -635,7 +644,7 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         // The logger only queues the record (no GIL, no lock but its own).
         // Fences run back to back (`FENCE_HOT`) are not logged one by one:
         // only those someone asked for or waits for.
-        let logged = started.filter(|_| asked_for || st.s.waiters > 0);
+        let logged = started.filter(|t| asked_for || st.s.waiters > 0 || t.elapsed() >= FENCE_BUSY);
         match (r, logged) {
             (Ok(()), Some(t)) => log::debug!(
                 target: "gpuptr::fence",

@@ -25,6 +25,16 @@ pub(super) const CARVE_MAX: usize = 64;
 /// At most this many blocks per allocation of a reservation.
 pub(super) const RESERVE_MAX: usize = 1024;
 
+/// How a growth's size is fitted when it is claimed ([`Pool::claim`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) enum Fit {
+    /// As asked (a reservation, a busy GPU's growth, a miss's one block).
+    Exact,
+    /// Cut to the room the pool's budget leaves, at least `least` blocks
+    /// (an idle GPU's growth).
+    Budget { least: usize },
+}
+
 /// One pool block as its owner gives it back, the same from the pointer
 /// through a CUDA graph that keeps it to [`Pool::release`]: where it is,
 /// where it goes back, and what it was handed out for.
@@ -144,28 +154,26 @@ impl Pool {
     /// carved from one allocation, so that one driver call serves several
     /// misses.
     ///
-    /// `room` is what the pool may still grow by within its budget
-    /// ([`PoolConfig::headroom_bytes`](super::PoolConfig::headroom_bytes))
-    /// and `waiting` the bytes that wait for a fence ([`Pool::room`]);
+    /// `waiting` is the bytes that wait for a fence ([`Pool::room`]);
     /// `held_back`: some of them wait for an outstanding fence (the carve's
     /// condition); `busy` is the caller's [`Fencer::busy_confirmed`] (asked
     /// whenever `held_back`). On an idle GPU (its fence lags only for a
-    /// moment) a carve stays within the room; on a busy one it is at least
-    /// what waits (capped at [`CARVE_BYTES_MAX`]): frees go on being held
-    /// back at that rate, and one allocation covers the time the growth
-    /// helper needs for its first.
+    /// moment) a carve stays within the room the pool's budget leaves when
+    /// it is claimed ([`Fit::Budget`]); on a busy one it is at least what
+    /// waits (capped at [`CARVE_BYTES_MAX`]): frees go on being held back
+    /// at that rate, and one allocation covers the time the growth helper
+    /// needs for its first.
     ///
     /// [`Fencer::busy_confirmed`]: super::fence::Fencer::busy_confirmed
     pub(super) fn alloc_new(
         &self,
         context: RawContext,
         class: usize,
-        room: usize,
         waiting: usize,
         held_back: bool,
         busy: bool,
     ) -> Result<Allocation> {
-        let carve = if held_back {
+        let (carve, fit) = if held_back {
             let mut g = lock(&self.growth);
             let done = self.fencer.done();
             if g.done != done {
@@ -174,20 +182,63 @@ impl Pool {
             }
             let bytes = (CARVE_BYTES << g.carves).min(CARVE_BYTES_MAX);
             g.carves = (g.carves + 1).min(8);
-            let bytes = if busy {
-                bytes.max(waiting.min(CARVE_BYTES_MAX))
+            if busy {
+                let bytes = bytes.max(waiting.min(CARVE_BYTES_MAX));
+                ((bytes / class).clamp(1, CARVE_MAX), Fit::Exact)
             } else {
-                bytes.min(room)
-            };
-            (bytes / class).clamp(1, CARVE_MAX)
+                // The miss itself grows by one block in any case.
+                (
+                    (bytes / class).clamp(1, CARVE_MAX),
+                    Fit::Budget { least: 1 },
+                )
+            }
         } else {
-            1
+            (1, Fit::Exact)
         };
-        match self.allocate(context, class, carve) {
+        let blocks = self.claim(class, carve, fit)?;
+        if blocks > 1 {
+            log::debug!(
+                target: "gpuptr::pool",
+                "a miss carves {blocks} block(s) of class {class} (busy: {busy}, {waiting} bytes wait for a fence)"
+            );
+        }
+        match self.allocate_claimed(context, class, blocks) {
             // Too big a request for a tight device: one block will do.
-            Err(e) if carve > 1 && e.is_oom() => self.allocate(context, class, 1),
+            Err(e) if blocks > 1 && e.is_oom() => self.allocate(context, class, 1),
             r => r,
         }
+    }
+
+    /// Claim `blocks` blocks of `class` for a driver allocation about to
+    /// be made ([`Pool::allocate_claimed`]): counted as held from now on,
+    /// so that a growth decided meanwhile on another thread (a miss, the
+    /// growth helper) sees them. With [`Fit::Budget`] the claim is cut to
+    /// the room the pool's budget leaves now ([`Pool::room`]), at least
+    /// `least` blocks; the room is read and the claim counted under one
+    /// lock, so two growths never spend the same room. The blocks claimed
+    /// (0 when the room fits none and `least` is 0), or the pool limit's
+    /// out-of-memory error.
+    pub(super) fn claim(&self, class: usize, blocks: usize, fit: Fit) -> Result<usize> {
+        let _claiming = lock(&self.claiming);
+        let blocks = match fit {
+            Fit::Exact => blocks,
+            Fit::Budget { least } => blocks.min(self.room(class).0 / class).max(least),
+        };
+        if blocks == 0 {
+            return Ok(0);
+        }
+        let bytes = blocks * class;
+        let mut held = lock(&self.held);
+        let limit = self.limit.load(Ordering::Relaxed);
+        if held.bytes + held.pending + bytes > limit {
+            return Err(Error::cuda(
+                "gpuptr pool limit",
+                CUDA_ERROR_OUT_OF_MEMORY,
+                "CUDA_ERROR_OUT_OF_MEMORY",
+            ));
+        }
+        held.pending += bytes;
+        Ok(blocks)
     }
 
     /// One driver allocation of `blocks` blocks of `class`, recorded.
@@ -197,19 +248,19 @@ impl Pool {
         class: usize,
         blocks: usize,
     ) -> Result<Allocation> {
+        let blocks = self.claim(class, blocks, Fit::Exact)?;
+        self.allocate_claimed(context, class, blocks)
+    }
+
+    /// The driver allocation for `blocks` blocks of `class` claimed by
+    /// [`Pool::claim`] (the claim ends here, made or failed), recorded.
+    pub(super) fn allocate_claimed(
+        &self,
+        context: RawContext,
+        class: usize,
+        blocks: usize,
+    ) -> Result<Allocation> {
         let bytes = blocks * class;
-        {
-            let mut held = lock(&self.held);
-            let limit = self.limit.load(Ordering::Relaxed);
-            if held.bytes + held.pending + bytes > limit {
-                return Err(Error::cuda(
-                    "gpuptr pool limit",
-                    CUDA_ERROR_OUT_OF_MEMORY,
-                    "CUDA_ERROR_OUT_OF_MEMORY",
-                ));
-            }
-            held.pending += bytes;
-        }
         let started =
             log::log_enabled!(target: "gpuptr::pool", log::Level::Debug).then(Instant::now);
         // Relaxed: a capture under way on some thread neither refuses this

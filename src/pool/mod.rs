@@ -160,6 +160,9 @@ pub(crate) struct Pool {
     fencer: Fencer,
     held: Mutex<Held>,
     growth: Mutex<Growth>,
+    /// Held while a growth is claimed ([`Pool::claim`]): the room the
+    /// budget leaves is read and spent in one step.
+    claiming: Mutex<()>,
     /// The most bytes `held` may hold (`usize::MAX`: no limit).
     limit: AtomicUsize,
     grower: Grower,
@@ -221,6 +224,7 @@ impl Pool {
                 .collect(),
             held: Mutex::new(Held::default()),
             growth: Mutex::new(Growth::default()),
+            claiming: Mutex::new(()),
             limit: AtomicUsize::new(usize::MAX),
             grower: Grower::new(),
             ahead: Mutex::new(None),
@@ -472,7 +476,7 @@ impl Pool {
             // allocating thread never makes one.
             settle = self.want_settle();
         }
-        let new = match self.alloc_new(context, class, room, waiting, held_back, busy) {
+        let new = match self.alloc_new(context, class, waiting, held_back, busy) {
             Ok(new) => new,
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {

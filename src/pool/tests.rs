@@ -261,3 +261,41 @@ fn the_first_hand_out_after_a_rest_asks_for_a_fence() {
     }
     assert!(pool.flush(ctx));
 }
+
+/// Growth within the budget is claimed in one step with the room it reads:
+/// threads that grow at once (misses, the growth helper) never spend the
+/// same room twice (before, a miss's carve and the helper's growth ahead
+/// each read the whole room: 53 MiB held for a 32 MiB budget).
+#[test]
+fn growths_claimed_at_once_never_spend_the_same_room() {
+    use super::held::Fit;
+    const MIB: usize = 1 << 20;
+    for round in 0..20 {
+        let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30)));
+        let pool = Pool::new(PoolConfig::default(), sim);
+        let budget = PoolConfig::default().headroom_bytes;
+        let start = std::sync::Barrier::new(8);
+        let claimed: usize = std::thread::scope(|s| {
+            let hands: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        (0..4)
+                            .map(|_| pool.claim(MIB, 8, Fit::Budget { least: 0 }).unwrap())
+                            .sum::<usize>()
+                    })
+                })
+                .collect();
+            hands.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(
+            claimed * MIB,
+            budget,
+            "round {round}: 32 claims of 8 MiB spent {claimed} MiB of a {} MiB budget",
+            budget / MIB
+        );
+        assert_eq!(lock(&pool.held).pending, budget);
+        // A claim that must grow (a miss's one block) still gets it.
+        assert_eq!(pool.claim(MIB, 8, Fit::Budget { least: 1 }).unwrap(), 1);
+    }
+}

@@ -182,16 +182,13 @@ impl Pool {
             }
             let bytes = (CARVE_BYTES << g.carves).min(CARVE_BYTES_MAX);
             g.carves = (g.carves + 1).min(8);
-            if busy {
-                let bytes = bytes.max(waiting.min(CARVE_BYTES_MAX));
-                ((bytes / class).clamp(1, CARVE_MAX), Fit::Exact)
+            let (bytes, fit) = if busy {
+                (bytes.max(waiting.min(CARVE_BYTES_MAX)), Fit::Exact)
             } else {
                 // The miss itself grows by one block in any case.
-                (
-                    (bytes / class).clamp(1, CARVE_MAX),
-                    Fit::Budget { least: 1 },
-                )
-            }
+                (bytes, Fit::Budget { least: 1 })
+            };
+            ((bytes / class).clamp(1, CARVE_MAX), fit)
         } else {
             (1, Fit::Exact)
         };

@@ -633,19 +633,13 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         sh.ext.started_ns.store(0, Ordering::Relaxed);
         st = lock(&sh.state);
         st.s.syncing = false;
-        match &r {
-            Ok(()) => {
-                sh.ext.done.fetch_max(target, Ordering::AcqRel);
-            }
-            // The batches stay sealed (never handed out unfenced); a later
-            // request retries and covers them.
-            Err(_) => st.s.failed = st.s.failed.max(target),
-        }
-        // The logger only queues the record (no GIL, no lock but its own).
+        // The logger only queues the record (no GIL, no lock but its own),
+        // and before the fence reads as done: a caller that waited for it
+        // (`flush_pool`) then delivers its record before it returns.
         // Fences run back to back (`FENCE_HOT`) are not logged one by one:
-        // only those someone asked for or waits for.
+        // only those someone asked for or waits for, and long ones.
         let logged = started.filter(|t| asked_for || st.s.waiters > 0 || t.elapsed() >= FENCE_BUSY);
-        match (r, logged) {
+        match (&r, logged) {
             (Ok(()), Some(t)) => log::debug!(
                 target: "gpuptr::fence",
                 "fence {target} done in {} us",
@@ -656,6 +650,14 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
                 "fence {target} failed ({e}); its blocks wait for the next one"
             ),
             _ => {}
+        }
+        match r {
+            Ok(()) => {
+                sh.ext.done.fetch_max(target, Ordering::AcqRel);
+            }
+            // The batches stay sealed (never handed out unfenced); a later
+            // request retries and covers them.
+            Err(_) => st.s.failed = st.s.failed.max(target),
         }
         if st.s.waiters > 0 {
             sh.done.notify_all();

@@ -303,6 +303,9 @@ impl Pool {
             Ok(blocks) => want = blocks,
             Err(_) => return Err("the pool limit refused"),
         }
+        if busy {
+            self.grew_past_budget();
+        }
         *lock(&self.ahead) = Some((shard, class));
         self.allocate_claimed(context, class, want)
             .map_err(|_| "the driver refused")

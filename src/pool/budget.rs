@@ -5,7 +5,11 @@
 //! on the helper thread: fence what waits, then give whole idle
 //! allocations back to the driver until the pool is within its budget
 //! again. A busy GPU (a fence running [`FENCE_BUSY`] or more) is exempt:
-//! its queued work holds freed blocks back, so the pool grows.
+//! its queued work holds freed blocks back, so the pool grows. Any growth
+//! past the budget also marks the fence after it ([`Pool::grew_past_budget`]):
+//! the first hand-out once that fence is done asks for a settle
+//! ([`Pool::settle_due`]), so what a busy spell grew goes back once the GPU
+//! is idle, though no miss follows.
 //!
 //! [`PoolConfig::headroom_bytes`]: super::PoolConfig::headroom_bytes
 //! [`FENCE_BUSY`]: super::fence::FENCE_BUSY
@@ -27,6 +31,10 @@ pub(crate) const FENCE_WAIT: Duration = Duration::from_micros(20);
 /// How long a settle waits for the fence of what waits, before it gives
 /// back what is ready by then.
 const SETTLE_WAIT: Duration = Duration::from_millis(1);
+
+/// Settles in a row that may give nothing back while the pool stays past
+/// its budget, each after the next fence, before no more is asked.
+const FRUITLESS: u32 = 4;
 
 impl Pool {
     /// What the pool may still grow by within its budget with `extra`
@@ -122,7 +130,54 @@ impl Pool {
     /// idle allocations back until the pool is within its budget, those of
     /// `class` last.
     pub(crate) fn settle(&self, context: RawContext, class: usize) {
-        self.give_back(context, self.over_budget(), class);
+        let freed = self.give_back(context, self.over_budget(), class);
+        // Still past the budget: settle again after the next fence, while
+        // settles give something back (blocks in use or waiting for a
+        // fence kept the rest: they may be ready then), for a few that give
+        // nothing (a block in use keeps its whole allocation), and whenever
+        // the GPU turned busy again (nothing goes back while it is).
+        if freed > 0 {
+            self.fruitless.store(0, Ordering::Relaxed);
+        }
+        let busy = self.fencer.busy_confirmed();
+        if self.over_budget() > 0
+            && (freed > 0 || busy || self.fruitless.fetch_add(1, Ordering::Relaxed) < FRUITLESS)
+        {
+            self.grew_past_budget();
+        }
+    }
+
+    /// The pool just grew past its budget (a busy GPU's growth, or an idle
+    /// one's miss whose fence lagged): once a fence that starts after now
+    /// is done, and with it the work that held frees back, the pool
+    /// settles.
+    pub(super) fn grew_past_budget(&self) {
+        self.grew_past
+            .0
+            .fetch_max(self.fencer.started() + 1, Ordering::AcqRel);
+    }
+
+    /// On a hand-out: whether to ask the owner for a settle now, because the
+    /// pool grew past its budget while frees were held back, and that work
+    /// has since ended. A busy spell grows the pool far past its budget, and
+    /// an idle GPU after it would keep all of that for as long as no miss
+    /// asks for a settle, which a stock that big never needs. One load of a
+    /// line written only by such growths while there is nothing to settle.
+    #[inline]
+    pub(super) fn settle_due(&self) -> bool {
+        let grew = self.grew_past.0.load(Ordering::Relaxed);
+        if grew == 0 || self.fencer.done() < grew || self.fencer.busy_fence() != 0 {
+            // A settle waits for a fence on the growth helper: not while
+            // the GPU looks busy, when the helper grows ahead.
+            return false;
+        }
+        // Claimed here, or a settle is under way; either way this growth is
+        // the settle's to give back (a growth since keeps its mark).
+        let _ = self
+            .grew_past
+            .0
+            .compare_exchange(grew, 0, Ordering::AcqRel, Ordering::Relaxed);
+        self.want_settle()
     }
 
     /// The settle is over (done, or given up): a later miss may ask again.

@@ -205,6 +205,12 @@ impl Fencer {
         self.ext().requested.load(Ordering::SeqCst)
     }
 
+    /// The number of the fence started last (0: none yet).
+    #[inline]
+    pub(crate) fn started(&self) -> u64 {
+        self.ext().started.load(Ordering::SeqCst)
+    }
+
     /// Whether a requested fence has not finished yet: freed memory is held
     /// back now (the GPU is busy, or the fence is on its way).
     #[inline]

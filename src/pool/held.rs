@@ -365,9 +365,24 @@ impl Pool {
                 }
             }
         }
+        // Largest first, those that fit in what is wanted; then, if that
+        // fell short, the smallest that make it up: a pool of a busy
+        // spell's 64 MiB carves given back largest first alone could end
+        // far under its budget, and its next hand-outs would miss.
         candidates.sort_by_key(|a| (a.class == keep_class, std::cmp::Reverse(a.bytes())));
-        let mut freed = 0;
+        let (mut fits, mut over) = (Vec::new(), Vec::new());
+        let mut planned = 0;
         for a in candidates {
+            if planned + a.bytes() <= want {
+                planned += a.bytes();
+                fits.push(a);
+            } else {
+                over.push(a);
+            }
+        }
+        over.sort_by_key(|a| (a.class == keep_class, a.bytes()));
+        let mut freed = 0;
+        for a in fits.into_iter().chain(over) {
             if freed >= want {
                 break;
             }

@@ -194,9 +194,24 @@ pub(crate) struct Pool {
     /// The fence (by its start, `Fencer::busy_fence`) the growth helper last
     /// found running long but not busy.
     idle_verdict: AtomicU64,
+    /// The pool grew past its budget (a busy GPU, or an idle one's lagging
+    /// fence): the number of a fence that ends after the work that held
+    /// frees back then (0: nothing to settle). Once it is done, the next
+    /// hand-out asks for a settle, so that the growth goes back once the
+    /// GPU is idle, even where no miss follows to ask for it (see
+    /// [`Pool::settle_due`]).
+    /// On a cache line of its own: every hand-out reads it.
+    grew_past: Alone<AtomicU64>,
+    /// Settles in a row that gave nothing back (see `budget.rs`).
+    fruitless: std::sync::atomic::AtomicU32,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
+
+/// A value on cache lines of its own, so that writes to its neighbours do
+/// not take the line from the threads that read it.
+#[repr(align(128))]
+pub(super) struct Alone<T>(pub(super) T);
 
 /// What [`Pool::on_give_back`] calls.
 pub(crate) type ForgetHook = Box<dyn Fn(&Allocation) + Send + Sync>;
@@ -247,6 +262,8 @@ impl Pool {
             forget_hook: None,
             settling: AtomicBool::new(false),
             idle_verdict: AtomicU64::new(0),
+            grew_past: Alone(AtomicU64::new(0)),
+            fruitless: std::sync::atomic::AtomicU32::new(0),
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -432,7 +449,11 @@ impl Pool {
                     self.back_from_rest(&mut sh, context);
                 }
                 let ahead = self.ahead_wanted(&mut sh, index);
-                return Ok(block(p, None, ahead));
+                drop(sh);
+                return Ok(Grant {
+                    settle: self.settle_due(),
+                    ..block(p, None, ahead)
+                });
             }
             // A miss: start a fence for what this shard holds back, so that
             // it is ready for a later request. Nothing waits for it now.
@@ -480,7 +501,12 @@ impl Pool {
             settle = self.want_settle();
         }
         let new = match self.alloc_new(context, class, waiting, held_back, busy) {
-            Ok(new) => new,
+            Ok(new) => {
+                if busy || room < class {
+                    self.grew_past_budget();
+                }
+                new
+            }
             Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
                 Some(p) => {
                     Self::handed_out(&mut self.shard(own), size, class, true, client);

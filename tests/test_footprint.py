@@ -17,20 +17,19 @@ pytestmark = pytest.mark.sim
 
 DEVICE = 1 << 30
 
-PRELUDE = r"""
-import json, os, random, sys
-os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-import gpuptr
-MiB = 1 << 20
-"""
+PIN = "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+PRELUDE = "import json, os, random, sys\n" + PIN + "import gpuptr\nMiB = 1 << 20\n"
 
 
-def _child(body: str, **settings: str) -> dict:
+def _child(body: str, pinned: bool = True, **settings: str) -> dict:
+    """Run ``body`` after PRELUDE in a child on the simulator (on one CPU
+    unless not ``pinned``); its last line of output, as JSON."""
     env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(DEVICE))
     for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD", "GPUPTR_POOL_HEADROOM"):
         env.pop(k, None)
     env.update(settings)
-    r = subprocess.run([sys.executable, "-c", PRELUDE + body], env=env, capture_output=True, text=True, timeout=300)
+    prelude = PRELUDE if pinned else PRELUDE.replace(PIN, "")
+    r = subprocess.run([sys.executable, "-c", prelude + body], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out: dict = json.loads(r.stdout.strip().splitlines()[-1])
     return out
@@ -51,6 +50,26 @@ def test_three_one_mib_blocks_churned_2000_times_on_one_cpu_hold_at_most_64_mib(
     assert out["live"] == 0
     # Before: 787-1024 MiB, most or all of the 1 GiB device.
     assert out["peak"] <= 64 << 20, f"the pool held up to {out['peak'] >> 20} MiB for a 3 MiB working set"
+
+
+def test_three_one_mib_blocks_churned_beside_a_busy_cpu_stay_within_the_budget_and_a_few_blocks():
+    """The same loop on every CPU, with another process spinning beside
+    it: the pool's fence thread then waits for a CPU now and then, and a
+    miss past the budget whose fence had not even started grew the pool by
+    a block after 20 µs, each time (on two CPUs, 4 runs in 30 over 40 MiB,
+    one at 243 MiB). It now waits for such a fence to start (at most 1 ms);
+    a fence that started and runs long still means a busy GPU."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        peaks = []
+        for _ in range(8):
+            out = _child(LOOP, pinned=False)
+            assert out["live"] == 0
+            peaks.append(out["peak"] >> 20)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert max(peaks) <= 48, f"peaks {peaks} MiB for a 3 MiB working set and a 32 MiB budget"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")

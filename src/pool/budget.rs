@@ -5,8 +5,8 @@
 //! on the helper thread: fence what waits, then give whole idle
 //! allocations back to the driver until the pool is within its budget
 //! again. A busy GPU (a fence running [`FENCE_BUSY`] or more) is exempt:
-//! its queued work holds freed blocks back, so the pool grows. Any growth
-//! past the budget also marks the fence after it ([`Pool::grew_past_budget`]):
+//! its queued work holds freed blocks back, so the pool grows. Such a
+//! growth also marks the fence after it ([`Pool::grew_past_budget`]):
 //! the first hand-out once that fence is done asks for a settle
 //! ([`Pool::settle_due`]), so what a busy spell grew goes back once the GPU
 //! is idle, though no miss follows.
@@ -27,6 +27,13 @@ use crate::sync::lock;
 /// With a busy `cuMemAlloc` after it (40-60 µs on an H200), a miss that
 /// meets a GPU turning busy stays under 100 µs.
 pub(crate) const FENCE_WAIT: Duration = Duration::from_micros(20);
+
+/// How much longer such a miss waits while its fence has not even started
+/// (its thread waits for a CPU: a loaded host, not a busy GPU). On the
+/// simulator with two CPUs and a third thread spinning beside them, misses
+/// that grew after 20 µs held three 1 MiB blocks churned 2000 times in up to
+/// 654 MiB.
+pub(crate) const FENCE_START_WAIT: Duration = Duration::from_millis(1);
 
 /// How long a settle waits for the fence of what waits, before it gives
 /// back what is ready by then.
@@ -96,7 +103,10 @@ impl Pool {
             }
         }
         let (i, p, seq) = claimed?;
-        if self.fencer.wait_for(seq, FENCE_WAIT) {
+        if self
+            .fencer
+            .wait_for_started(seq, FENCE_WAIT, FENCE_START_WAIT)
+        {
             return Some(p);
         }
         self.wait_again(context, i, p, class);
@@ -130,26 +140,31 @@ impl Pool {
     /// idle allocations back until the pool is within its budget, those of
     /// `class` last.
     pub(crate) fn settle(&self, context: RawContext, class: usize) {
+        let after_busy = self.after_busy.swap(false, Ordering::AcqRel);
         let freed = self.give_back(context, self.over_budget(), class);
-        // Still past the budget: settle again after the next fence, while
-        // settles give something back (blocks in use or waiting for a
-        // fence kept the rest: they may be ready then), for a few that give
-        // nothing (a block in use keeps its whole allocation), and whenever
-        // the GPU turned busy again (nothing goes back while it is).
+        // Still past the budget: settle again after the next fence if the
+        // GPU turned busy again (nothing goes back while it is), and, after
+        // a busy spell, while settles give something back (blocks in use or
+        // waiting for a fence kept the rest: they may be ready then) or for
+        // a few that give nothing (a block in use keeps its allocation). An
+        // idle GPU's settles ask for no more: each miss past the budget asks
+        // for its own, and more of them, each waiting for a fence on the
+        // helper, took the CPU its fence thread needed (on the simulator
+        // with two CPUs, trace (a) then held up to 351 MiB).
         if freed > 0 {
             self.fruitless.store(0, Ordering::Relaxed);
         }
-        let busy = self.fencer.busy_confirmed();
         if self.over_budget() > 0
-            && (freed > 0 || busy || self.fruitless.fetch_add(1, Ordering::Relaxed) < FRUITLESS)
+            && (self.fencer.busy_confirmed()
+                || after_busy
+                    && (freed > 0 || self.fruitless.fetch_add(1, Ordering::Relaxed) < FRUITLESS))
         {
             self.grew_past_budget();
         }
     }
 
-    /// The pool just grew past its budget (a busy GPU's growth, or an idle
-    /// one's miss whose fence lagged): once a fence that starts after now
-    /// is done, and with it the work that held frees back, the pool
+    /// The pool just grew for a busy GPU: once a fence that starts after
+    /// now is done, and with it the work that held frees back, the pool
     /// settles.
     pub(super) fn grew_past_budget(&self) {
         self.grew_past
@@ -158,8 +173,7 @@ impl Pool {
     }
 
     /// On a hand-out: whether to ask the owner for a settle now, because the
-    /// pool grew past its budget while frees were held back, and that work
-    /// has since ended. A busy spell grows the pool far past its budget, and
+    /// pool grew for a busy GPU, and that work has since ended. A busy spell grows the pool far past its budget, and
     /// an idle GPU after it would keep all of that for as long as no miss
     /// asks for a settle, which a stock that big never needs. One load of a
     /// line written only by such growths while there is nothing to settle.
@@ -177,7 +191,11 @@ impl Pool {
             .grew_past
             .0
             .compare_exchange(grew, 0, Ordering::AcqRel, Ordering::Relaxed);
-        self.want_settle()
+        let asked = self.want_settle();
+        if asked {
+            self.after_busy.store(true, Ordering::Release);
+        }
+        asked
     }
 
     /// The settle is over (done, or given up): a later miss may ask again.

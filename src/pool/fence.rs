@@ -30,6 +30,27 @@ pub(crate) const FENCE_BUSY_SURE: Duration = Duration::from_millis(10);
 const FENCE_SPUN: Duration = Duration::from_micros(10);
 const CONFIRM_WINDOW: Duration = Duration::from_micros(50);
 
+/// How long a wait for the fence thread yields the CPU each turn before it
+/// sleeps instead ([`wait_turn`]).
+const YIELD_FIRST: Duration = Duration::from_micros(50);
+
+/// One turn of a wait for the fence thread that began at `since`: yield the
+/// CPU for the first [`YIELD_FIRST`] (an idle GPU's fence ends within it,
+/// and a busy one is confirmed), then sleep 50 µs a turn. On a host with
+/// fewer free CPUs than runnable threads a yield hands the CPU back to the
+/// thread that yields whenever nothing else waits on that CPU, while the
+/// fence thread waits on another behind the thread that allocates; a sleep
+/// lets it run here. With yields alone, on the simulator with two CPUs, the
+/// growth helper's waits kept fences from starting for milliseconds, and
+/// three 1 MiB blocks churned 2000 times held up to 563 MiB.
+fn wait_turn(since: Instant) {
+    if since.elapsed() < YIELD_FIRST {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
 /// No thread CPU clock ([`FenceExt::cpu_clock`]).
 const NO_CLOCK: i64 = i64::MIN;
 
@@ -348,16 +369,42 @@ impl Fencer {
         // CPU, the fence thread runs. A sleep on a condition variable would
         // cost more than the fence (the wake-up, and Linux's timer slack of
         // 50 us on a timed wait).
-        let deadline = Instant::now() + limit;
+        let since = Instant::now();
         loop {
             if self.done() >= n {
                 return true;
             }
-            if Instant::now() >= deadline {
+            if since.elapsed() >= limit {
                 return false;
             }
-            std::thread::yield_now();
+            wait_turn(since);
         }
+    }
+
+    /// [`Fencer::wait_for`] with `limit`, and if fence `n` had not even
+    /// started by then, on for at most `unstarted` more while it has not:
+    /// the fence thread waits for a CPU (a host with fewer free CPUs than
+    /// runnable threads), which says nothing of the GPU. A fence that
+    /// starts meanwhile gets `limit` more. Whether fence `n` is done.
+    pub(crate) fn wait_for_started(&self, n: u64, limit: Duration, unstarted: Duration) -> bool {
+        if self.wait_for(n, limit) {
+            return true;
+        }
+        let since = Instant::now();
+        while self.ext().started.load(Ordering::SeqCst) < n {
+            if since.elapsed() >= unstarted || !self.may_start(n) {
+                return false;
+            }
+            wait_turn(since);
+        }
+        self.wait_for(n, limit)
+    }
+
+    /// Whether fence `n`, not started yet, may start: the fence thread
+    /// exists and no capture or failure holds it back.
+    fn may_start(&self, n: u64) -> bool {
+        let st = lock(&self.helper.shared.state);
+        st.spawned && !st.shutdown && st.s.captures == 0 && st.s.failed < n
     }
 
     /// On a helper thread: whether the GPU is busy, judged once the fence
@@ -376,7 +423,7 @@ impl Fencer {
             if self.busy_confirmed() {
                 return true;
             }
-            std::thread::yield_now();
+            wait_turn(since);
         }
         self.busy_confirmed()
     }

@@ -194,16 +194,18 @@ pub(crate) struct Pool {
     /// The fence (by its start, `Fencer::busy_fence`) the growth helper last
     /// found running long but not busy.
     idle_verdict: AtomicU64,
-    /// The pool grew past its budget (a busy GPU, or an idle one's lagging
-    /// fence): the number of a fence that ends after the work that held
-    /// frees back then (0: nothing to settle). Once it is done, the next
-    /// hand-out asks for a settle, so that the growth goes back once the
-    /// GPU is idle, even where no miss follows to ask for it (see
-    /// [`Pool::settle_due`]).
+    /// The pool grew for a busy GPU (past its budget): the number of a
+    /// fence that ends after the work that held frees back then (0: nothing
+    /// to settle). Once it is done, the next hand-out asks for a settle, so
+    /// that the growth goes back once the GPU is idle, even where no miss
+    /// follows to ask for it (see [`Pool::settle_due`]).
     /// On a cache line of its own: every hand-out reads it.
     grew_past: Alone<AtomicU64>,
     /// Settles in a row that gave nothing back (see `budget.rs`).
     fruitless: std::sync::atomic::AtomicU32,
+    /// The settle asked for or under way is one after a busy spell
+    /// ([`Pool::settle_due`]): it asks for the next while it gives back.
+    after_busy: AtomicBool,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
@@ -264,6 +266,7 @@ impl Pool {
             idle_verdict: AtomicU64::new(0),
             grew_past: Alone(AtomicU64::new(0)),
             fruitless: std::sync::atomic::AtomicU32::new(0),
+            after_busy: AtomicBool::new(false),
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -502,7 +505,7 @@ impl Pool {
         }
         let new = match self.alloc_new(context, class, waiting, held_back, busy) {
             Ok(new) => {
-                if busy || room < class {
+                if busy {
                     self.grew_past_budget();
                 }
                 new

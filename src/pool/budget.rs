@@ -168,7 +168,6 @@ impl Pool {
     /// settles.
     pub(super) fn grew_past_budget(&self) {
         self.grew_past
-            .0
             .fetch_max(self.fencer.started() + 1, Ordering::AcqRel);
     }
 
@@ -179,7 +178,7 @@ impl Pool {
     /// line written only by such growths while there is nothing to settle.
     #[inline]
     pub(super) fn settle_due(&self) -> bool {
-        let grew = self.grew_past.0.load(Ordering::Relaxed);
+        let grew = self.grew_past.load(Ordering::Relaxed);
         if grew == 0 || self.fencer.done() < grew || self.fencer.busy_fence() != 0 {
             // A settle waits for a fence on the growth helper: not while
             // the GPU looks busy, when the helper grows ahead.
@@ -189,7 +188,6 @@ impl Pool {
         // the settle's to give back (a growth since keeps its mark).
         let _ = self
             .grew_past
-            .0
             .compare_exchange(grew, 0, Ordering::AcqRel, Ordering::Relaxed);
         let asked = self.want_settle();
         if asked {

@@ -113,7 +113,7 @@ pub(crate) struct Fencer {
 /// A value on cache lines of its own (two: adjacent-line prefetch), so
 /// that writes to its neighbours do not evict it from readers' caches.
 #[repr(align(128))]
-pub(crate) struct Line<T>(T);
+pub(crate) struct Line<T>(pub(crate) T);
 
 impl<T> std::ops::Deref for Line<T> {
     type Target = T;
@@ -355,10 +355,8 @@ impl Fencer {
         // time a miss waits for it, and the lock it would take is the one
         // the fence thread takes as each fence ends. A fence that fails
         // never becomes done: the wait runs out, as below.
-        if self.ext().started.load(Ordering::SeqCst) < n {
-            let st = lock(&sh.state);
-            let held_back = st.s.captures > 0 && self.ext().started.load(Ordering::SeqCst) < n;
-            if !st.spawned || st.shutdown || held_back || st.s.failed >= n {
+        if self.started() < n {
+            if !self.may_start(n) {
                 return false;
             }
             // Cut the helper's rest (or its poll) short.
@@ -391,7 +389,7 @@ impl Fencer {
             return true;
         }
         let since = Instant::now();
-        while self.ext().started.load(Ordering::SeqCst) < n {
+        while self.started() < n {
             if since.elapsed() >= unstarted || !self.may_start(n) {
                 return false;
             }
@@ -400,11 +398,13 @@ impl Fencer {
         self.wait_for(n, limit)
     }
 
-    /// Whether fence `n`, not started yet, may start: the fence thread
-    /// exists and no capture or failure holds it back.
+    /// Whether fence `n` may still start, or has: the fence thread exists,
+    /// and no failure, nor a capture while it has not started, holds it
+    /// back.
     fn may_start(&self, n: u64) -> bool {
         let st = lock(&self.helper.shared.state);
-        st.spawned && !st.shutdown && st.s.captures == 0 && st.s.failed < n
+        let held_back = st.s.captures > 0 && self.started() < n;
+        st.spawned && !st.shutdown && !held_back && st.s.failed < n
     }
 
     /// On a helper thread: whether the GPU is busy, judged once the fence

@@ -78,7 +78,7 @@ use crate::sync::lock;
 use ahead::{Grower, AHEAD_WAIT};
 pub use class::size_class;
 use class::{class_index, class_of_index, FastMap, SMALL_CLASSES};
-use fence::Fencer;
+use fence::{Fencer, Line};
 pub(crate) use held::{Allocation, Block, Grant};
 use held::{Growth, Held, CARVE_MAX};
 pub(crate) use host::HostBlock;
@@ -200,7 +200,7 @@ pub(crate) struct Pool {
     /// that the growth goes back once the GPU is idle, even where no miss
     /// follows to ask for it (see [`Pool::settle_due`]).
     /// On a cache line of its own: every hand-out reads it.
-    grew_past: Alone<AtomicU64>,
+    grew_past: Line<AtomicU64>,
     /// Settles in a row that gave nothing back (see `budget.rs`).
     fruitless: std::sync::atomic::AtomicU32,
     /// The settle asked for or under way is one after a busy spell
@@ -209,11 +209,6 @@ pub(crate) struct Pool {
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
-
-/// A value on cache lines of its own, so that writes to its neighbours do
-/// not take the line from the threads that read it.
-#[repr(align(128))]
-pub(super) struct Alone<T>(pub(super) T);
 
 /// What [`Pool::on_give_back`] calls.
 pub(crate) type ForgetHook = Box<dyn Fn(&Allocation) + Send + Sync>;
@@ -264,7 +259,7 @@ impl Pool {
             forget_hook: None,
             settling: AtomicBool::new(false),
             idle_verdict: AtomicU64::new(0),
-            grew_past: Alone(AtomicU64::new(0)),
+            grew_past: Line(AtomicU64::new(0)),
             fruitless: std::sync::atomic::AtomicU32::new(0),
             after_busy: AtomicBool::new(false),
             host: HostCache::new(config.host_cache_bytes),

@@ -21,14 +21,10 @@ import sys
 CHILD = r"""
 import gc, json, logging, time
 import numpy as np
-records = []
-class Keep(logging.Handler):
-    def emit(self, r):
-        records.append((r.created, r.getMessage()))
-log = logging.getLogger("gpuptr")
-log.addHandler(Keep()); log.setLevel(logging.DEBUG); log.propagate = False
 from numba import cuda
 import gpuptr
+from gpuptr.bench.records import keep
+records = keep(logging.DEBUG)
 from gpuptr.bench.spin import Spinner
 
 spinner = Spinner()
@@ -47,7 +43,7 @@ gc.enable()
 busy = spinner.busy
 spinner.synchronize()
 print(json.dumps({"pairs": pairs, "busy": busy, "pool_bytes": gpuptr.stats()[0]["pool_bytes"],
-                  "records": [(c - t0, m) for c, m in records if c >= t0 - 0.001]}))
+                  "records": [(c - t0, m) for c, _, m in records if c >= t0 - 0.001]}))
 """
 
 

@@ -18,16 +18,10 @@ import sys
 CHILD = r"""
 import json, logging, sys, time
 import numpy as np
-records = []
-class Keep(logging.Handler):
-    def emit(self, r):
-        records.append((r.created, r.getMessage()))
-log = logging.getLogger("gpuptr")
-log.addHandler(Keep())
-log.setLevel(logging.DEBUG)
-log.propagate = False
 from numba import cuda
 import gpuptr
+from gpuptr.bench.records import keep
+records = keep(logging.DEBUG)
 from gpuptr.bench.spin import Spinner
 
 busy = Spinner()  # the bench's busy rows' start: and 20 idle device_array pairs
@@ -51,7 +45,7 @@ times = sorted(p[1] for p in pairs)
 print(json.dumps({
     "p99_us": times[int(0.99 * 300)] * 1e6, "median_us": times[150] * 1e6,
     "slow": [(i, round((pairs[i][0] - t0) * 1e6), round(pairs[i][1] * 1e6, 1)) for i in slow],
-    "records": [(round((c - t0) * 1e6), m[:150]) for c, m in records if c >= t0 - 0.01],
+    "records": [(round((c - t0) * 1e6), m[:150]) for c, _, m in records if c >= t0 - 0.01],
     "misses": st["pool_misses"], "hits": st["pool_hits"], "pool_bytes": st["pool_bytes"],
 }))
 """

@@ -23,14 +23,9 @@ import sys
 
 CHILD = r"""
 import collections, logging, re, sys
-records = []
-class Keep(logging.Handler):
-    def emit(self, r):
-        records.append((r.levelname, r.getMessage()))
-log = logging.getLogger("gpuptr")
-log.addHandler(Keep()); log.propagate = False
-log.setLevel(logging.DEBUG if sys.argv[2] == "debug" else logging.WARNING)
 import gpuptr
+from gpuptr.bench.records import keep
+records = keep(logging.DEBUG if sys.argv[2] == "debug" else logging.WARNING)
 M = 2 ** 20
 case = sys.argv[1]
 if case in ("a", "b"):
@@ -65,7 +60,7 @@ else:
     free2, _ = gpuptr.context(0).get_memory_info()
     print(f"soak: the device lost {(free0 - free1) / M:.1f} MiB, the pool holds {s['pool_bytes'] / M:.1f} MiB"
           f" (peak {s['peak_pool_bytes'] / M:.1f}); after trim() the device lost {(free0 - free2) / M:.1f} MiB")
-kinds = collections.Counter((lv, re.sub(r"[0-9]+", "N", m)[:100]) for lv, m in records)
+kinds = collections.Counter((lv, re.sub(r"[0-9]+", "N", m)[:100]) for _, lv, m in records)
 for (lv, k), v in kinds.most_common(12):
     print(f"    {v:6d} {lv} {k}")
 """

@@ -132,3 +132,29 @@ def test_a_handler_that_calls_gpuptr_does_not_deadlock(caplog):
     finally:
         logging.getLogger("gpuptr").removeHandler(h)
     assert calls
+
+
+def test_bench_records_keep_the_pools_records_at_their_level():
+    # gpuptr.bench.records.keep, which benches/busy_*.py and footprint_why.py
+    # read: a process of its own (it takes the logger over).
+    import subprocess
+
+    code = r"""
+import logging, gpuptr
+from gpuptr.bench.records import keep
+debug = keep(logging.DEBUG)
+gpuptr.alloc(3 << 20).free()
+gpuptr.flush_pool(); gpuptr.trim()
+from gpuptr import _core
+_core._flush_log()
+assert any(lv == "DEBUG" and "the pool grew by" in m for _, lv, m in debug), debug
+assert all(isinstance(t, float) and t > 1e9 for t, _, _ in debug)
+n = len(debug)
+logging.getLogger("gpuptr").setLevel(logging.WARNING)
+gpuptr.alloc(5 << 20).free(); gpuptr.trim(); _core._flush_log()
+assert len(debug) == n, debug[n:]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert "the pool grew" not in out.stderr, "records stay off the root logger's handlers"

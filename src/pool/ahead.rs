@@ -303,12 +303,15 @@ impl Pool {
             Ok(blocks) => want = blocks,
             Err(_) => return Err("the pool limit refused"),
         }
+        *lock(&self.ahead) = Some((shard, class));
+        let grown = self
+            .allocate_claimed(context, class, want)
+            .map_err(|_| "the driver refused")?;
         if busy {
+            // Only a growth that happened has anything to give back.
             self.grew_past_budget();
         }
-        *lock(&self.ahead) = Some((shard, class));
-        self.allocate_claimed(context, class, want)
-            .map_err(|_| "the driver refused")
+        Ok(grown)
     }
 
     /// Put the blocks of `a` in shard `shard`, ready for anyone (fresh

@@ -154,11 +154,17 @@ impl Pool {
         if freed > 0 {
             self.fruitless.store(0, Ordering::Relaxed);
         }
-        if self.over_budget() > 0
-            && (self.fencer.busy_confirmed()
-                || after_busy
-                    && (freed > 0 || self.fruitless.fetch_add(1, Ordering::Relaxed) < FRUITLESS))
-        {
+        if self.over_budget() == 0 {
+            return;
+        }
+        // Cheapest first: `busy_confirmed` may watch the fence thread for a
+        // while. A settle during a busy spell is not counted fruitless.
+        let may_again =
+            after_busy && (freed > 0 || self.fruitless.load(Ordering::Relaxed) < FRUITLESS);
+        if (may_again && freed > 0) || self.fencer.busy_confirmed() {
+            self.grew_past_budget();
+        } else if may_again {
+            self.fruitless.fetch_add(1, Ordering::Relaxed);
             self.grew_past_budget();
         }
     }

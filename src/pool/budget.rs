@@ -1,7 +1,9 @@
 //! The pool's budget on an idle GPU: it holds at most `max(live + live /
 //! 2, headroom)` bytes ([`PoolConfig::headroom_bytes`]). Past it a miss
-//! waits briefly for the fence of a freed block of its class and reuses it;
-//! if none can be had, it grows, and asks its owner to *settle* the pool
+//! waits briefly for the fence of a freed block of its class and reuses it,
+//! or else takes a ready block of a class at most 1.5x its own
+//! ([`Pool::take_larger`]); if none can be had, it grows, and asks its
+//! owner to *settle* the pool
 //! on the helper thread: fence what waits, then give whole idle
 //! allocations back to the driver until the pool is within its budget
 //! again. A busy GPU (a fence running [`FENCE_BUSY`] or more) is exempt:
@@ -34,6 +36,12 @@ pub(crate) const FENCE_WAIT: Duration = Duration::from_micros(20);
 /// that grew after 20 µs held three 1 MiB blocks churned 2000 times in up to
 /// 654 MiB.
 pub(crate) const FENCE_START_WAIT: Duration = Duration::from_millis(1);
+
+/// The most a miss past the budget takes of a larger class's ready block
+/// ([`Pool::take_larger`]): the request's class and this fraction (1/n)
+/// of it more. A request is at most 25% under its class already, so a
+/// block used this way is at least 60% in use.
+const LARGER_FIT_DIV: usize = 2;
 
 /// How long a settle waits for the fence of what waits, before it gives
 /// back what is ready by then.
@@ -111,6 +119,24 @@ impl Pool {
         }
         self.wait_again(context, i, p, class);
         None
+    }
+
+    /// A miss past the budget on an idle GPU that found no block of its
+    /// class: a ready block of a larger class, at most 1.5x its class of
+    /// it, from any shard (its own first), with that class. A block that
+    /// fits loosely costs nothing now, where a growth past the budget costs
+    /// a `cuMemAlloc`, and the settle after it a `cuMemFree`: on a mixed
+    /// trace, freed blocks of the classes just above a request are what the
+    /// pool holds most of.
+    pub(super) fn take_larger(&self, own: usize, class: usize) -> Option<(DevicePtr, usize)> {
+        let max = class.saturating_add(class / LARGER_FIT_DIV);
+        let n = self.shards.len();
+        let done = self.fencer.done();
+        (0..n).find_map(|d| {
+            let mut sh = self.shard((own + d) % n);
+            sh.promote(done);
+            sh.take_ready_larger(class, max)
+        })
     }
 
     /// Whether the owner should settle the pool now: no settle is asked

@@ -493,6 +493,14 @@ impl Pool {
                 Self::handed_out(&mut self.shard(own), size, class, true, client);
                 return Ok(block(p, None, false));
             }
+            // Else a ready block a little larger, rather than grow.
+            if let Some((p, larger)) = self.take_larger(own, class) {
+                Self::handed_out(&mut self.shard(own), size, larger, true, client);
+                return Ok(Grant {
+                    class: larger,
+                    ..block(p, None, false)
+                });
+            }
             // Else it grows, and idle cache goes back to the driver behind
             // it, on the helper: a `cuMemFree` waits for the GPU, so the
             // allocating thread never makes one.

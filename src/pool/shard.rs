@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::class::{class_index, class_of_index, FastMap, SMALL_CLASSES};
+use super::class::{class_index, class_of_index, FastMap, LARGE, SMALL_CLASSES};
 use super::fence::Fencer;
 use super::PoolConfig;
 use crate::driver::{DevicePtr, RawContext, RawStream};
@@ -109,6 +109,33 @@ impl Shard {
         };
         self.ready_bytes -= class;
         Some(p)
+    }
+
+    /// A ready block of the smallest class above `class` and at most
+    /// `max` bytes, with its class.
+    pub(super) fn take_ready_larger(
+        &mut self,
+        class: usize,
+        max: usize,
+    ) -> Option<(DevicePtr, usize)> {
+        let mut found = None;
+        if let Some(i) = class_index(class) {
+            found = (i + 1..SMALL_CLASSES)
+                .map(|j| (j, class_of_index(j)))
+                .take_while(|&(_, c)| c <= max)
+                .find(|&(j, _)| !self.ready[j].is_empty())
+                .map(|(_, c)| c);
+        }
+        if found.is_none() && max > LARGE {
+            found = self
+                .large
+                .iter()
+                .filter(|(&c, v)| c > class && c <= max && !v.is_empty())
+                .map(|(&c, _)| c)
+                .min();
+        }
+        let c = found?;
+        self.take_ready(c).map(|p| (p, c))
     }
 
     pub(super) fn put_ready(&mut self, ptr: DevicePtr, class: usize) {

@@ -299,3 +299,106 @@ fn growths_claimed_at_once_never_spend_the_same_room() {
         assert_eq!(pool.claim(MIB, 8, Fit::Budget { least: 1 }).unwrap(), 1);
     }
 }
+
+/// Past its budget on an idle GPU, a miss that finds no block of its class
+/// takes a ready block of a class at most 1.5x its own rather than grow;
+/// that block goes back to its own class. A block more than 1.5x larger is
+/// never taken, and a block still waiting for its fence never.
+#[test]
+fn pool_past_its_budget_takes_a_slightly_larger_ready_block_rather_than_grow() {
+    use crate::driver::CallKind;
+    const MIB: usize = 1 << 20;
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let config = PoolConfig {
+        shards: 1,
+        headroom_bytes: 16 * MIB,
+        ahead_bytes: 0,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(config, sim.clone());
+    let a = pool.alloc(ctx, 12 * MIB, None, 0, Client::Direct).unwrap();
+    let b = pool.alloc(ctx, 6 * MIB, None, 0, Client::Direct).unwrap();
+    assert_eq!((a.class, b.class), (12 * MIB, 6 * MIB));
+    let (a_addr, b_addr) = (a.address, b.address);
+    // Queued work still uses A: it waits for its fence, not ready.
+    sim.queue_write(0x99, a_addr, &[1; 4]).unwrap();
+    pool.release(ctx, back(a, 12 * MIB), None, || true);
+    pool.release(ctx, back(b, 6 * MIB), None, || true);
+    // 18 MiB held, nothing live: past the 16 MiB budget. A 9 MiB request
+    // (class 10 MiB) may not take A while its write is queued.
+    let calls = sim.calls(CallKind::MemAlloc);
+    let c = pool.alloc(ctx, 9 * MIB, None, 0, Client::Direct).unwrap();
+    assert_ne!(c.address, a_addr, "never a block its fence has not freed");
+    assert!(c.new_allocation.is_some());
+    pool.release(ctx, back(c, 9 * MIB), None, || true);
+    sim.complete(None);
+    assert!(pool.flush(ctx));
+    // Now A (12 MiB, at most 1.5 x 10 MiB) is ready: taken, no driver call.
+    let calls_before = sim.calls(CallKind::MemAlloc);
+    let larger = (0..2)
+        .map(|_| pool.alloc(ctx, 9 * MIB, None, 0, Client::Direct).unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(sim.calls(CallKind::MemAlloc), calls_before, "no growth");
+    assert!(larger.iter().all(|g| g.new_allocation.is_none()));
+    let took_a = larger
+        .iter()
+        .find(|g| g.address == a_addr)
+        .expect("A served a 10 MiB request");
+    assert_eq!(took_a.class, 12 * MIB, "it keeps its own class");
+    // B (6 MiB) is more than 1.5 x a 3.5 MiB class: a 3.5 MiB request grows.
+    let d = pool
+        .alloc(ctx, 3 * MIB + MIB / 2, None, 0, Client::Direct)
+        .unwrap();
+    assert_ne!(d.address, b_addr);
+    assert!(d.new_allocation.is_some(), "grew rather than waste B");
+    assert!(sim.calls(CallKind::MemAlloc) > calls);
+    // A goes back as a 12 MiB block: a 12 MiB request reuses it.
+    for g in larger {
+        pool.release(ctx, back(g, 9 * MIB), None, || true);
+    }
+    assert!(pool.flush(ctx));
+    let again = pool.alloc(ctx, 12 * MIB, None, 0, Client::Direct).unwrap();
+    assert_eq!((again.address, again.class), (a_addr, 12 * MIB));
+    assert!(again.new_allocation.is_none());
+}
+
+/// A shard's larger fit: the smallest ready class above the request's and
+/// at most the limit, small classes and those past 256 MiB alike.
+#[test]
+fn shard_takes_the_smallest_larger_ready_class_within_the_limit() {
+    use super::shard::Shard;
+    const MIB: usize = 1 << 20;
+    let mut sh = Shard::default();
+    for (p, class) in [
+        (0x10000, 640),
+        (0x20000, 1024),
+        (0x30000, 300 * MIB),
+        (0x40000, 420 * MIB),
+        (0x50000, 500 * MIB),
+    ] {
+        sh.put_ready(p, class);
+    }
+    assert_eq!(sh.take_ready_larger(512, 512 + 256), Some((0x10000, 640)));
+    assert_eq!(
+        sh.take_ready_larger(512, 768),
+        None,
+        "1024 is past the limit"
+    );
+    assert_eq!(sh.take_ready_larger(512, 1024), Some((0x20000, 1024)));
+    // From a small class into the large ones, then among the large.
+    assert_eq!(
+        sh.take_ready_larger(256 * MIB, 384 * MIB),
+        Some((0x30000, 300 * MIB))
+    );
+    assert_eq!(
+        sh.take_ready_larger(300 * MIB, 450 * MIB),
+        Some((0x40000, 420 * MIB))
+    );
+    assert_eq!(
+        sh.take_ready_larger(300 * MIB, 450 * MIB),
+        None,
+        "500 MiB is past it"
+    );
+    assert_eq!(sh.ready_bytes, 500 * MIB);
+}

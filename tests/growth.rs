@@ -71,9 +71,11 @@ fn test_growth_under_one_long_fence_doubles_up_to_64_mib_per_driver_call() {
     drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
         .unwrap();
     drop(first);
-    drop(ctx.alloc(1 << 20).unwrap()); // a fence is outstanding from here
+    // A fence is outstanding from here.
+    drop(ctx.alloc(1 << 20).unwrap());
     // Let it run long enough to read as busy whatever the host's load (a
-    // fence of 10 ms is busy without further look): misses before that
+    // fence of 10 ms, with no allocation of the pool's own under way, is
+    // busy without further look): misses before that
     // grow within the idle budget, a block or a few at a time, and on a
     // host loaded by two release builds beside valgrind they took 12 calls.
     std::thread::sleep(std::time::Duration::from_millis(30));

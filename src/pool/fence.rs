@@ -21,6 +21,13 @@ pub(crate) const FENCE_BUSY: Duration = Duration::from_micros(20);
 /// pool's own holds it up (see [`Fencer::busy_confirmed`]).
 pub(crate) const FENCE_BUSY_SURE: Duration = Duration::from_millis(10);
 
+/// A fence that has run this long means a busy GPU even while a driver call
+/// of the pool's own is under way: some of those wait for the GPU
+/// themselves (a `cuMemFree` of a trim), and a busy GPU must not hide
+/// behind them for as long as its work runs. A fence the pool's own
+/// allocation held up on a loaded simulator ran at most 33 ms.
+const FENCE_BUSY_CERTAIN: Duration = Duration::from_millis(50);
+
 /// The CPU time the fence thread spends in a fence, watched by
 /// [`Fencer::busy_confirmed`], that makes a busy GPU; and the longest it
 /// watches. Well past what an idle GPU's fence costs in all (about 0.3 µs
@@ -260,7 +267,7 @@ impl Fencer {
     /// fence and it does not end ([`Fencer::fence_thread_spins`]), and no
     /// driver call of the pool's own held it up; or the fence has run
     /// [`FENCE_BUSY_SURE`], and no driver call of the pool's own held it up
-    /// either. A fence thread that was only preempted (one CPU, a loaded
+    /// either, or [`FENCE_BUSY_CERTAIN`] in any case. A fence thread that was only preempted (one CPU, a loaded
     /// host) either gets no CPU or ends its fence at once: not busy. A verdict of busy holds until the fence ends. Costs the
     /// caller a few µs (up to 50 on a loaded host): for decisions that grow
     /// the pool, off the fast path.
@@ -292,8 +299,8 @@ impl Fencer {
             // GPU work at all) 3 to 19 fences a run read as busy by their
             // length alone while an allocation of the pool's own ran, each
             // followed by growth ahead for a busy GPU; with this check, none
-            // in three runs.
-            quiet
+            // in three runs. Past FENCE_BUSY_CERTAIN, busy in any case.
+            quiet || ran >= FENCE_BUSY_CERTAIN.as_nanos() as u64
         } else {
             quiet && self.fence_thread_spins(t)
         };
@@ -792,9 +799,17 @@ mod tests {
 
     /// Past [`FENCE_BUSY_SURE`] a fence is a busy GPU, unless a driver
     /// call of the pool's own is under way: that call, not the GPU, may
-    /// hold it up. Once the call has ended, the same fence is busy.
+    /// hold it up. Once the call has ended, the same fence is busy; and
+    /// past [`FENCE_BUSY_CERTAIN`] it is busy though the call goes on (a
+    /// free that waits for the busy GPU itself).
     #[test]
     fn a_long_fence_is_no_busy_gpu_while_the_pools_own_call_holds_it_up() {
+        for call_ends in [true, false] {
+            own_call_and_long_fence(call_ends);
+        }
+    }
+
+    fn own_call_and_long_fence(call_ends: bool) {
         let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 20)));
         let ctx = sim.primary_context_retain(0).unwrap();
         let f = Arc::new(Fencer::new(sim.clone(), Duration::ZERO));
@@ -811,13 +826,21 @@ mod tests {
         }
         let (end, ended) = std::sync::mpsc::channel::<()>();
         let caller = f.clone();
-        let call = std::thread::spawn(move || caller.own_call(|| ended.recv()));
+        let mut call = Some(std::thread::spawn(move || caller.own_call(|| ended.recv())));
         std::thread::sleep(FENCE_BUSY_SURE + Duration::from_millis(5));
         let held_up = f.busy_confirmed();
-        end.send(()).unwrap();
-        call.join().unwrap().unwrap();
-        std::thread::sleep(FENCE_BUSY * 2);
+        if call_ends {
+            end.send(()).unwrap();
+            call.take().unwrap().join().unwrap().unwrap();
+            std::thread::sleep(FENCE_BUSY * 2);
+        } else {
+            std::thread::sleep(FENCE_BUSY_CERTAIN);
+        }
         let after = (f.busy_confirmed(), f.busy_confirmed());
+        if let Some(call) = call {
+            end.send(()).unwrap();
+            call.join().unwrap().unwrap();
+        }
         // The queued work ends before any assertion, so that a failing one
         // leaves no fence thread spinning for ever.
         sim.complete(None);
@@ -829,7 +852,7 @@ mod tests {
         assert_eq!(
             after,
             (true, true),
-            "busy once it has ended, until the fence ends"
+            "busy once it has ended (or has run {FENCE_BUSY_CERTAIN:?}), until the fence ends; the call ends: {call_ends}"
         );
         // SAFETY: allocated above, its queued write done.
         unsafe { sim.mem_free(ctx, p) }.unwrap();

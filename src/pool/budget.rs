@@ -39,8 +39,9 @@ pub(crate) const FENCE_START_WAIT: Duration = Duration::from_millis(1);
 
 /// The most a miss past the budget takes of a larger class's ready block
 /// ([`Pool::take_larger`]): the request's class and this fraction (1/n)
-/// of it more. A request is at most 25% under its class already, so a
-/// block used this way is at least 60% in use.
+/// of it more. A request is at most 20% under its class already, so a
+/// block used this way is more than half in use (at least 4/7: a request
+/// just over 4 x 2^k bytes, class 5 x 2^k, in a block of 7 x 2^k).
 const LARGER_FIT_DIV: usize = 2;
 
 /// How long a settle waits for the fence of what waits, before it gives

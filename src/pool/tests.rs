@@ -302,8 +302,8 @@ fn growths_claimed_at_once_never_spend_the_same_room() {
 
 /// Past its budget on an idle GPU, a miss that finds no block of its class
 /// takes a ready block of a class at most 1.5x its own rather than grow;
-/// that block goes back to its own class. A block more than 1.5x larger is
-/// never taken, and a block still waiting for its fence never.
+/// that block goes back to its own class. A block still waiting for its
+/// fence is never taken.
 #[test]
 fn pool_past_its_budget_takes_a_slightly_larger_ready_block_rather_than_grow() {
     use crate::driver::CallKind;
@@ -346,7 +346,8 @@ fn pool_past_its_budget_takes_a_slightly_larger_ready_block_rather_than_grow() {
         .find(|g| g.address == a_addr)
         .expect("A served a 10 MiB request");
     assert_eq!(took_a.class, 12 * MIB, "it keeps its own class");
-    // B (6 MiB) is more than 1.5 x a 3.5 MiB class: a 3.5 MiB request grows.
+    // A 3.5 MiB request still has the budget's room here: it grows, and B
+    // stays (the limit itself is tested below, past a smaller budget).
     let d = pool
         .alloc(ctx, 3 * MIB + MIB / 2, None, 0, Client::Direct)
         .unwrap();
@@ -401,4 +402,51 @@ fn shard_takes_the_smallest_larger_ready_class_within_the_limit() {
         "500 MiB is past it"
     );
     assert_eq!(sh.ready_bytes, 500 * MIB);
+}
+
+/// The larger fit's limit and its statistics, past a 1 MiB budget: a block
+/// more than 1.5x the request's class stays ready while the request grows;
+/// one within it is counted live in its own class, and back to none once
+/// freed.
+#[test]
+fn pool_larger_fit_keeps_its_limit_and_counts_the_block_in_its_own_class() {
+    const MIB: usize = 1 << 20;
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let config = PoolConfig {
+        shards: 1,
+        headroom_bytes: MIB,
+        ahead_bytes: 0,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(config, sim.clone());
+    let b = pool.alloc(ctx, 6 * MIB, None, 0, Client::Direct).unwrap();
+    let a = pool.alloc(ctx, 12 * MIB, None, 0, Client::Direct).unwrap();
+    let (a_addr, b_addr) = (a.address, b.address);
+    pool.release(ctx, back(b, 6 * MIB), None, || true);
+    pool.release(ctx, back(a, 12 * MIB), None, || true);
+    assert!(pool.flush(ctx));
+    let live = |class: usize| {
+        pool.class_stats()
+            .iter()
+            .filter(|c| c.class == class)
+            .map(|c| c.live_blocks)
+            .sum::<usize>()
+    };
+    // Past the budget: B (6 MiB) is more than 1.5 x 3.5 MiB.
+    let small = pool
+        .alloc(ctx, 3 * MIB + MIB / 2, None, 0, Client::Direct)
+        .unwrap();
+    assert_ne!(small.address, b_addr, "B is past the limit");
+    assert!(small.new_allocation.is_some());
+    // A (12 MiB) is within 1.5 x 10 MiB: taken, and live as a 12 MiB block.
+    let big = pool.alloc(ctx, 9 * MIB, None, 0, Client::Direct).unwrap();
+    assert_eq!((big.address, big.class), (a_addr, 12 * MIB));
+    assert!(big.new_allocation.is_none());
+    assert_eq!((live(12 * MIB), live(10 * MIB)), (1, 0));
+    pool.release(ctx, back(small, 3 * MIB + MIB / 2), None, || true);
+    pool.release(ctx, back(big, 9 * MIB), None, || true);
+    let total: usize = pool.class_stats().iter().map(|c| c.live_blocks).sum();
+    assert_eq!(total, 0, "every class back to none live");
+    assert_eq!(pool.stats().live_bytes, 0);
 }

@@ -267,9 +267,10 @@ impl Fencer {
     /// fence and it does not end ([`Fencer::fence_thread_spins`]), and no
     /// driver call of the pool's own held it up; or the fence has run
     /// [`FENCE_BUSY_SURE`], and no driver call of the pool's own held it up
-    /// either, or [`FENCE_BUSY_CERTAIN`] in any case. A fence thread that was only preempted (one CPU, a loaded
-    /// host) either gets no CPU or ends its fence at once: not busy. A verdict of busy holds until the fence ends. Costs the
-    /// caller a few µs (up to 50 on a loaded host): for decisions that grow
+    /// either, or [`FENCE_BUSY_CERTAIN`] in any case. A fence thread that
+    /// was only preempted (one CPU, a loaded host) either gets no CPU or
+    /// ends its fence at once: not busy. A verdict of busy holds until the
+    /// fence ends. Costs the caller a few µs (up to 50 on a loaded host): for decisions that grow
     /// the pool, off the fast path.
     pub(crate) fn busy_confirmed(&self) -> bool {
         let ext = self.ext();

@@ -300,6 +300,21 @@ fn growths_claimed_at_once_never_spend_the_same_room() {
     }
 }
 
+/// One shard, no growth ahead, a budget of `headroom` bytes with nothing
+/// live, on a 1 GiB simulator: the larger fit's tests.
+fn larger_fit_pool(headroom: usize) -> (Arc<SimDriver>, crate::driver::RawContext, Pool) {
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let config = PoolConfig {
+        shards: 1,
+        headroom_bytes: headroom,
+        ahead_bytes: 0,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(config, sim.clone());
+    (sim, ctx, pool)
+}
+
 /// Past its budget on an idle GPU, a miss that finds no block of its class
 /// takes a ready block of a class at most 1.5x its own rather than grow;
 /// that block goes back to its own class. A block still waiting for its
@@ -308,15 +323,7 @@ fn growths_claimed_at_once_never_spend_the_same_room() {
 fn pool_past_its_budget_takes_a_slightly_larger_ready_block_rather_than_grow() {
     use crate::driver::CallKind;
     const MIB: usize = 1 << 20;
-    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30)));
-    let ctx = sim.primary_context_retain(0).unwrap();
-    let config = PoolConfig {
-        shards: 1,
-        headroom_bytes: 16 * MIB,
-        ahead_bytes: 0,
-        ..PoolConfig::default()
-    };
-    let pool = Pool::new(config, sim.clone());
+    let (sim, ctx, pool) = larger_fit_pool(16 * MIB);
     let a = pool.alloc(ctx, 12 * MIB, None, 0, Client::Direct).unwrap();
     let b = pool.alloc(ctx, 6 * MIB, None, 0, Client::Direct).unwrap();
     assert_eq!((a.class, b.class), (12 * MIB, 6 * MIB));
@@ -411,15 +418,7 @@ fn shard_takes_the_smallest_larger_ready_class_within_the_limit() {
 #[test]
 fn pool_larger_fit_keeps_its_limit_and_counts_the_block_in_its_own_class() {
     const MIB: usize = 1 << 20;
-    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 30)));
-    let ctx = sim.primary_context_retain(0).unwrap();
-    let config = PoolConfig {
-        shards: 1,
-        headroom_bytes: MIB,
-        ahead_bytes: 0,
-        ..PoolConfig::default()
-    };
-    let pool = Pool::new(config, sim.clone());
+    let (_sim, ctx, pool) = larger_fit_pool(MIB);
     let b = pool.alloc(ctx, 6 * MIB, None, 0, Client::Direct).unwrap();
     let a = pool.alloc(ctx, 12 * MIB, None, 0, Client::Direct).unwrap();
     let (a_addr, b_addr) = (a.address, b.address);

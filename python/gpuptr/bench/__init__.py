@@ -87,6 +87,7 @@ GROUPS = (
     "pinned",
     "ipc",
     "footprint",
+    "workloads",
 )
 
 

@@ -6,8 +6,7 @@
 //! | `GPUPTR_SIM_DEVICES` | the simulator | its device count (default 1) |
 //! | `GPUPTR_SIM_MEMORY` | the simulator | a size per device (default 1 GiB) |
 //! | `GPUPTR_POOL` | the global runtime | a switch: off (`0`, `off`, `false`, `no`) means no caching pool |
-//! | `GPUPTR_POOL_AHEAD` | the global runtime | a size grown ahead per class ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
-//! | `GPUPTR_POOL_HEADROOM` | the global runtime | how far past its users' bytes the pool grows on an idle GPU ([`PoolConfig::headroom_bytes`](crate::PoolConfig::headroom_bytes)); default 32 MiB |
+//! | `GPUPTR_POOL_AHEAD` | the global runtime | the segment grown ahead, on a busy GPU, for memory freed without a stream ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
 //! | `GPUPTR_HOST_CACHE` | the global runtime | the most pinned host memory the pool caches ([`PoolConfig::host_cache_bytes`](crate::PoolConfig::host_cache_bytes)); 0 turns the host cache off |
 //! | `GPUPTR_TRACK` | the global runtime | a switch: on (`1`, `on`, `true`, `yes`) means the leak report from the start |
 //! | `GPUPTR_HISTORY` | the global runtime | a switch: on means the allocation history from the start ([`crate::history`]) |
@@ -32,8 +31,6 @@ pub(crate) const SIM_MEMORY: &str = "GPUPTR_SIM_MEMORY";
 pub(crate) const POOL: &str = "GPUPTR_POOL";
 /// `GPUPTR_POOL_AHEAD`.
 pub(crate) const POOL_AHEAD: &str = "GPUPTR_POOL_AHEAD";
-/// `GPUPTR_POOL_HEADROOM`.
-pub(crate) const POOL_HEADROOM: &str = "GPUPTR_POOL_HEADROOM";
 /// `GPUPTR_HOST_CACHE`.
 pub(crate) const HOST_CACHE: &str = "GPUPTR_HOST_CACHE";
 /// `GPUPTR_TRACK`.

@@ -109,28 +109,28 @@ impl Segment {
     /// its blocks' states) and the history's live allocations.
     pub(crate) fn of_device(
         device: usize,
-        pool: Vec<(crate::pool::Allocation, Vec<Option<bool>>)>,
+        pool: Vec<crate::pool::SegmentView>,
         live: &HashMap<DevicePtr, Live>,
     ) -> Vec<Segment> {
+        use crate::pool::BlockState as Pool;
         let mut out: Vec<Segment> = pool
             .into_iter()
             .map(|(a, states)| {
-                let blocks = a
-                    .block_addresses()
-                    .zip(states)
-                    .map(|(address, cached)| {
-                        let state = match cached {
-                            None => BlockState::Active,
-                            Some(true) => BlockState::Inactive,
-                            Some(false) => BlockState::PendingFree,
+                let blocks = states
+                    .into_iter()
+                    .map(|(address, size, state)| {
+                        let state = match state {
+                            Pool::Used => BlockState::Active,
+                            Pool::Free => BlockState::Inactive,
+                            Pool::Waiting => BlockState::PendingFree,
                         };
                         let known = live
                             .get(&address)
                             .filter(|l| state == BlockState::Active && !l.own_segment);
                         SnapshotBlock {
                             address,
-                            size: a.class,
-                            requested_size: known.map_or(a.class, |l| l.size.min(a.class)),
+                            size,
+                            requested_size: known.map_or(size, |l| l.size.min(size)),
                             state,
                             client: known.map(|l| l.client),
                             site: known.map(|l| l.site.clone()),

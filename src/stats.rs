@@ -90,13 +90,23 @@ impl DeviceCounters {
         allocs.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Count the release of a driver allocation.
+    /// Count the release of a driver allocation. Never below zero: a
+    /// reset zeroes the counts, and an allocation counted just before it
+    /// may be released after.
     pub(crate) fn released(&self, size: usize, client: Client) {
-        self.live_count.fetch_sub(1, Ordering::Relaxed);
-        self.live_bytes.fetch_sub(size, Ordering::Relaxed);
+        fn sub(a: &AtomicU64, n: u64) {
+            let _ = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(n))
+            });
+        }
+        for (a, n) in [(&self.live_count, 1), (&self.live_bytes, size)] {
+            let _ = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(n))
+            });
+        }
         let [bytes, count, _] = &self.clients[client.index()];
-        bytes.fetch_sub(size as u64, Ordering::Relaxed);
-        count.fetch_sub(1, Ordering::Relaxed);
+        sub(bytes, size as u64);
+        sub(count, 1);
     }
 
     pub(crate) fn client_stats(&self, client: Client) -> ClientStats {

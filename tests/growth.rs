@@ -141,15 +141,23 @@ fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
 }
 
 #[test]
-fn test_an_idle_device_grows_one_block_at_a_time() {
+fn test_an_idle_device_grows_one_segment_a_miss_sized_as_pytorch_sizes_them() {
     let (drv, rt) = sim_pooled(1, 256 << 20);
     let ctx = rt.context(0).unwrap();
+    // At most 1 MiB: 2 MiB segments, two blocks each.
     let held: Vec<_> = (0..10).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
-    assert_eq!(drv.calls(CallKind::MemAlloc), 10);
+    assert_eq!(drv.calls(CallKind::MemAlloc), 5);
     assert_eq!(
         drv.live_bytes(),
         10 << 20,
-        "no fence outstanding: nothing carved"
+        "no GPU busy: nothing grown ahead"
     );
-    drop(held);
+    // Up to 10 MiB: 20 MiB segments, shared; from 10 MiB: their own size,
+    // rounded up to 2 MiB.
+    let mid: Vec<_> = (0..4).map(|_| ctx.alloc(5 << 20).unwrap()).collect();
+    assert_eq!(drv.calls(CallKind::MemAlloc), 6);
+    let big = ctx.alloc((11 << 20) + 1).unwrap();
+    assert_eq!(drv.calls(CallKind::MemAlloc), 7);
+    assert_eq!(drv.live_bytes(), (10 + 20 + 12) << 20);
+    drop((held, mid, big));
 }

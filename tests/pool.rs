@@ -1,4 +1,4 @@
-//! The caching pool on the simulator: size classes, fences, out of memory, statistics, shards and trims.
+//! The caching pool on the simulator: best fit in segments, fences, out of memory, statistics, arenas and trims.
 
 mod common;
 
@@ -9,36 +9,38 @@ use gpuptr::driver::CallKind;
 use gpuptr::{codes, size_class, Error, PoolConfig, Runtime, SimConfig, SimDriver};
 
 #[test]
-fn test_pool_reuses_blocks_by_size_class_after_a_fence() {
+fn test_pool_reuses_freed_blocks_best_fit_after_a_fence() {
     let (drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();
     let cfg = PoolConfig::default();
     let held: Vec<_> = (0..cfg.fence_count)
         .map(|_| ctx.alloc(1000).unwrap())
         .collect();
-    assert_eq!(drv.calls(CallKind::MemAlloc), cfg.fence_count as u64);
+    // Rounded to 1 KiB, cut from one 2 MiB segment, one after the other.
+    assert_eq!(drv.calls(CallKind::MemAlloc), 1);
+    assert!(held
+        .windows(2)
+        .all(|w| w[1].address() == w[0].address() + 1024));
     let syncs = drv.calls(CallKind::Synchronize);
     drop(held);
-    // A full batch is sealed at once, and the fence thread synchronizes.
     assert!(rt.flush_pool(0).unwrap());
     assert!(drv.calls(CallKind::Synchronize) > syncs, "a fence ran");
     assert_eq!(rt.stats()[0].pending_bytes, 0);
-    let before = drv.calls(CallKind::MemAlloc);
-    let again: Vec<_> = (0..cfg.fence_count)
-        .map(|_| ctx.alloc(900).unwrap())
+    // Freed and fenced, the segment is one free block again: any size up
+    // to 1 MiB is served from it, with no driver call.
+    let again: Vec<_> = [900, 5000, 1 << 20]
+        .iter()
+        .map(|&n| ctx.alloc(n).unwrap())
         .collect();
-    assert_eq!(
-        drv.calls(CallKind::MemAlloc),
-        before,
-        "served from the pool"
-    );
-    assert!(again.iter().all(|p| p.size() == 900));
+    assert_eq!(drv.calls(CallKind::MemAlloc), 1, "served from the pool");
+    assert_eq!(again[1].address(), again[0].address() + 1024);
     let s = rt.stats()[0];
-    assert!(s.pool_hits >= cfg.fence_count as u64 && s.fences >= 1);
-    assert_eq!(size_class(900), size_class(1000));
-    // Another size class does not take these blocks.
-    let other = ctx.alloc(5000).unwrap();
-    assert!(!again.iter().any(|p| p.address() == other.address()));
+    assert!(s.pool_hits >= 3 && s.fences >= 1);
+    // A request over 1 MiB never takes a small segment's memory.
+    drop(again);
+    assert!(rt.flush_pool(0).unwrap());
+    let _large = ctx.alloc((1 << 20) + 1).unwrap();
+    assert_eq!(drv.calls(CallKind::MemAlloc), 2);
 }
 
 #[test]
@@ -145,13 +147,14 @@ fn test_blocks_freed_by_another_thread_go_home_and_are_reused_there() {
         std::thread::spawn(move || {
             let batch: Vec<_> = (0..n).map(|_| ctx.alloc(4096).unwrap()).collect();
             let first: std::collections::HashSet<_> = batch.iter().map(|p| p.address()).collect();
+            let grown = drv.calls(CallKind::MemAlloc);
             to_consumer.send(batch).unwrap();
             consumer.join().unwrap();
-            // The consumer's frees went back to this thread's shard: once
+            // The consumer's frees went back to this thread's arena: once
             // fenced, the same blocks come back, no new memory.
             assert!(rt2.flush_pool(0).unwrap());
             let again: Vec<_> = (0..n).map(|_| ctx.alloc(4096).unwrap()).collect();
-            assert_eq!(drv.calls(CallKind::MemAlloc), n as u64);
+            assert_eq!(drv.calls(CallKind::MemAlloc), grown);
             assert!(again.iter().all(|p| first.contains(&p.address())));
         })
     };
@@ -159,8 +162,7 @@ fn test_blocks_freed_by_another_thread_go_home_and_are_reused_there() {
     assert!(rt.flush_pool(0).unwrap());
     let s = rt.stats()[0];
     assert_eq!((s.live_count, s.live_bytes), (0, 0));
-    // Everything cached, fenced: the blocks, and what the helper may have
-    // stocked ahead of demand within the pool's budget.
+    // Everything cached, fenced.
     assert_eq!(s.pending_bytes, 0);
     assert!(s.cached_bytes >= n * 4096);
     assert_eq!(s.cached_bytes, drv.live_bytes());
@@ -188,19 +190,22 @@ fn test_a_miss_takes_ready_blocks_from_another_shard_before_the_driver() {
     }
     assert!(rt.flush_pool(0).unwrap());
     let allocs = drv.calls(CallKind::MemAlloc);
+    let hits = rt.stats()[0].pool_hits;
     let held: Vec<_> = (0..n).map(|_| ctx.alloc(1 << 16).unwrap()).collect();
     assert_eq!(
         drv.calls(CallKind::MemAlloc),
         allocs,
-        "all taken from the other shard"
+        "all taken from the other arena"
     );
-    assert_eq!(rt.stats()[0].pool_hits as usize, n);
-    // Nothing is ready anywhere now: the driver.
+    assert_eq!((rt.stats()[0].pool_hits - hits) as usize, n);
+    // Nothing is free anywhere now: the driver.
     let extra = ctx.alloc(1 << 16).unwrap();
     assert_eq!(drv.calls(CallKind::MemAlloc), allocs + 1);
     drop(extra);
     drop(held);
-    assert_eq!(rt.stats()[0].cached_bytes, (n + 1) * (1 << 16));
+    assert!(rt.flush_pool(0).unwrap());
+    let s = rt.stats()[0];
+    assert_eq!((s.cached_bytes, s.live_bytes), (s.pool_bytes, 0));
 }
 
 #[test]
@@ -221,11 +226,13 @@ fn test_out_of_memory_fences_and_reclaims_every_shard() {
         .unwrap();
     }
     assert_eq!(drv.live_bytes(), 6 << 20);
-    // A 1 MiB block is there to reuse once fenced; 4 MiB needs the trim.
+    // 1 MiB fits in what the device has left; 4 MiB needs the other
+    // arena's memory, fenced, then given back to the driver.
     let small = ctx.alloc(1 << 20).unwrap();
     let big = ctx.alloc(4 << 20).unwrap();
-    assert_eq!(drv.live_bytes(), 5 << 20, "cache returned, no leak");
     assert_eq!(rt.stats()[0].live_bytes, 5 << 20);
+    assert_eq!(drv.live_bytes(), rt.stats()[0].pool_bytes, "no leak");
+    assert!(drv.live_bytes() <= 6 << 20, "cache returned");
     drop((small, big));
     rt.trim().unwrap();
     assert_eq!(drv.live_bytes(), 0);
@@ -268,12 +275,17 @@ fn test_sixteen_threads_on_a_sharded_pool_balance_the_books() {
 fn test_a_failed_free_during_trim_still_unregisters_the_blocks_that_were_freed() {
     let (drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();
-    drop((0..4).map(|_| ctx.alloc(4096).unwrap()).collect::<Vec<_>>());
+    // Four segments of their own (12 MiB requests).
+    drop(
+        (0..4)
+            .map(|_| ctx.alloc(12 << 20).unwrap())
+            .collect::<Vec<_>>(),
+    );
     assert_eq!(rt.registered_ranges(), 4);
     drv.fail_nth(CallKind::MemFree, 2, codes::CUDA_ERROR_UNKNOWN);
     assert!(rt.trim().is_err());
-    // Three blocks went back to the driver; only the one still cached is known.
-    assert_eq!(drv.live_bytes(), 4096);
+    // Three segments went back to the driver; only the one still cached is known.
+    assert_eq!(drv.live_bytes(), 12 << 20);
     assert_eq!(rt.registered_ranges(), 1);
     rt.trim().unwrap();
     assert_eq!((drv.live_bytes(), rt.registered_ranges()), (0, 0));
@@ -353,9 +365,9 @@ fn test_the_out_of_memory_message_names_the_request_the_pool_and_its_limit() {
     let msg = ctx.alloc(3 << 20).unwrap_err().to_string();
     for part in [
         "out of memory on device 0: could not allocate 3.00 MiB (3145728 bytes)",
-        "gpuptr's pool holds 1.00 MiB from the driver (1.00 MiB in use, 0 bytes cached, 0 bytes kept by CUDA graphs)",
+        "gpuptr's pool holds 2.00 MiB from the driver (1.00 MiB in use, 1.00 MiB cached, 0 bytes kept by CUDA graphs)",
         "its limit is 2.00 MiB",
-        "the device has 7.00 MiB free of 8.00 MiB",
+        "the device has 6.00 MiB free of 8.00 MiB",
     ] {
         assert!(msg.contains(part), "{part:?} not in {msg:?}");
     }

@@ -8,61 +8,24 @@ use super::DeviceState;
 use crate::context::Context;
 use crate::driver::RawContext;
 use crate::error::{Error, Result};
-use crate::pool::{Allocation, Pool};
+use crate::pool::{Allocation, Kind, Pool};
 use crate::sync::lock;
 
 impl DeviceState {
-    /// Ask the pool's helper to grow `class` ahead of demand in `shard`
-    /// (see [`PoolConfig::ahead_bytes`]). The job holds the device and the
+    /// Ask the pool's helper to grow arena `arena` ahead of demand with a
+    /// segment of `kind` (see [`PoolConfig::ahead_bytes`]). The job holds the device and the
     /// context only weakly: it never keeps a context alive, so dropping the
     /// last user handle still gives the pool back at once, on the caller's
     /// thread.
-    pub(super) fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, shard: usize, class: usize) {
+    pub(super) fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, arena: usize, kind: Kind) {
         let me = Arc::downgrade(ctx.state());
         let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
         let asked = std::time::Instant::now();
         pool.post_ahead(Box::new(move || {
             if let Some(me) = me.upgrade() {
-                me.grow_ahead(&weak, raw, epoch, shard, class, asked);
+                me.grow_ahead(&weak, raw, epoch, arena, kind, asked);
             }
         }));
-    }
-
-    /// Ask the pool's helper to settle the pool (give idle cache back past
-    /// its budget, [`Pool::settle`]) after a miss of `class` grew it; the
-    /// job holds the device and the context weakly, as growth ahead's.
-    pub(super) fn post_settle(&self, pool: &Pool, ctx: &Arc<Context>, class: usize) {
-        let me = Arc::downgrade(ctx.state());
-        let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
-        pool.post_ahead(Box::new(move || {
-            if let Some(me) = me.upgrade() {
-                me.settle(&weak, raw, epoch, class);
-            }
-        }));
-    }
-
-    /// On the pool's helper: settle the pool while `weak` (handle `raw`) is
-    /// still this device's live context in `epoch`, as [`Self::grow_ahead`]
-    /// checks. The fence is waited for without the recovery lock; memory
-    /// goes back under it, so a reset or teardown cannot end the context
-    /// during the driver's frees.
-    fn settle(&self, weak: &Weak<Context>, raw: RawContext, epoch: u64, class: usize) {
-        let Some(pool) = &self.pool else {
-            return;
-        };
-        let live = || self.still_live(weak, raw, epoch);
-        let n = {
-            let _recovering = lock(&self.recovery);
-            live().then(|| pool.settle_seal(raw))
-        };
-        if let Some(n) = n {
-            pool.settle_wait(n);
-            let _recovering = lock(&self.recovery);
-            if live() {
-                pool.settle(raw, class);
-            }
-        }
-        pool.settle_over();
     }
 
     /// Whether `weak` (whose handle is `raw`) is still this device's live
@@ -80,8 +43,8 @@ impl DeviceState {
             && !crate::fork::forked()
     }
 
-    /// On the pool's helper: grow `class` ahead in `shard`, register the
-    /// new blocks, and stock them, while `weak` (whose handle is `raw`) is
+    /// On the pool's helper: grow arena `arena` ahead, register the new
+    /// segment, and stock it, while `weak` (whose handle is `raw`) is
     /// still this device's live context in `epoch`. All under the recovery lock, which a reset and
     /// the last drop's teardown take before they give memory or the
     /// context back: so the context stays retained through the driver
@@ -92,8 +55,8 @@ impl DeviceState {
         weak: &Weak<Context>,
         raw: RawContext,
         epoch: u64,
-        shard: usize,
-        class: usize,
+        arena: usize,
+        kind: Kind,
         asked: std::time::Instant,
     ) {
         let Some(pool) = &self.pool else {
@@ -102,20 +65,20 @@ impl DeviceState {
         let began = asked.elapsed();
         let _recovering = lock(&self.recovery);
         if !self.still_live(weak, raw, epoch) {
-            pool.ahead_over(shard, class);
+            pool.ahead_over(arena);
             return;
         }
-        let grown = pool.grow_ahead(raw, shard, class, |a| self.register_weak(weak, a));
+        let grown = pool.grow_ahead(raw, arena, kind, |a| {
+            self.register_weak(weak, a);
+        });
         if let Some(a) = grown {
             // When it began and ended, from the hand-out that asked: where a
             // busy GPU's first growth lands against the stock.
             log::debug!(
                 target: "gpuptr::pool",
-                "device {}: grew ahead by {} bytes ({} block(s) of {} bytes), begun {} us and done {} us after the ask",
+                "device {}: grew ahead by {} bytes, begun {} us and done {} us after the ask",
                 self.device,
                 a.bytes(),
-                a.blocks,
-                a.class,
                 began.as_micros(),
                 asked.elapsed().as_micros()
             );
@@ -145,18 +108,22 @@ impl DeviceState {
                 });
             }
         }
-        let (made, r) = pool.reserve(ctx.raw(), size, bytes);
+        // Under the recovery lock a reset takes: none can come between a
+        // segment and its registration.
+        let _recovering = lock(&self.recovery);
+        let epoch = self.epoch();
+        let (made, r) = pool.reserve(ctx.raw(), size, bytes, || self.epoch() == epoch);
         for a in &made {
             self.register(ctx, a);
         }
         let reserved = made.iter().map(Allocation::bytes).sum();
         log::debug!(
             target: "gpuptr::pool",
-            "device {}: reserved {} of {} bytes in blocks of {} bytes ({} driver allocation(s))",
+            "device {}: reserved {} of {} bytes for blocks of {} bytes ({} driver allocation(s))",
             self.device,
             reserved,
             bytes,
-            crate::size_class(size.max(1)),
+            size,
             made.len()
         );
         match r {

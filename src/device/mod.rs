@@ -92,16 +92,11 @@ impl DeviceState {
             device,
             pool: pool.map(|c| {
                 let s = services.clone();
-                let r = services.clone();
-                Pool::new(c, services.driver.clone())
-                    .on_segments(Box::new(move |made, a| {
-                        if s.watch.on(Watch::HISTORY) {
-                            s.history.segment(made, device, a.base, a.bytes());
-                        }
-                    }))
-                    // The pool gives idle cache back past its budget: its
-                    // blocks' registry entries go first.
-                    .on_give_back(Box::new(move |a| r.registry.remove_at(a.block_addresses())))
+                Pool::new(c, services.driver.clone()).on_segments(Box::new(move |made, a| {
+                    if s.watch.on(Watch::HISTORY) {
+                        s.history.segment(made, device, a.base, a.bytes());
+                    }
+                }))
             }),
             services,
             slot: Mutex::new(Slot::default()),
@@ -236,28 +231,26 @@ impl DeviceState {
         }
     }
 
-    /// Register each block of a pool allocation with its own range, so a
-    /// wrap inside one is bound-checked against that block, not its
-    /// neighbours in the allocation. The registry is the one record of
-    /// these entries: they go by address, with the context that made them.
-    fn register(&self, ctx: &Arc<Context>, a: &Allocation) {
-        self.register_weak(&Arc::downgrade(ctx), a);
+    /// Register a pool segment's range, so its context resolves by
+    /// address (a wrap inside it is bound-checked against its block by the
+    /// pool, [`DeviceState::pool_block`]). The registry is the one record
+    /// of these entries: they go by address, with the context that made
+    /// them.
+    fn register(&self, ctx: &Arc<Context>, a: &Allocation) -> crate::registry::Registration {
+        self.register_weak(&Arc::downgrade(ctx), a)
     }
 
     /// [`DeviceState::register`] for a context held weakly (the pool's
     /// growth helper).
-    fn register_weak(&self, ctx: &Weak<Context>, a: &Allocation) {
-        let registry = &self.services.registry;
-        for p in a.block_addresses() {
-            registry.insert_weak(p, a.class, ctx);
-        }
+    fn register_weak(&self, ctx: &Weak<Context>, a: &Allocation) -> crate::registry::Registration {
+        self.services.registry.insert_weak(a.base, a.bytes(), ctx)
     }
 
     /// Forget the registry entries of the blocks of `gone`, whichever
     /// context made them (one kept across a reset allocates too).
     fn unregister(&self, gone: impl IntoIterator<Item = Allocation>) {
-        let addresses = gone.into_iter().flat_map(Allocation::block_addresses);
-        self.services.registry.remove_at(addresses);
+        let bases = gone.into_iter().map(|a| a.base);
+        self.services.registry.remove_at(bases);
     }
 
     /// A pinned host block of `size` bytes made with `flags`
@@ -439,6 +432,12 @@ impl DeviceState {
             .map(Pool::allocations)
             .unwrap_or_default();
         crate::Segment::of_device(self.device, pool, live)
+    }
+
+    /// `None` if `address` is not in this device's pool; else the pool
+    /// block handed out that holds it (start and size), if one does.
+    pub(crate) fn pool_block(&self, address: DevicePtr) -> Option<Option<(DevicePtr, usize)>> {
+        self.pool.as_ref()?.used_block(address)
     }
 
     /// Driver allocations the pool holds (cached or handed out).

@@ -34,9 +34,13 @@ impl DeviceState {
         size: usize,
         stream: Option<RawStream>,
         client: Client,
+        epoch: u64,
     ) -> Result<Grant> {
         let pool = self.pool.as_ref().expect("pooled device");
-        let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
+        // No reset since the caller read `epoch`: asked under the pool's
+        // locks, which a reset takes too (see `Pool::alloc`).
+        let valid = || self.epoch() == epoch;
+        let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client, valid);
         if attempt.as_ref().is_err_and(Error::is_oom) {
             self.counters.alloc_retries.fetch_add(1, Ordering::Relaxed);
             let _recovering = lock(&self.recovery);
@@ -48,7 +52,7 @@ impl DeviceState {
                 if freed == 0 && round > 0 {
                     break;
                 }
-                attempt = pool.alloc(ctx.raw(), size, stream, self.device, client);
+                attempt = pool.alloc(ctx.raw(), size, stream, self.device, client, valid);
                 if !attempt.as_ref().is_err_and(Error::is_oom) {
                     break;
                 }
@@ -71,20 +75,25 @@ impl DeviceState {
             false => e,
         })?;
         if block.ahead {
-            self.post_ahead(pool, ctx, usize::from(block.shard), block.class);
-        }
-        if block.settle {
-            self.post_settle(pool, ctx, block.class);
+            let kind = crate::pool::Kind::of(block.class.min(size.max(1)));
+            self.post_ahead(pool, ctx, usize::from(block.shard), kind);
         }
         if let Some(new) = block.new_allocation {
-            self.register(ctx, &new);
+            let reg = self.register(ctx, &new);
+            if !valid() {
+                // A reset between the hand-out and the registration: its
+                // forget may have run before the registration was there.
+                self.services.registry.remove(reg);
+                return Err(Error::InvalidPointer(format!(
+                    "the context of device {} was reset; memory comes from the new one",
+                    self.device
+                )));
+            }
             log::debug!(
                 target: "gpuptr::pool",
-                "device {}: the pool grew by {} bytes ({} block(s) of {} bytes) for a {}-byte allocation",
+                "device {}: the pool grew by a segment of {} bytes for a {}-byte allocation",
                 self.device,
                 new.bytes(),
-                new.blocks,
-                new.class,
                 size
             );
         }

@@ -75,10 +75,13 @@ impl DevicePointer {
         Error::check_request(context.device(), req.size)?;
         let state = context.state();
         state.bury();
+        // The epoch this allocation is made in: a reset during it makes
+        // the memory stale, whenever the reset came.
+        let epoch = state.epoch();
         let p = match req.source {
             Source::Pool if state.pooled() && req.size != 0 => {
                 let stream = req.stream.and_then(ordering_stream);
-                let block = state.pool_alloc(context, req.size, stream, req.client)?;
+                let block = state.pool_alloc(context, req.size, stream, req.client, epoch)?;
                 if state.graphs().watching() {
                     // The block belongs to an announced capture under way, if
                     // its stream takes part in one (or, with no stream
@@ -93,6 +96,10 @@ impl DevicePointer {
                 }
                 let origin = Origin::Pool(block.class);
                 let mut p = DevicePointer::base(context.clone(), block.address, req.size, origin);
+                // The epoch the pool checked under its lock, not the one
+                // now: a reset since makes this block stale, and its
+                // release touches nothing of the new epoch's.
+                p.generation = epoch;
                 p.pool_shard = block.shard;
                 p.client = req.client;
                 if let Some(s) = stream {
@@ -100,17 +107,19 @@ impl DevicePointer {
                 }
                 DevicePointer::counted(context, p)
             }
-            Source::Pool | Source::Driver => DevicePointer::from_driver(context, req, |ctx| {
-                // SAFETY: `ctx.raw()` is retained by the Context.
-                unsafe { ctx.driver().mem_alloc(ctx.raw(), req.size) }
-            })?,
+            Source::Pool | Source::Driver => {
+                DevicePointer::from_driver(context, req, epoch, |ctx| {
+                    // SAFETY: `ctx.raw()` is retained by the Context.
+                    unsafe { ctx.driver().mem_alloc(ctx.raw(), req.size) }
+                })?
+            }
             Source::Managed { attach_global } => {
                 let flags = if attach_global {
                     MEM_ATTACH_GLOBAL
                 } else {
                     MEM_ATTACH_HOST
                 };
-                DevicePointer::from_driver(context, req, |ctx| {
+                DevicePointer::from_driver(context, req, epoch, |ctx| {
                     // SAFETY: `ctx.raw()` is retained by the Context.
                     unsafe { ctx.driver().mem_alloc_managed(ctx.raw(), req.size, flags) }
                 })?
@@ -163,6 +172,7 @@ impl DevicePointer {
     fn from_driver(
         context: &Arc<Context>,
         req: AllocRequest,
+        epoch: u64,
         allocate: impl FnOnce(&Context) -> Result<DevicePtr>,
     ) -> Result<Arc<Self>> {
         let (address, registration) = if req.size == 0 {
@@ -184,6 +194,8 @@ impl DevicePointer {
             (address, Some(reg))
         };
         let mut p = DevicePointer::base(context.clone(), address, req.size, Origin::Driver);
+        // Stale if a reset came during the allocation.
+        p.generation = epoch;
         p.managed = matches!(req.source, Source::Managed { .. });
         p.registration = registration;
         p.client = req.client;

@@ -338,13 +338,21 @@ impl DevicePointer {
     /// with [`DevicePointer::record_stream`]). Its block is reused at once by
     /// allocations on `stream`, and by others after a fence.
     pub fn free_on(&self, stream: RawStream) -> Result<bool> {
+        self.release_on(stream);
+        self.free()
+    }
+
+    /// Release the memory on `stream` when it is released (freed, or its
+    /// last holder lets go), as [`DevicePointer::free_on`] does, without
+    /// freeing it now: an owner that lets go while others (a loan, a view)
+    /// still hold it.
+    pub fn release_on(&self, stream: RawStream) {
         match ordering_stream(stream) {
             Some(s) if self.stream.load(Ordering::Relaxed) != MANY_STREAMS => {
                 self.stream.store(s, Ordering::Relaxed)
             }
             _ => self.stream.store(MANY_STREAMS, Ordering::Relaxed),
         }
-        self.free()
     }
 
     /// The pool block this memory is, of size class `class`, as it goes

@@ -17,16 +17,113 @@
 //!
 //! [`PoolConfig::host_cache_bytes`]: super::PoolConfig::host_cache_bytes
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use super::class::size_class;
-use super::shard::Shard;
+use super::class::{size_class, FastMap};
 use super::Pool;
 use crate::driver::{relaxed, DevicePtr, HostPtr, RawContext};
 use crate::error::Result;
-use crate::stats::{Client, HostStats};
+use crate::stats::HostStats;
 use crate::sync::lock;
+
+/// A host shard: ready blocks by size class, and blocks waiting for a
+/// fence, pending and then sealed in batches.
+#[derive(Default)]
+pub(super) struct Shard {
+    ready: FastMap<usize, Vec<DevicePtr>>,
+    ready_bytes: usize,
+    pending: Vec<(DevicePtr, usize)>,
+    pending_bytes: usize,
+    sealed: VecDeque<(u64, Vec<(DevicePtr, usize)>)>,
+    sealed_bytes: usize,
+    live_bytes: usize,
+    live_count: usize,
+    hits: u64,
+    misses: u64,
+}
+
+impl Shard {
+    fn take(&mut self, class: usize, done: u64) -> Option<DevicePtr> {
+        self.promote(done);
+        let p = self.ready.get_mut(&class)?.pop()?;
+        self.ready_bytes -= class;
+        Some(p)
+    }
+
+    fn put_ready(&mut self, p: DevicePtr, class: usize) {
+        self.ready.entry(class).or_default().push(p);
+        self.ready_bytes += class;
+    }
+
+    fn take_any_ready(&mut self) -> Option<(DevicePtr, usize)> {
+        let (p, class) = self
+            .ready
+            .iter_mut()
+            .find_map(|(&class, v)| v.pop().map(|p| (p, class)))?;
+        self.ready_bytes -= class;
+        Some((p, class))
+    }
+
+    fn put_pending(&mut self, p: DevicePtr, class: usize) {
+        self.pending.push((p, class));
+        self.pending_bytes += class;
+    }
+
+    pub(super) fn pending_count(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub(super) fn newest_sealed(&self) -> u64 {
+        self.sealed.back().map_or(0, |b| b.0)
+    }
+
+    /// Seal the pending blocks for fence `seq` (asked for under this
+    /// shard's lock, after every free in it).
+    pub(super) fn seal(&mut self, seq: u64) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let blocks = std::mem::take(&mut self.pending);
+        self.sealed_bytes += std::mem::take(&mut self.pending_bytes);
+        self.sealed.push_back((seq, blocks));
+    }
+
+    pub(super) fn promote(&mut self, done: u64) {
+        while self.sealed.front().is_some_and(|b| b.0 <= done) {
+            let (_, blocks) = self.sealed.pop_front().expect("checked");
+            for (p, class) in blocks {
+                self.sealed_bytes -= class;
+                self.put_ready(p, class);
+            }
+        }
+    }
+
+    fn handed_out(&mut self, size: usize, hit: bool) {
+        self.live_bytes += size;
+        self.live_count += 1;
+        if hit {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+    }
+
+    /// Empty the cache into `out`: every block with its class and whether
+    /// its fence is done.
+    fn drain(&mut self, out: &mut Vec<(DevicePtr, usize, bool)>) {
+        for (class, v) in self.ready.drain() {
+            out.extend(v.into_iter().map(|p| (p, class, true)));
+        }
+        let waiting = self
+            .pending
+            .drain(..)
+            .chain(self.sealed.drain(..).flat_map(|b| b.1));
+        out.extend(waiting.map(|(p, class)| (p, class, false)));
+        (self.ready_bytes, self.pending_bytes, self.sealed_bytes) = (0, 0, 0);
+    }
+}
 
 /// Flag combinations (`HOST_ALLOC_PORTABLE | DEVICEMAP | WRITECOMBINED`
 /// are bits 0 to 2): one shard each.
@@ -117,14 +214,14 @@ impl Pool {
             if !still_valid() {
                 return Ok(None);
             }
-            if let Some(p) = sh.take(class, None, || self.fencer.done()) {
+            if let Some(p) = sh.take(class, self.fencer.done()) {
                 self.host.cached.fetch_sub(class, Ordering::Relaxed);
-                Self::handed_out(&mut sh, size, class, true, Client::Direct);
+                sh.handed_out(size, true);
                 return Ok(Some(block(p as HostPtr)));
             }
             // A miss: start the fence for what this shard holds back, so
             // that it is ready for a later request. Nothing waits for it.
-            sh.seal(&self.fencer, context, false);
+            self.host_seal(&mut sh, context);
         }
         let p = match self.host_new(context, class, flags) {
             Err(e) if e.is_oom() => {
@@ -141,7 +238,7 @@ impl Pool {
                 // Counted held here, under the lock a reset's forget takes
                 // after its new epoch: never after the forget zeroed it.
                 self.host.held.fetch_add(class, Ordering::Relaxed);
-                Self::handed_out(&mut sh, size, class, false, Client::Direct);
+                sh.handed_out(size, false);
                 return Ok(Some(block(p)));
             }
         }
@@ -153,6 +250,14 @@ impl Pool {
             self.driver.host_free(context, p)
         });
         Ok(None)
+    }
+
+    /// Seal what `sh` holds back, for a fence asked for now (under its
+    /// lock, after every free it seals).
+    fn host_seal(&self, sh: &mut Shard, context: RawContext) {
+        if sh.pending_count() > 0 {
+            sh.seal(self.fencer.request(context));
+        }
     }
 
     /// One `cuMemHostAlloc` of `class` bytes (the caller counts it held).
@@ -189,12 +294,13 @@ impl Pool {
             }
             // Saturating: no panic in a deleter.
             sh.live_bytes = sh.live_bytes.saturating_sub(size);
-            let c = sh.class_count(block.class);
-            c.live = c.live.saturating_sub(1);
+            sh.live_count = sh.live_count.saturating_sub(1);
             sh.put_pending(block.address as DevicePtr, block.class);
             self.host.cached.fetch_add(block.class, Ordering::Relaxed);
-            if sh.fence_due(&self.config) {
-                sh.seal(&self.fencer, context, false);
+            if sh.pending_count() >= self.config.fence_count
+                || sh.pending_bytes >= self.config.fence_bytes
+            {
+                self.host_seal(&mut sh, context);
             }
         }
         if self.host.cached.load(Ordering::Relaxed) > self.host.cap {
@@ -217,8 +323,8 @@ impl Pool {
     pub(crate) fn host_settle_seal(&self, context: RawContext) -> u64 {
         let mut newest = 0;
         self.host.each(|sh| {
-            sh.seal(&self.fencer, context, false);
-            newest = newest.max(sh.sealed.back().map_or(0, |b| b.seq));
+            self.host_seal(sh, context);
+            newest = newest.max(sh.newest_sealed());
         });
         newest
     }
@@ -309,7 +415,7 @@ impl Pool {
                             sh.put_ready(p, class);
                         } else {
                             sh.put_pending(p, class);
-                            sh.seal(&self.fencer, context, false);
+                            self.host_seal(&mut sh, context);
                         }
                         self.host.cached.fetch_add(class, Ordering::Relaxed);
                         if first_err.is_ok() {
@@ -335,9 +441,7 @@ impl Pool {
     pub(super) fn host_forget(&self) {
         self.host.each(|sh| {
             sh.drain(&mut Vec::new());
-            sh.live_bytes = 0;
-            sh.class_live.iter_mut().for_each(|c| c.live = 0);
-            sh.large_live.clear();
+            (sh.live_bytes, sh.live_count) = (0, 0);
         });
         self.host.held.store(0, Ordering::Relaxed);
         self.host.cached.store(0, Ordering::Relaxed);
@@ -354,7 +458,7 @@ impl Pool {
         self.host.each(|sh| {
             sh.promote(done);
             s.live_bytes += sh.live_bytes;
-            s.live_count += sh.live_count();
+            s.live_count += sh.live_count;
             let waiting = sh.pending_bytes + sh.sealed_bytes;
             s.pending_bytes += waiting;
             s.cached_bytes += sh.ready_bytes + waiting;

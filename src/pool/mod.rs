@@ -1,136 +1,116 @@
-//! The caching pool in front of `cuMemAlloc`, one per device.
+//! The caching pool in front of `cuMemAlloc`, one per device: PyTorch's
+//! caching allocator's design, with a second reuse rule for memory freed
+//! without a stream.
 //!
-//! **The reuse rule.** A freed block is handed to a new owner only after
-//! all work queued before its free, on *every* stream of its context, has
-//! finished; or, for a block freed on a known stream, at once to a new owner
-//! on that same stream (stream order then puts the new owner's work after
-//! the old owner's).
+//! **Blocks fit the request.** The pool holds driver allocations
+//! (*segments*) and cuts them into blocks: a request takes the smallest
+//! free block that fits (sizes round up to 512 bytes) and splits off the
+//! rest, and a freed block merges with its free neighbours (`arena.rs`).
+//! A miss grows the pool by one segment, sized as PyTorch sizes them: 2 MiB
+//! for requests of at most 1 MiB (the *small* pool, whose segments never
+//! serve larger requests), 20 MiB for requests under 10 MiB, and the
+//! request rounded up to 2 MiB above that (`segments.rs`). Nothing goes
+//! back to the driver until a user asks ([`Pool::trim`]) or the driver runs
+//! out of memory.
 //!
-//! - A block freed without a stream (numba's `memalloc` knows none) is
-//!   *pending*. Pending blocks are *sealed* into a batch, and the device's
-//!   fence thread calls `cuCtxSynchronize`, which returns once every
-//!   task queued before the call, on every stream (legacy, per-thread,
-//!   blocking and non-blocking), is done. Then the batch is *ready* for
-//!   anyone. The allocating thread never waits: a miss meanwhile takes
-//!   another ready block or goes to the driver.
-//! - A block freed on stream `s` (`free(stream=s)`, or dropped after
-//!   `alloc(n, stream=s)`) is kept on `s`'s list, reused at once by
-//!   allocations on `s`, and sealed with the next batch for everyone else.
-//!   A block also used on another stream (`record_stream`) takes the
-//!   unordered path.
-//! - A batch is sealed when [`PoolConfig::fence_count`] blocks or
-//!   [`PoolConfig::fence_bytes`] bytes are pending, at [`SEAL_IDLE_BYTES`]
-//!   if no batch of the shard waits for its fence as they reach it, at
-//!   [`SEAL_BYTES`] in any case, and on any miss that finds blocks pending. Out of memory seals every
-//!   shard, *waits* for the fence, and retries; past that rung its owner (the device's ladder,
-//!   `device/oom.rs`) gives the cache back to the driver and asks again, up
-//!   to four rounds while each trim frees something.
+//! **Two reuse rules.**
+//! - *Stream-ordered* (a block allocated for, or freed on, a known stream:
+//!   PyTorch, CuPy, RMM, cuda.core, `alloc(n, stream=s)`): a block freed on
+//!   stream `s` is free on `s` at once; stream order puts any later work on
+//!   `s` after the old owner's. Other streams get it after a fence, or when
+//!   the driver runs out of memory (below).
+//! - *Fenced* (freed with no stream known: numba's plugin, `gpuptr.alloc`,
+//!   or memory also used on another stream, `record_stream`): the block
+//!   *waits* until a fence has run after its free. The device's fence
+//!   thread calls `cuCtxSynchronize`, which returns once every task queued
+//!   before it, on every stream, is done (`fence.rs`); the block is then
+//!   free for anyone. One fence per arena is asked for as soon as a block
+//!   waits and none is under way; frees meanwhile gather for the next.
 //!
-//! **Growth.** On an idle device a miss allocates one block
-//! (`cuMemAlloc`), within the pool's budget (`budget.rs`). While freed
-//! blocks wait for an outstanding fence (a busy GPU holds them back), a
-//! miss allocates up to [`CARVE_MAX`] blocks of its class in one
-//! allocation of [`CARVE_BYTES`], doubling with each growth under
-//! the same fence up to [`CARVE_BYTES_MAX`], and keeps the rest ready:
-//! fresh memory is safe for anyone, and one driver call serves several
-//! misses. A carved block lies inside one driver allocation, so IPC
-//! (`cuMemGetAddressRange` gives the base, plus an offset) works for pooled
-//! pointers, and [`Pool::trim`] frees an allocation once all its blocks are
-//! cached. Each block is registered with its own range.
+//! **A miss, top to bottom** ([`Pool::alloc`]):
+//! 1. the best fit in the caller's arena;
+//! 2. (no stream) memory anyone may use in another arena;
+//! 3. a fence under way: wait for it and reuse what it frees (an idle
+//!    GPU's fence takes microseconds), unless it has spun longer than a
+//!    growth costs (the pool's own `cuMemAlloc` time, measured) on its
+//!    thread's CPU: a busy GPU;
+//! 4. the growth helper allocating for this arena: wait for it;
+//! 5. grow by one segment. While a fence has spun longer than a growth costs
+//!    (a busy GPU holds every fenced free back), memory freed without a
+//!    stream cannot come back soon: such a growth is at least
+//!    [`PoolConfig::ahead_bytes`], and the helper grows the arena ahead of
+//!    demand (`ahead.rs`), so the allocating thread rarely waits for a busy
+//!    GPU's `cuMemAlloc`;
+//! 6. the driver refused: seal every arena, wait for the fence that covers
+//!    it all, make every free block free for anyone, and take the best fit
+//!    anywhere; the device then gives free segments back and asks again
+//!    (`device/oom.rs`).
 //!
-//! **Shards.** The cache is split into shards, each behind its own lock, so
-//! threads do not queue on one mutex. A thread allocates from its own shard
-//! (threads are dealt out to shards round-robin), and a block returns to the
-//! shard it was handed out from, even when another thread frees it. A miss
-//! looks in the other shards before it calls the driver.
+//! **Arenas.** The cache is split into arenas, each behind its own lock:
+//! stream-ordered requests go to the arena of their stream, others to the
+//! arena of their thread (threads are dealt out round-robin), so threads
+//! rarely queue on one mutex. A block goes back to the arena it came from.
 //!
 //! The pool talks to the driver alone (no [`Runtime`](crate::Runtime)), so
 //! it is tested on a bare simulator.
 
-//! The pool's rooms: `class` (size classes), `shard` (one lock's cache),
-//! `fence` (the fence thread), `ahead` (growth ahead, on its own thread),
-//! `helper` (the skeleton both threads share), `held` (driver allocations,
-//! carving, the limit, trim, and [`Block`]), `oom` (the fence rung of out
-//! of memory), `host` (the cache of pinned host memory, one shard per flag
-//! combination under the same fence), and this façade. It knows nothing of
-//! pointers: a release hands it a [`Block`].
-
 mod ahead;
-mod budget;
+mod arena;
 mod class;
 mod fence;
-mod held;
 mod helper;
 mod host;
-mod oom;
-mod shard;
+mod segments;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
+use crate::driver::{Driver, RawContext, RawStream};
 use crate::error::Result;
 use crate::stats::{ClassStats, Client, PoolStats};
 use crate::sync::lock;
 use ahead::{Grower, AHEAD_WAIT};
+use arena::{round, Arena, Tag, ANY};
+pub(crate) use arena::{BlockState, Kind};
 pub use class::size_class;
-use class::{class_index, class_of_index, FastMap, SMALL_CLASSES};
-use fence::{Fencer, Line};
-pub(crate) use held::{Allocation, Block, Grant};
-use held::{Growth, Held, CARVE_MAX};
+use class::FastMap;
+use fence::Fencer;
 pub(crate) use host::HostBlock;
 use host::HostCache;
-use shard::{ticket, Padded, Shard};
-
-/// A free seals its shard's pending blocks as they reach this many bytes,
-/// if no batch of the shard waits for its fence then (see
-/// [`Pool::release`]). The shard's own list, not the fence count: the
-/// fence thread writes that at every fence.
-const SEAL_IDLE_BYTES: usize = 4 << 20;
-/// ... and once they are at least this many bytes in any case: half of the
-/// default budget, so that a pool within it keeps half its stock ready
-/// while a fence runs. A tight loop of 1 MiB pairs on an idle H200 fenced
-/// once per 16 pairs at this size against once per 8 at 8 MiB.
-const SEAL_BYTES: usize = 16 << 20;
+use segments::Held;
+pub(crate) use segments::{Allocation, Block, Grant, SegmentView};
 
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// Seal a batch for the fence once this many blocks are pending (per shard).
+    /// An arena seals its blocks freed without a stream into a batch for a
+    /// fence as soon as no batch of it waits for one, and once this many
+    /// are pending in any case.
     pub fence_count: usize,
-    /// Seal a batch once this many bytes are pending (per shard).
+    /// ... or once this many bytes are.
     pub fence_bytes: usize,
-    /// Number of shards, rounded up to a power of two. The default is the
+    /// Number of arenas, rounded up to a power of two. The default is the
     /// number of CPUs, at most 16.
     pub shards: usize,
     /// The least time between the starts of two fences: after each one the
-    /// helper thread rests this long (unless an out-of-memory waiter needs
-    /// the next), so frees gather into fewer fences and the helper takes
-    /// little CPU from the threads that allocate. Zero (the default): back
-    /// to back, which keeps an idle GPU's pool within its budget.
+    /// fence thread rests this long (unless an out-of-memory waiter needs
+    /// the next), so frees gather into fewer fences. Zero (the default):
+    /// back to back.
     pub fence_pace: Duration,
-    /// Growth ahead of demand: while frees wait for a fence, each shard
-    /// keeps up to this many bytes (at most 64 blocks) of every class it
-    /// churns ready, grown on a helper thread, so that an allocation on a
-    /// busy GPU finds a block instead of waiting for the driver. Classes
-    /// larger than this are not grown ahead. Zero: off.
+    /// Growth ahead of demand for memory freed without a stream: while a
+    /// busy GPU holds such frees back, an arena that churns them keeps at
+    /// least this many bytes free for anyone, grown in segments of this
+    /// size on a helper thread, so that an allocation finds a block rather
+    /// than wait for the driver. Zero: off.
     pub ahead_bytes: usize,
-    /// The most ready bytes the pool holds before it stops growing ahead.
-    /// Growth ahead also stops while it would leave less than a quarter of
-    /// the device's memory free.
+    /// The most bytes free for anyone the pool holds before it stops
+    /// growing ahead. Growth ahead also stops while it would leave less
+    /// than a quarter of the device's memory free.
     pub ahead_total: usize,
-    /// The least budget of the pool while the GPU is idle: it holds at most
-    /// `max(1.5 x live, headroom_bytes)` bytes then (`live`: what its
-    /// users hold). Past that, a miss waits (at most 20 µs) for the fence
-    /// of a freed block of its class and reuses it; else it grows, and the
-    /// helper gives idle cache back until the pool is within the budget
-    /// again (see the `budget` module). A busy GPU (a fence its thread has
-    /// run in for 20 µs) grows past it: the blocks its queued work holds
-    /// back are never handed out.
-    pub headroom_bytes: usize,
     /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
     /// caches for reuse, under the same fence as device memory; classes
     /// larger than this are not cached. Zero: no host cache (every free
@@ -141,77 +121,59 @@ pub struct PoolConfig {
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
-            // One fence request per 32 frees; the byte cap bounds how much
-            // memory waits for a fence.
-            fence_count: 32,
-            fence_bytes: 64 << 20,
+            fence_count: 64,
+            fence_bytes: 16 << 20,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
             fence_pace: Duration::ZERO,
             ahead_bytes: 64 << 20,
             ahead_total: 512 << 20,
-            headroom_bytes: 32 << 20,
             host_cache_bytes: 512 << 20,
         }
     }
 }
 
+/// What a growth costs before the pool has measured one: a `cuMemAlloc`
+/// took 39-99 µs on an H100 while kernels ran, and 40-60 µs on an idle
+/// H200.
+const GROW_COST_FIRST: Duration = Duration::from_micros(50);
+
+/// The longest a miss waits for a fence that has not spun long enough to
+/// mean a busy GPU (see [`Fencer::wait_unless_busy`]): its thread waits
+/// for a CPU, or the driver blocks rather than spins while the GPU works.
+/// About a scheduler's wake-up on a loaded host (the simulator on two CPUs
+/// with a process spinning beside them: fences that waited for a CPU
+/// started within a millisecond).
+const FENCE_WAIT_MAX: Duration = Duration::from_millis(1);
+
 /// A device's caching pool, over the driver alone.
 pub(crate) struct Pool {
     config: PoolConfig,
     driver: Arc<dyn Driver>,
-    shards: Box<[Padded]>,
+    arenas: Box<[Padded]>,
     fencer: Fencer,
     held: Mutex<Held>,
-    growth: Mutex<Growth>,
-    /// Held while a growth is claimed ([`Pool::claim`]): the room the
-    /// budget leaves is read and spent in one step.
-    claiming: Mutex<()>,
     /// The most bytes `held` may hold (`usize::MAX`: no limit).
     limit: AtomicUsize,
+    /// The pool's own `cuMemAlloc` calls' mean time in nanoseconds (a
+    /// moving average): what a growth costs, so what waiting for a fence
+    /// may cost at most.
+    grow_ns: AtomicU64,
     grower: Grower,
-    /// The shard and class the helper is allocating for now; a miss of
-    /// that class in that shard waits on `grown` rather than ask the driver
-    /// too (the driver makes one allocation at a time).
-    ahead: Mutex<Option<(usize, usize)>>,
+    /// The arena the growth helper is allocating for now; a miss there
+    /// waits on `grown` rather than ask the driver too (the driver makes
+    /// one allocation at a time).
+    ahead: Mutex<Option<usize>>,
     grown: Condvar,
     /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests on slow
     /// hosts lengthen it).
     ahead_wait: Duration,
-    /// Per class index: the ready blocks a shard keeps while it churns that
-    /// class (0: not grown ahead).
-    ahead_blocks: Box<[u32]>,
     /// Told of each driver allocation the pool records (`true`) or gives up
     /// (`false`), before any of its blocks is handed out and before the
     /// driver may hand its addresses to someone else ([`Pool::on_segments`]).
     segments: Option<SegmentEvents>,
-    /// Told of each allocation the pool gives back on its own (idle cache
-    /// past its budget, [`Pool::give_back`]) before its free: the owner
-    /// forgets its blocks' registry entries. Without it nothing is given
-    /// back but by a trim.
-    forget_hook: Option<ForgetHook>,
-    /// A settle ([`Pool::settle`]) is asked for or under way: one at a time.
-    settling: AtomicBool,
-    /// The fence (by its start, `Fencer::busy_fence`) the growth helper last
-    /// found running long but not busy.
-    idle_verdict: AtomicU64,
-    /// The pool grew for a busy GPU (past its budget): the number of a
-    /// fence that ends after the work that held frees back then (0: nothing
-    /// to settle). Once it is done, the next hand-out asks for a settle, so
-    /// that the growth goes back once the GPU is idle, even where no miss
-    /// follows to ask for it (see [`Pool::settle_due`]).
-    /// On a cache line of its own: every hand-out reads it.
-    grew_past: Line<AtomicU64>,
-    /// Settles in a row that gave nothing back (see `budget.rs`).
-    fruitless: std::sync::atomic::AtomicU32,
-    /// The settle asked for or under way is one after a busy spell
-    /// ([`Pool::settle_due`]): it asks for the next while it gives back.
-    after_busy: AtomicBool,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
-
-/// What [`Pool::on_give_back`] calls.
-pub(crate) type ForgetHook = Box<dyn Fn(&Allocation) + Send + Sync>;
 
 /// What [`Pool::on_segments`] calls.
 pub(crate) type SegmentEvents = Box<dyn Fn(bool, &Allocation) + Send + Sync>;
@@ -224,6 +186,56 @@ impl std::fmt::Debug for Pool {
     }
 }
 
+/// One request on its way down the miss ladder ([`Pool::alloc`]).
+struct Ask<V> {
+    /// The arena it goes to first (its stream's, or its thread's).
+    home: usize,
+    /// Its stream, or [`ANY`].
+    tag: Tag,
+    /// Its size rounded ([`round`]), and as asked.
+    want: usize,
+    size: usize,
+    client: Client,
+    /// Whether its context is still the device's (see [`Pool::alloc`]).
+    valid: V,
+}
+
+impl<V: Fn() -> bool> Ask<V> {
+    /// The best fit for it on `tag` in arena `i` (locked as `a`), handed
+    /// out, if its context is still valid.
+    #[inline]
+    fn take(&self, a: &mut Arena, i: usize, tag: Tag) -> Option<Grant> {
+        if !(self.valid)() {
+            return None;
+        }
+        let (p, n) = a.take(tag, self.want)?;
+        a.handed_out(self.size, self.client, true);
+        Some(Grant::new(p, n, i, None, false))
+    }
+}
+
+/// An arena on cache lines of its own, so threads on neighbouring arenas
+/// do not slow each other down.
+#[repr(align(128))]
+struct Padded(Mutex<Arena>);
+
+thread_local! {
+    /// This thread's ticket; its arena in a pool of `n` is `ticket % n`.
+    static TICKET: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+fn ticket() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    TICKET.with(|t| {
+        let mut v = t.get();
+        if v == usize::MAX {
+            v = NEXT.fetch_add(1, Ordering::Relaxed);
+            t.set(v);
+        }
+        v
+    })
+}
+
 impl Pool {
     pub(crate) fn new(config: PoolConfig, driver: Arc<dyn Driver>) -> Self {
         let n = config.shards.clamp(1, 1 << 10).next_power_of_two();
@@ -234,34 +246,17 @@ impl Pool {
             },
             fencer: Fencer::new(driver.clone(), config.fence_pace),
             driver,
-            shards: (0..n)
-                .map(|_| Padded(Mutex::new(Shard::default())))
+            arenas: (0..n)
+                .map(|_| Padded(Mutex::new(Arena::default())))
                 .collect(),
             held: Mutex::new(Held::default()),
-            growth: Mutex::new(Growth::default()),
-            claiming: Mutex::new(()),
             limit: AtomicUsize::new(usize::MAX),
+            grow_ns: AtomicU64::new(GROW_COST_FIRST.as_nanos() as u64),
             grower: Grower::new(),
             ahead: Mutex::new(None),
             grown: Condvar::new(),
             ahead_wait: AHEAD_WAIT,
-            ahead_blocks: (0..SMALL_CLASSES)
-                .map(|i| {
-                    let class = class_of_index(i);
-                    if config.ahead_bytes < class {
-                        0
-                    } else {
-                        (config.ahead_bytes / class).min(CARVE_MAX) as u32
-                    }
-                })
-                .collect(),
             segments: None,
-            forget_hook: None,
-            settling: AtomicBool::new(false),
-            idle_verdict: AtomicU64::new(0),
-            grew_past: Line(AtomicU64::new(0)),
-            fruitless: std::sync::atomic::AtomicU32::new(0),
-            after_busy: AtomicBool::new(false),
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -273,14 +268,6 @@ impl Pool {
         self
     }
 
-    /// Let the pool give idle cache back to the driver past its budget,
-    /// calling `f` with each allocation before its free (see
-    /// [`PoolConfig::headroom_bytes`]).
-    pub(crate) fn on_give_back(mut self, f: ForgetHook) -> Self {
-        self.forget_hook = Some(f);
-        self
-    }
-
     #[inline]
     fn segment_event(&self, made: bool, a: &Allocation) {
         if let Some(f) = &self.segments {
@@ -288,137 +275,117 @@ impl Pool {
         }
     }
 
-    fn shard(&self, i: usize) -> MutexGuard<'_, Shard> {
-        lock(&self.shards[i].0)
+    #[inline]
+    fn arena(&self, i: usize) -> MutexGuard<'_, Arena> {
+        lock(&self.arenas[i & (self.arenas.len() - 1)].0)
     }
 
-    /// The shard the calling thread allocates from.
+    /// The arena a request on `stream` (`None`: no stream) goes to: its
+    /// stream's, else its thread's.
     #[inline]
-    fn own_shard(&self) -> usize {
-        if self.shards.len() == 1 {
-            0
-        } else {
-            ticket() & (self.shards.len() - 1)
+    fn arena_for(&self, stream: Option<RawStream>) -> usize {
+        let n = self.arenas.len();
+        if n == 1 {
+            return 0;
         }
+        let key = match stream {
+            // Stream handles are pointers: mix their bits.
+            Some(s) => (s as u64)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .rotate_left(29) as usize,
+            None => ticket(),
+        };
+        key & (n - 1)
+    }
+
+    /// What a growth costs: the pool's own `cuMemAlloc` calls' mean time.
+    #[inline]
+    fn grow_cost(&self) -> Duration {
+        Duration::from_nanos(self.grow_ns.load(Ordering::Relaxed))
+    }
+
+    /// Whether a fence has spun longer than a growth costs (see
+    /// [`Fencer::spun`]): work queued on the GPU holds fenced frees back,
+    /// and waiting for them would cost more than the driver.
+    #[inline]
+    fn gpu_busy(&self) -> bool {
+        self.fencer.spun(self.grow_cost())
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
         let mut s = PoolStats::default();
         let done = self.fencer.done();
-        for i in 0..self.shards.len() {
-            let mut sh = self.shard(i);
-            // Batches whose fence is done no longer wait: a shard whose
+        for i in 0..self.arenas.len() {
+            let mut a = self.arena(i);
+            // Batches whose fence is done no longer wait: an arena whose
             // thread stopped allocating would report them pending forever.
-            sh.promote(done);
-            s.live_bytes += sh.live_bytes;
-            s.live_count += sh.live_count();
-            s.peak_bytes += sh.peak_bytes;
-            s.alloc_count += sh.alloc_count;
-            let waiting = sh.pending_bytes + sh.sealed_bytes;
-            s.pending_bytes += waiting;
-            s.cached_bytes += sh.ready_bytes + sh.stream_bytes + waiting;
-            s.hits += sh.hits;
-            s.misses += sh.misses;
-            s.fences += sh.fences;
-            for (t, c) in s.clients.iter_mut().zip(&sh.clients) {
+            a.promote(done);
+            s.live_bytes += a.live_bytes;
+            s.live_count += a.live_count;
+            s.peak_bytes += a.peak_bytes;
+            s.alloc_count += a.alloc_count;
+            s.pending_bytes += a.waiting_bytes();
+            s.cached_bytes += a.free_bytes() + a.waiting_bytes();
+            s.hits += a.hits;
+            s.misses += a.misses;
+            s.fences += a.fences;
+            for (t, c) in s.clients.iter_mut().zip(&a.clients) {
                 *t += *c;
             }
         }
         s
     }
 
-    /// Forget the peaks: each shard's peak becomes its live bytes.
+    /// Forget the peaks: each arena's peak becomes its live bytes.
     pub(crate) fn reset_peak(&self) {
         {
             let mut held = lock(&self.held);
             held.peak = held.bytes;
-            held.segments.reset_peak();
+            held.segments_stats.reset_peak();
         }
-        for i in 0..self.shards.len() {
-            let mut sh = self.shard(i);
-            sh.peak_bytes = sh.live_bytes;
-            sh.class_live.iter_mut().for_each(|c| c.peak = c.live);
-            sh.large_live.values_mut().for_each(|c| c.peak = c.live);
+        for i in 0..self.arenas.len() {
+            let mut a = self.arena(i);
+            a.peak_bytes = a.live_bytes;
+            a.class_live.iter_mut().for_each(|c| c.peak = c.live);
+            a.large_live.values_mut().for_each(|c| c.peak = c.live);
         }
     }
 
-    /// Per size class: blocks handed out now, the most at once (the sum of
-    /// the shards' peaks: exact with one thread, an upper bound with
-    /// several), and blocks cached. Classes with none of these are left out.
+    /// Per size class of the requests: blocks handed out now, the most at
+    /// once (the sum of the arenas' peaks: exact with one arena, an upper
+    /// bound with several), and free or waiting blocks by the size class of
+    /// their sizes. Classes with none of these are left out.
     pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
-        let mut by: FastMap<usize, ClassStats> = FastMap::default();
-        let mut cached = FastMap::default();
-        fn entry(by: &mut FastMap<usize, ClassStats>, class: usize) -> &mut ClassStats {
-            by.entry(class).or_insert(ClassStats {
-                class,
-                ..ClassStats::default()
-            })
+        let mut by: FastMap<usize, (usize, usize, usize)> = FastMap::default();
+        for i in 0..self.arenas.len() {
+            self.arena(i).class_counts(&mut by);
         }
-        for i in 0..self.shards.len() {
-            let sh = self.shard(i);
-            let counts = sh
-                .class_live
-                .iter()
-                .enumerate()
-                .map(|(i, c)| (class_of_index(i), *c))
-                .chain(sh.large_live.iter().map(|(k, c)| (*k, *c)));
-            for (class, c) in counts.filter(|(_, c)| c.peak > 0) {
-                let e = entry(&mut by, class);
-                e.live_blocks += c.live;
-                e.peak_blocks += c.peak;
-            }
-            sh.cached_by_class(&mut cached);
-        }
-        for (class, n) in cached {
-            entry(&mut by, class).cached_blocks += n;
-        }
-        let mut v: Vec<ClassStats> = by.into_values().collect();
+        let mut v: Vec<ClassStats> = by
+            .into_iter()
+            .map(
+                |(class, (live_blocks, peak_blocks, cached_blocks))| ClassStats {
+                    class,
+                    live_blocks,
+                    peak_blocks,
+                    cached_blocks,
+                },
+            )
+            .collect();
         v.sort_by_key(|c| c.class);
         v
     }
 
-    fn handed_out(sh: &mut Shard, size: usize, class: usize, hit: bool, client: Client) {
-        let c = sh.class_count(class);
-        c.live += 1;
-        c.peak = c.peak.max(c.live);
-        let k = &mut sh.clients[client.index()];
-        k.live_bytes += size;
-        k.live_count += 1;
-        k.alloc_count += 1;
-        sh.live_bytes += size;
-        sh.peak_bytes = sh.peak_bytes.max(sh.live_bytes);
-        sh.alloc_count += 1;
-        if hit {
-            sh.hits += 1;
-        } else {
-            sh.misses += 1;
-        }
-    }
-
-    /// A block of `class` for `stream` from any shard but `own`, which
-    /// becomes its new home. Busy shards are skipped rather than waited for.
-    fn steal(
-        &self,
-        context: RawContext,
-        own: usize,
-        class: usize,
-        stream: Option<RawStream>,
-    ) -> Option<DevicePtr> {
-        let n = self.shards.len();
-        let done = self.fencer.done();
-        (1..n).find_map(|d| {
-            let mut sh = self.shards[(own + d) % n].0.try_lock().ok()?;
-            let p = sh.take(class, stream, || done);
-            if p.is_none() && sh.fence_due(&self.config) {
-                // Its own thread may never allocate again: start its fence.
-                sh.seal(&self.fencer, context, false);
-            }
-            p
-        })
-    }
-
     /// A block of at least `size` bytes for an owner on `stream` (`None`:
-    /// no stream known) in `context`.
+    /// no stream known) in `context`: the miss ladder of the module
+    /// documentation, rungs 1 to 6. Out of memory past rung 6 is the
+    /// caller's to climb on (give free segments back, ask again).
+    ///
+    /// `valid` (whether `context` is still the device's: no reset since)
+    /// is asked under the arena lock before a block is handed out or a new
+    /// segment joins an arena, the lock a reset's [`Pool::forget`] takes
+    /// too: a reset either comes before (the request fails, and a segment
+    /// grown meanwhile is forgotten with its context) or after (the block
+    /// is the old context's, and goes with it).
     pub(crate) fn alloc(
         &self,
         context: RawContext,
@@ -426,140 +393,217 @@ impl Pool {
         stream: Option<RawStream>,
         device: usize,
         client: Client,
+        valid: impl Fn() -> bool + Copy,
     ) -> Result<Grant> {
-        let class = size_class(size);
-        let index = class_index(class);
-        let own = self.own_shard();
-        let block = |address, new_allocation, ahead| Grant {
-            address,
-            class,
-            shard: own as u16,
-            new_allocation,
-            ahead,
-            settle: false,
+        let ask = Ask {
+            home: self.arena_for(stream),
+            tag: stream.unwrap_or(ANY),
+            want: round(size),
+            size,
+            client,
+            valid,
         };
+        let reset = || {
+            crate::error::Error::InvalidPointer(format!(
+                "the context of device {device} was reset; memory comes from the new one"
+            ))
+        };
+        // 1. The best fit in the caller's arena: one lock, no driver call.
         {
-            // The fast path: one lock, the thread's own shard, no driver call.
-            let mut sh = self.shard(own);
-            if let Some(p) = sh.take(class, stream, || self.fencer.done()) {
-                Self::handed_out(&mut sh, size, class, true, client);
-                if self.fencer.take_rest() {
-                    self.back_from_rest(&mut sh, context);
-                }
-                let ahead = self.ahead_wanted(&mut sh, index);
-                drop(sh);
-                return Ok(Grant {
-                    settle: self.settle_due(),
-                    ..block(p, None, ahead)
-                });
+            let mut a = self.arena(ask.home);
+            if !valid() {
+                return Err(reset());
             }
-            // A miss: start a fence for what this shard holds back, so that
-            // it is ready for a later request. Nothing waits for it now.
-            // And growth ahead is welcome again: a pause that an idle GPU's
-            // quick fences earned (the helper found the stock made up)
-            // must not outlast the GPU turning busy (measured on an H200:
-            // a pause taken in a warm-up left 300 busy pairs to grow on
-            // the allocating thread, p99 141 us instead of about 30).
-            sh.ahead_cooldown = 0;
-            let streams = sh.streams_due(&self.config);
-            sh.seal(&self.fencer, context, streams);
-        }
-        if let Some(p) = self.steal(context, own, class, stream) {
-            Self::handed_out(&mut self.shard(own), size, class, true, client);
-            return Ok(block(p, None, false));
-        }
-        if self.wait_ahead(own, class) {
-            // The helper grew this class meanwhile.
-            let mut sh = self.shard(own);
-            if let Some(p) = sh.take(class, stream, || self.fencer.done()) {
-                Self::handed_out(&mut sh, size, class, true, client);
-                return Ok(block(p, None, false));
+            if a.has_sealed() {
+                a.promote(self.fencer.done());
+            }
+            if let Some(mut g) = ask.take(&mut a, ask.home, ask.tag) {
+                g.ahead = ask.tag == ANY && self.wants_ahead(&mut a);
+                return Ok(g);
+            }
+            // A miss: what waits in this arena is sealed for a fence now.
+            if a.pending_count() > 0 {
+                a.seal(self.fencer.request(context));
             }
         }
-        // Past its budget on an idle GPU, the pool reuses rather than grows.
-        let (room, waiting) = self.room(class);
-        // Frees held back by a fence not yet done: a miss carves (a fence
-        // the fence thread asked for itself, running back to back, holds
-        // nothing back).
-        let held_back = waiting > 0 && self.fencer.outstanding();
-        // Asked once (it may watch the fence thread for a while), and only
-        // where it decides: past the budget, or for a carve.
-        let busy = (room < class || held_back) && self.fencer.busy_confirmed();
-        let mut settle = false;
-        if room < class && !busy {
-            // A block of this class that waits for a fence is worth the
-            // microseconds an idle GPU's fence takes.
-            if let Some(p) = self.wait_fence_and_take(context, own, class) {
-                Self::handed_out(&mut self.shard(own), size, class, true, client);
-                return Ok(block(p, None, false));
+        // 2. Memory anyone may use, in another arena.
+        if ask.tag == ANY {
+            if let Some(g) = self.take_elsewhere(context, &ask) {
+                return Ok(g);
             }
-            // Else a ready block a little larger, rather than grow.
-            if let Some((p, larger)) = self.take_larger(own, class) {
-                Self::handed_out(&mut self.shard(own), size, larger, true, client);
-                return Ok(Grant {
-                    class: larger,
-                    ..block(p, None, false)
-                });
-            }
-            // Else it grows, and idle cache goes back to the driver behind
-            // it, on the helper: a `cuMemFree` waits for the GPU, so the
-            // allocating thread never makes one.
-            settle = self.want_settle();
         }
-        let new = match self.alloc_new(context, class, waiting, held_back, busy) {
-            Ok(new) => {
-                if busy {
-                    self.grew_past_budget();
-                }
-                new
+        // 3. A fence that ends sooner than a growth would: wait, and reuse.
+        if let Some(g) = self.wait_fence_and_take(&ask) {
+            return Ok(g);
+        }
+        // 4. The helper is growing this arena: the driver makes one
+        // allocation at a time, so wait for it rather than queue behind it.
+        if self.wait_ahead(ask.home) {
+            if let Some(g) = ask.take(&mut self.arena(ask.home), ask.home, ask.tag) {
+                return Ok(g);
             }
-            Err(e) if e.is_oom() => match self.fence_all_and_take(context, own, class) {
-                Some(p) => {
-                    Self::handed_out(&mut self.shard(own), size, class, true, client);
-                    return Ok(block(p, None, false));
-                }
-                // Returning the cache to the driver and retrying is the
-                // owner's step (`trim`): it keeps the registry entries.
-                None => return Err(e.oom_on(device, size)),
-            },
-            Err(e) => return Err(e.oom_on(device, size)),
+        }
+        // 5. Grow by a segment: a larger one for a busy GPU's fenced
+        // frees, which come back only once its work is done.
+        let busy = ask.tag == ANY && self.gpu_busy();
+        let fit = segments::segment_size(ask.want);
+        let first = if busy {
+            fit.max(self.config.ahead_bytes)
+        } else {
+            fit
         };
-        let mut sh = self.shard(own);
-        for p in new.block_addresses().skip(1) {
-            // Never used: ready for anyone at once.
-            sh.put_ready(p, class);
+        let kind = Kind::of(ask.want);
+        let mut grown = self.grow(context, ask.home, first, kind);
+        // A device too full for a whole segment may still fit less.
+        let mut tried = first;
+        for smaller in [fit, ask.want] {
+            if smaller < tried && grown.as_ref().is_err_and(|e| e.is_oom()) {
+                tried = smaller;
+                grown = self.grow(context, ask.home, smaller, kind);
+            }
         }
-        Self::handed_out(&mut sh, size, class, false, client);
-        let ahead = self.ahead_wanted(&mut sh, index);
-        Ok(Grant {
-            settle,
-            ..block(new.base, Some(new), ahead)
+        match grown {
+            Ok(new) => {
+                let mut a = self.arena(ask.home);
+                if !valid() {
+                    // Its context went while the driver allocated: so did
+                    // the segment.
+                    drop(a);
+                    self.forget_segment(new.base);
+                    return Err(reset());
+                }
+                a.add_segment(new.base, new.bytes, new.kind);
+                let Some((p, n)) = a.take(ask.tag, ask.want) else {
+                    // The new segment fits the request: unreachable, but a
+                    // deleter-safe answer all the same.
+                    return Err(crate::error::Error::InvalidArgument(
+                        "a new segment did not fit its request".into(),
+                    ));
+                };
+                a.handed_out(size, client, false);
+                let ahead = busy && self.wants_ahead(&mut a);
+                Ok(Grant::new(p, n, ask.home, Some(new), ahead))
+            }
+            // 6. Out of memory: every free block, after a fence.
+            Err(e) if e.is_oom() => self
+                .fence_all_and_take(context, &ask)
+                .ok_or_else(|| e.oom_on(device, size)),
+            Err(e) => Err(e.oom_on(device, size)),
+        }
+    }
+
+    /// Rung 2: a free block anyone may use from an arena other than the
+    /// asker's, which keeps it as its own (it goes back there). Arenas busy
+    /// now are skipped rather than waited for.
+    fn take_elsewhere(&self, context: RawContext, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
+        let n = self.arenas.len();
+        let done = self.fencer.done();
+        (1..n).find_map(|d| {
+            let i = (ask.home + d) & (n - 1);
+            let mut a = self.arenas[i].0.try_lock().ok()?;
+            if a.has_sealed() {
+                a.promote(done);
+            }
+            let found = ask.take(&mut a, i, ANY);
+            if found.is_none() && !a.has_sealed() && a.pending_count() > 0 {
+                // Its own thread may never free again: start its fence.
+                a.seal(self.fencer.request(context));
+            }
+            found
         })
     }
 
-    /// The first hand-out after a rest of the pool ([`Fencer::take_rest`]):
-    /// ask for a fence now (sealing what waits in the shard), and welcome
-    /// growth ahead again. A GPU that turned busy during the rest (a kernel
-    /// launched while nothing allocated) holds back every free from here
-    /// on, and the stock an idle GPU's budget allows lasts a few hundred
-    /// µs of a tight loop: the fence thread and the growth helper (asked at
-    /// the next hand-out that finds a free waiting) wake side by side, and
-    /// the helper's first busy growth lands about when the stock runs out
-    /// rather than a wake-up or two after it. On an idle GPU it costs one
-    /// fence and the helper's look, once per rest.
-    #[cold]
-    fn back_from_rest(&self, sh: &mut Shard, context: RawContext) {
-        if sh.pending.is_empty() {
-            let _ = self.fencer.request(context);
-        } else {
-            sh.seal(&self.fencer, context, false);
+    /// Rung 3: if the asker's arena holds blocks sealed for a fence, wait
+    /// for it unless it turns out a busy GPU's (see
+    /// [`Fencer::wait_unless_busy`]), and take the best fit.
+    fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
+        let newest = self.arena(ask.home).newest_sealed();
+        if newest == 0 || self.fencer.capturing() {
+            return None;
         }
-        sh.ahead_cooldown = 0;
+        if !self
+            .fencer
+            .wait_unless_busy(newest, self.grow_cost(), FENCE_WAIT_MAX)
+        {
+            return None;
+        }
+        let mut a = self.arena(ask.home);
+        a.promote(self.fencer.done());
+        ask.take(&mut a, ask.home, ask.tag)
+    }
+
+    /// Rung 6, out of memory: every free block of every arena, on any
+    /// stream, waits for one fence with what was freed without a stream;
+    /// wait for it (a host-side wait, on this rung alone; none during a
+    /// capture), then take the best fit, in the asker's arena first, then
+    /// anywhere. A waiting block that fits is claimed before the wait, so
+    /// that threads churning the cache meanwhile cannot take every block
+    /// the fence frees before this thread looks.
+    fn fence_all_and_take(
+        &self,
+        context: RawContext,
+        ask: &Ask<impl Fn() -> bool>,
+    ) -> Option<Grant> {
+        let n = self.arenas.len();
+        let mut claimed = None;
+        let fenced = self.fence_everything(context, |i, a| {
+            if claimed.is_none() {
+                claimed = a.claim_waiting(ask.want).map(|(p, got)| (i, p, got));
+            }
+        });
+        if let Some((i, p, got)) = claimed {
+            let mut a = self.arena(i);
+            if fenced && (ask.valid)() && a.take_claimed(p) {
+                a.handed_out(ask.size, ask.client, true);
+                return Some(Grant::new(p, got, i, None, false));
+            }
+            a.unclaim(p);
+        }
+        let done = self.fencer.done();
+        (0..n).find_map(|d| {
+            let i = (ask.home + d) & (n - 1);
+            let mut a = self.arena(i);
+            a.promote(done);
+            ask.take(&mut a, i, ask.tag)
+        })
+    }
+
+    /// Seal every arena's waiting blocks, with every block free on a stream
+    /// (see [`Arena::wait_all_tagged`]), and the host cache's (calling
+    /// `also` with each arena, locked, once sealed), and wait for the fence
+    /// that covers them all; whether it ran (not during a
+    /// capture, nor when it failed). Each arena asks for its fence under
+    /// its own lock, after every free it seals.
+    fn fence_everything(
+        &self,
+        context: RawContext,
+        mut also: impl FnMut(usize, &mut Arena),
+    ) -> bool {
+        if self.fencer.capturing() {
+            return false;
+        }
+        let mut newest = 0;
+        for i in 0..self.arenas.len() {
+            let mut a = self.arena(i);
+            a.wait_all_tagged();
+            if a.pending_count() > 0 {
+                a.seal(self.fencer.request(context));
+            }
+            newest = newest.max(a.newest_sealed());
+            also(i, &mut a);
+        }
+        self.host.each(|sh| {
+            if sh.pending_count() > 0 {
+                sh.seal(self.fencer.request(context));
+            }
+            newest = newest.max(sh.newest_sealed());
+        });
+        newest == 0 || self.fencer.wait(newest)
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`
     /// (`None`: no stream known). No driver call, and no wait.
-    /// `still_valid` is asked under the shard lock, which a reset's
+    /// `still_valid` is asked under the arena lock, which a reset's
     /// [`Pool::forget`] takes too: a block of a context reset since is
     /// refused, its memory gone.
     pub(crate) fn release(
@@ -569,43 +613,27 @@ impl Pool {
         stream: Option<RawStream>,
         still_valid: impl FnOnce() -> bool,
     ) {
-        let mut sh = self.shard(block.shard as usize & (self.shards.len() - 1));
-        if !still_valid() {
+        let mut a = self.arena(usize::from(block.shard));
+        // A block this arena does not hold as handed out (its context was
+        // reset, or it was given back already) is never freed twice.
+        if !still_valid() || !a.is_used(block.address) {
             return;
         }
-        let (size, client) = (block.size, block.client);
-        // Saturating: a reset racing an allocation on another thread may have
-        // zeroed the counts after this block was counted (no panic in a deleter).
-        sh.live_bytes = sh.live_bytes.saturating_sub(size);
-        let c = sh.class_count(block.class);
-        c.live = c.live.saturating_sub(1);
-        let k = &mut sh.clients[client.index()];
-        k.live_bytes = k.live_bytes.saturating_sub(size);
-        k.live_count = k.live_count.saturating_sub(1);
+        a.returned(block.size, block.client);
         match stream {
-            Some(s) => {
-                sh.on_stream
-                    .entry((s, block.class))
-                    .or_default()
-                    .push(block.address);
-                sh.stream_bytes += block.class;
-            }
+            Some(s) => a.free(block.address, s),
             None => {
-                sh.put_pending(block.address, block.class);
-                // Also by bytes, sooner than the configured batch: the fence
-                // then runs while the rest of the stock is handed out, and a
-                // pool kept within its budget rarely has a miss wait for it.
-                // The fence count is read once a batch, as the pending bytes
-                // cross the idle threshold: the fence thread writes it at
-                // every fence, and a free that read it each time would fetch
-                // its line from that thread's core.
-                let crossed = sh.pending_bytes >= SEAL_IDLE_BYTES
-                    && sh.pending_bytes - block.class < SEAL_IDLE_BYTES;
-                if sh.fence_due(&self.config)
-                    || sh.pending_bytes >= SEAL_BYTES
-                    || (crossed && sh.sealed.is_empty())
+                a.wait(block.address);
+                if a.has_sealed() {
+                    a.promote(self.fencer.done());
+                }
+                // One fence under way per arena: the first free asks for
+                // it, and the frees while it runs gather for the next.
+                if !a.has_sealed()
+                    || a.pending_count() >= self.config.fence_count
+                    || a.pending_bytes() >= self.config.fence_bytes
                 {
-                    sh.seal(&self.fencer, context, false);
+                    a.seal(self.fencer.request(context));
                 }
             }
         }
@@ -630,12 +658,24 @@ impl Pool {
     }
 
     /// Let growth ahead under way finish, then wait for the fence that
-    /// covers every block freed so far, and make those blocks ready (tests
+    /// covers every block freed so far, and make those blocks free (tests
     /// and `synchronize` callers). `false` if the fence failed.
     pub(crate) fn flush(&self, context: RawContext) -> bool {
         // Growth ahead under way finishes first, so that what the pool
         // holds then stays put (statistics, trims).
         self.grower.quiesce(Duration::from_secs(1));
-        self.seal_all_and_wait(context)
+        let ok = match self.fencer.capturing() {
+            // No fence runs now: flushed only if nothing waits for one.
+            true => self.stats().pending_bytes == 0,
+            false => self.fence_everything(context, |_, _| {}),
+        };
+        let done = self.fencer.done();
+        for i in 0..self.arenas.len() {
+            self.arena(i).promote(done);
+        }
+        self.host.each(|sh| {
+            sh.promote(done);
+        });
+        ok
     }
 }

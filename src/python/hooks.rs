@@ -8,13 +8,12 @@
 //! and a failure is a null pointer (PyTorch's own contract for a failed
 //! allocation) counted in [`failures`].
 //!
-//! By default a free goes through the pool's fence: the block is reused
-//! only after all work queued before the free, on every stream, is done,
-//! so a tensor used on a side stream without `record_stream` (which
-//! `CUDAPluggableAllocator` cannot forward) is never reused under a kernel.
-//! With `stream_ordered`, frees are ordered on the allocating stream instead
-//! (PyTorch's own allocator's rule): faster reuse on a busy GPU, for code
-//! that keeps each tensor on its stream.
+//! By default a free is ordered on the allocating stream, PyTorch's own
+//! allocator's rule: reused at once there. `record_stream` (told through
+//! [`_hooks_record_stream`], as `CUDAPluggableAllocator` cannot forward it)
+//! and the strict setting (`stream_ordered` false) send the free through
+//! the pool's fence instead: reused only after all work queued before the
+//! free, on every stream, is done.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -57,7 +56,7 @@ impl Live {
     }
 }
 
-static STREAM_ORDERED: AtomicBool = AtomicBool::new(false);
+static STREAM_ORDERED: AtomicBool = AtomicBool::new(true);
 static FAILURES: AtomicU64 = AtomicU64::new(0);
 
 /// PyTorch's allocation: `size` bytes on `device` for its current stream
@@ -267,10 +266,10 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     super::torch_stats::freed(mem.context().device(), mem.size(), block_bytes(&mem));
     super::torch_pools::note_free(ptr as usize as u64);
     if STREAM_ORDERED.load(Ordering::Relaxed) {
-        // A failed free leaves it live; dropping the last holder retries.
-        let _ = mem.free_on(stream);
+        mem.release_on(stream);
     }
-    // Dropping the last holder releases it through the pool's fence.
+    // Dropping the last holder releases it (a loan may hold it longer): on
+    // its stream, or through the pool's fence.
     drop(mem);
 }
 
@@ -422,10 +421,25 @@ pub(crate) fn _hooks_torch_errors(path: std::path::PathBuf) -> bool {
 }
 
 /// Set how the C entry points free memory: ordered on the allocating
-/// stream (``True``), or through the pool's fence (``False``, the default).
+/// stream (``True``, PyTorch's own rule), or through the pool's fence
+/// (``False``).
 #[pyfunction]
 pub(crate) fn _hooks_configure(stream_ordered: bool) {
     STREAM_ORDERED.store(stream_ordered, Ordering::Relaxed);
+}
+
+/// Note that the allocation the C entry points handed out at ``address``
+/// is also used on ``stream`` (``Tensor.record_stream``): its free then
+/// waits for the pool's fence. Whether ``address`` is such an allocation.
+#[pyfunction]
+pub(crate) fn _hooks_record_stream(address: u64, stream: u64) -> bool {
+    match live().shard(address).get(&address) {
+        Some((mem, _)) => {
+            mem.record_stream(stream as RawStream);
+            true
+        }
+        None => false,
+    }
 }
 
 /// ``(live allocations, failures)`` of the C entry points: allocations

@@ -287,11 +287,6 @@ impl Runtime {
                             config::POOL_AHEAD,
                             PoolConfig::default().ahead_bytes,
                         )?,
-                        // Bytes past the live set an idle GPU's pool may hold.
-                        headroom_bytes: config::size_or(
-                            config::POOL_HEADROOM,
-                            PoolConfig::default().headroom_bytes,
-                        )?,
                         // Bytes; 0 turns the pinned host cache off.
                         host_cache_bytes: config::size_or(
                             config::HOST_CACHE,

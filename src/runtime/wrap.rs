@@ -123,6 +123,16 @@ impl Runtime {
             ))
         };
         if let Some((ctx, start, stop)) = self.registry().lookup_range(address) {
+            // Pool memory: the block handed out, not its whole segment.
+            let (start, stop) = match ctx.state().pool_block(address) {
+                None => (start, stop),
+                Some(Some((at, size))) => (at, at + size as u64),
+                Some(None) => {
+                    return Err(Error::InvalidPointer(format!(
+                        "{address:#x} is in gpuptr's pool but in no live allocation"
+                    )))
+                }
+            };
             if end > stop {
                 return Err(out_of_range(start, stop));
             }

@@ -1,0 +1,425 @@
+//! What the pool holds from the driver: its segments, their sizes, the
+//! limit, growth, and giving memory back (a trim, a reservation's undo,
+//! forgetting it after a reset).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::arena::{round, BlockState, Kind, SMALL_MAX};
+use super::Pool;
+use crate::driver::{relaxed, DevicePtr, RawContext};
+use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::stats::{Client, SegmentStats};
+use crate::sync::lock;
+
+/// The segment of a small request (PyTorch's `kSmallBuffer`).
+pub(super) const SMALL_SEGMENT: usize = 2 << 20;
+/// The segment of a large request under [`MIN_LARGE_ALLOC`] (its
+/// `kLargeBuffer`): one segment serves several such requests.
+pub(super) const LARGE_SEGMENT: usize = 20 << 20;
+/// Requests of at least this many bytes get a segment of their own size,
+/// rounded up to [`ROUND_LARGE`] (its `kMinLargeAlloc` and `kRoundLarge`).
+pub(super) const MIN_LARGE_ALLOC: usize = 10 << 20;
+pub(super) const ROUND_LARGE: usize = 2 << 20;
+/// A reservation grows in segments of at most this many bytes.
+const RESERVE_SEGMENT: usize = 1 << 30;
+
+/// The segment a miss of `want` bytes (rounded, [`round`]) grows by.
+pub(super) fn segment_size(want: usize) -> usize {
+    if want <= SMALL_MAX {
+        SMALL_SEGMENT
+    } else if want < MIN_LARGE_ALLOC {
+        LARGE_SEGMENT
+    } else {
+        want.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE)
+    }
+}
+
+/// One pool block as its owner gives it back, the same from the pointer
+/// through a CUDA graph that keeps it to [`Pool::release`]: where it is,
+/// where it goes back, and what it was handed out for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Block {
+    /// The device's reset epoch it was handed out in: its device refuses
+    /// it after a reset, its memory gone (the pool knows no epochs).
+    pub epoch: u64,
+    pub address: DevicePtr,
+    /// The bytes the block takes in its segment (at least `size`).
+    pub class: usize,
+    /// The arena it goes back to (arenas are at most 1024).
+    pub shard: u16,
+    /// The bytes it was handed out for.
+    pub size: usize,
+    /// Who asked for it (statistics).
+    pub client: Client,
+}
+
+/// What [`Pool::alloc`] hands out: where the block is and where it goes
+/// back, and what its owner does next.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub address: DevicePtr,
+    /// The bytes the block takes.
+    pub class: usize,
+    pub shard: u16,
+    /// The segment this request made, if it made one. Its owner registers
+    /// its range.
+    pub new_allocation: Option<Allocation>,
+    /// The pool asks its owner to grow this arena ahead of demand
+    /// ([`Pool::post_ahead`], then [`Pool::grow_ahead`] on the helper).
+    pub ahead: bool,
+}
+
+impl Grant {
+    pub(super) fn new(
+        address: DevicePtr,
+        class: usize,
+        arena: usize,
+        new_allocation: Option<Allocation>,
+        ahead: bool,
+    ) -> Self {
+        Grant {
+            address,
+            class,
+            shard: arena as u16,
+            new_allocation,
+            ahead,
+        }
+    }
+}
+
+/// A segment: one driver allocation of the pool.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Allocation {
+    pub base: DevicePtr,
+    pub bytes: usize,
+    /// The requests it serves (PyTorch's small or large pool).
+    pub(crate) kind: Kind,
+}
+
+impl Allocation {
+    /// The segment's size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// A segment as a memory snapshot sees it: each block's address, size and
+/// state, in address order.
+pub(crate) type SegmentView = (Allocation, Vec<(DevicePtr, usize, BlockState)>);
+
+/// What the pool holds from the driver. Touched on growth, trims and
+/// resets.
+#[derive(Default)]
+pub(super) struct Held {
+    /// Segments by base address, with the arena that owns each.
+    pub(super) segments: BTreeMap<DevicePtr, (Allocation, usize)>,
+    /// Bytes of `segments`.
+    pub(super) bytes: usize,
+    /// The most `bytes` has been (since the last peak reset).
+    pub(super) peak: usize,
+    /// Bytes of driver allocations and frees under way: the driver may
+    /// hold them beyond `bytes`, so the limit counts them.
+    pub(super) pending: usize,
+    /// The segments as PyTorch counts them (`bytes` and `peak` by pool,
+    /// with totals).
+    pub(super) segments_stats: SegmentStats,
+}
+
+impl Held {
+    fn record(&mut self, a: Allocation, arena: usize) {
+        self.bytes += a.bytes;
+        self.peak = self.peak.max(self.bytes);
+        self.segments_stats.made(Self::pool_of(&a), a.bytes);
+        self.segments.insert(a.base, (a, arena));
+    }
+
+    fn forget(&mut self, base: DevicePtr) -> Option<(Allocation, usize)> {
+        let (a, arena) = self.segments.remove(&base)?;
+        self.bytes -= a.bytes;
+        self.segments_stats.freed(Self::pool_of(&a), a.bytes);
+        Some((a, arena))
+    }
+
+    /// The block size PyTorch's statistics file a segment under: its small
+    /// pool's segments are small.
+    fn pool_of(a: &Allocation) -> usize {
+        match a.kind {
+            Kind::Small => SMALL_MAX,
+            Kind::Large => a.bytes.max(SMALL_MAX + 1),
+        }
+    }
+
+    /// The segment that holds `address`, with its arena.
+    fn containing(&self, address: DevicePtr) -> Option<(Allocation, usize)> {
+        let (_, &(a, arena)) = self.segments.range(..=address).next_back()?;
+        (address < a.base + a.bytes as u64).then_some((a, arena))
+    }
+}
+
+impl Pool {
+    /// One segment of `bytes` for arena `arena`, of `kind`, from the
+    /// driver, recorded: the pool limit is checked and the bytes counted
+    /// as held before the call, so that two growths at once never both
+    /// pass it. The call's time feeds the pool's measure of what a growth
+    /// costs.
+    pub(super) fn grow(
+        &self,
+        context: RawContext,
+        arena: usize,
+        bytes: usize,
+        kind: Kind,
+    ) -> Result<Allocation> {
+        {
+            let mut held = lock(&self.held);
+            let limit = self.limit.load(Ordering::Relaxed);
+            if held.bytes + held.pending + bytes > limit {
+                return Err(Error::cuda(
+                    "gpuptr pool limit",
+                    CUDA_ERROR_OUT_OF_MEMORY,
+                    "CUDA_ERROR_OUT_OF_MEMORY",
+                ));
+            }
+            held.pending += bytes;
+        }
+        let started = Instant::now();
+        // Relaxed: a capture under way on some thread neither refuses this
+        // allocation nor is invalidated by it.
+        // SAFETY: the pool's owner passes its live, retained context.
+        let r = relaxed(self.driver.as_ref(), || unsafe {
+            self.driver.mem_alloc(context, bytes)
+        });
+        let took = started.elapsed();
+        if r.is_ok() {
+            // A moving average over about eight growths.
+            let ns = took.as_nanos().min(u64::MAX as u128) as u64;
+            let old = self.grow_ns.load(Ordering::Relaxed);
+            self.grow_ns
+                .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        }
+        log::debug!(
+            target: "gpuptr::pool",
+            "cuMemAlloc of {bytes} bytes took {} us",
+            took.as_micros()
+        );
+        let mut held = lock(&self.held);
+        held.pending -= bytes;
+        let a = Allocation {
+            base: r?,
+            bytes,
+            kind,
+        };
+        held.record(a, arena);
+        drop(held);
+        self.segment_event(true, &a);
+        Ok(a)
+    }
+
+    /// Forget the segment at `base` without freeing it: its context was
+    /// reset while the driver allocated it, and its memory went with it.
+    pub(super) fn forget_segment(&self, base: DevicePtr) {
+        let gone = lock(&self.held).forget(base);
+        if let Some((a, _)) = gone {
+            self.segment_event(false, &a);
+        }
+    }
+
+    /// Fill the cache ahead of demand with about `bytes` of memory free
+    /// for anyone, for requests of `size` bytes (their pool, small or
+    /// large), in segments of up to 1 GiB spread over the arenas. Returns
+    /// the segments made (their owner registers them); stops early,
+    /// keeping what it got, when the driver runs out of memory. `valid`
+    /// is asked as [`Pool::alloc`] asks it, before each segment joins its
+    /// arena: a reset meanwhile stops the reservation, its segment gone.
+    pub(crate) fn reserve(
+        &self,
+        context: RawContext,
+        size: usize,
+        bytes: usize,
+        valid: impl Fn() -> bool,
+    ) -> (Vec<Allocation>, Result<()>) {
+        let want = round(size.max(1));
+        let kind = Kind::of(want);
+        let least = segment_size(want).max(want);
+        let mut chunk = RESERVE_SEGMENT.max(least);
+        let mut left = bytes;
+        let mut made = Vec::new();
+        let mut arena = 0;
+        while left > 0 {
+            let n = round(left.min(chunk).max(want));
+            match self.grow(context, arena, n, kind) {
+                Ok(a) => {
+                    let mut ar = self.arena(arena);
+                    if !valid() {
+                        drop(ar);
+                        self.forget_segment(a.base);
+                        let e = Error::InvalidPointer(
+                            "the context was reset during the reservation".into(),
+                        );
+                        return (made, Err(e));
+                    }
+                    ar.add_segment(a.base, a.bytes, kind);
+                    drop(ar);
+                    made.push(a);
+                    left = left.saturating_sub(n);
+                    arena = (arena + 1) % self.arenas.len();
+                }
+                // A tight device: smaller segments may still fit.
+                Err(e) if e.is_oom() && n > least => chunk = (n / 2).max(least),
+                Err(e) if e.is_oom() && n > want => chunk = want,
+                Err(e) => return (made, Err(e)),
+            }
+        }
+        (made, Ok(()))
+    }
+
+    /// Give every segment all of whose memory is cached back to the driver
+    /// (`cuMemFree`, which waits for the device, so memory still waiting
+    /// for a fence, or free on a stream, is safe to free too). During a
+    /// capture no fence can run and whether `cuMemFree` still waits for the
+    /// device is not known: a segment with a block waiting for a fence then
+    /// stays, unless `everything` (the context is ending, a reset or its
+    /// last drop, and its memory goes with it). Segments with a block
+    /// handed out stay. `before_free` sees each segment before its free
+    /// (the driver may reuse its addresses at once after), and
+    /// `failed_free` each one whose free failed: it is cached again,
+    /// waiting for a fence, so nothing is lost. Returns the segments freed
+    /// and the first driver error.
+    pub(crate) fn trim(
+        &self,
+        context: RawContext,
+        everything: bool,
+        mut before_free: impl FnMut(&Allocation),
+        mut failed_free: impl FnMut(&Allocation),
+    ) -> (Vec<Allocation>, Result<()>) {
+        let waiting = everything || !self.fencer.capturing();
+        let done = self.fencer.done();
+        let mut by_arena: Vec<Vec<(DevicePtr, usize)>> = vec![Vec::new(); self.arenas.len()];
+        for (&base, &(a, arena)) in &lock(&self.held).segments {
+            by_arena[arena].push((base, a.bytes));
+        }
+        let mut freed = Vec::new();
+        let mut first_err = Ok(());
+        for (i, segs) in by_arena.into_iter().enumerate() {
+            let taken = {
+                let mut a = self.arena(i);
+                a.promote(done);
+                a.take_free_segments(&segs, waiting)
+            };
+            for base in taken {
+                let Some((seg, _)) = ({
+                    let mut held = lock(&self.held);
+                    let s = held.forget(base);
+                    if let Some((s, _)) = &s {
+                        // Still the driver's until the free returns.
+                        held.pending += s.bytes;
+                    }
+                    s
+                }) else {
+                    continue;
+                };
+                before_free(&seg);
+                self.segment_event(false, &seg);
+                // SAFETY: a segment this pool made in `context` (the
+                // caller's live context), taken out of its arena whole
+                // (no block handed out) and out of `held`: no one uses it.
+                let r = relaxed(self.driver.as_ref(), || unsafe {
+                    self.driver.mem_free(context, seg.base)
+                });
+                let mut held = lock(&self.held);
+                held.pending -= seg.bytes;
+                match r {
+                    Ok(()) => freed.push(seg),
+                    Err(e) => {
+                        held.record(seg, i);
+                        drop(held);
+                        self.segment_event(true, &seg);
+                        self.arena(i)
+                            .add_waiting_segment(seg.base, seg.bytes, seg.kind);
+                        failed_free(&seg);
+                        if first_err.is_ok() {
+                            first_err = Err(e);
+                        }
+                    }
+                }
+            }
+        }
+        (freed, first_err)
+    }
+
+    /// Forget every block without freeing it (the context was reset and the
+    /// memory is gone), and zero the live counts; the segments it held (the
+    /// host cache's are forgotten too).
+    pub(crate) fn forget(&self) -> Vec<Allocation> {
+        for i in 0..self.arenas.len() {
+            self.arena(i).forget_all();
+        }
+        self.host_forget();
+        let gone: Vec<Allocation> = {
+            let mut held = lock(&self.held);
+            held.bytes = 0;
+            held.segments_stats.count.clear();
+            held.segments_stats.bytes.clear();
+            std::mem::take(&mut held.segments)
+                .into_values()
+                .map(|(a, _)| a)
+                .collect()
+        };
+        for a in &gone {
+            self.segment_event(false, a);
+        }
+        gone
+    }
+
+    /// The segments the pool holds, by address, each with its blocks:
+    /// address, size and state (memory snapshots). One lock at a time;
+    /// nothing changes.
+    pub(crate) fn allocations(&self) -> Vec<SegmentView> {
+        let all: Vec<(Allocation, usize)> = lock(&self.held).segments.values().copied().collect();
+        all.into_iter()
+            .map(|(a, arena)| {
+                let blocks = self.arena(arena).segment_blocks(a.base, a.bytes);
+                (a, blocks)
+            })
+            .collect()
+    }
+
+    /// `None` if `address` lies in no segment of the pool; else the block
+    /// handed out that holds it, its start and size, if one does (a wrap
+    /// inside pool memory is bound-checked against its block, not its
+    /// segment, and memory cached in the pool is no one's to wrap).
+    pub(crate) fn used_block(&self, address: DevicePtr) -> Option<Option<(DevicePtr, usize)>> {
+        let (a, arena) = lock(&self.held).containing(address)?;
+        Some(self.arena(arena).used_block_at(a.base, address))
+    }
+
+    /// Number of segments the pool holds (cached or handed out).
+    pub(crate) fn held_blocks(&self) -> usize {
+        lock(&self.held).segments.len()
+    }
+
+    /// Bytes the pool holds from the driver (handed out or cached).
+    pub(crate) fn held_bytes(&self) -> usize {
+        lock(&self.held).bytes
+    }
+
+    /// Bytes held from the driver, their peak, and the segments as PyTorch
+    /// counts them, at one moment.
+    pub(crate) fn held_stats(&self) -> (usize, usize, SegmentStats) {
+        let held = lock(&self.held);
+        (held.bytes, held.peak, held.segments_stats)
+    }
+
+    /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).
+    /// Past it, an allocation goes through the out-of-memory path (the
+    /// fence, then returning the cache) and fails as out of memory if that
+    /// does not make room. What it holds already is not given back.
+    pub(crate) fn set_limit(&self, bytes: usize) {
+        self.limit.store(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+}

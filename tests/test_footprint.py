@@ -25,7 +25,7 @@ def _child(body: str, pinned: bool = True, **settings: str) -> dict:
     """Run ``body`` after PRELUDE in a child on the simulator (on one CPU
     unless not ``pinned``); its last line of output, as JSON."""
     env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(DEVICE))
-    for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD", "GPUPTR_POOL_HEADROOM"):
+    for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD"):
         env.pop(k, None)
     env.update(settings)
     prelude = PRELUDE if pinned else PRELUDE.replace(PIN, "")
@@ -52,13 +52,13 @@ def test_three_one_mib_blocks_churned_2000_times_on_one_cpu_hold_at_most_64_mib(
     assert out["peak"] <= 64 << 20, f"the pool held up to {out['peak'] >> 20} MiB for a 3 MiB working set"
 
 
-def test_three_one_mib_blocks_churned_beside_a_busy_cpu_stay_within_the_budget_and_a_few_blocks():
+def test_three_one_mib_blocks_churned_beside_a_busy_cpu_stay_within_a_few_segments():
     """The same loop on every CPU, with another process spinning beside
-    it: the pool's fence thread then waits for a CPU now and then, and a
-    miss past the budget whose fence had not even started grew the pool by
-    a block after 20 µs, each time (on two CPUs, 4 runs in 30 over 40 MiB,
-    one at 243 MiB). It now waits for such a fence to start (at most 1 ms);
-    a fence that started and runs long still means a busy GPU."""
+    it: the pool's fence thread then waits for a CPU now and then. A fence
+    that runs long without spending CPU in the driver is such a wait, not
+    a busy GPU: a miss waits for it (at most 1 ms) rather than grow. Read
+    as a busy GPU by its length alone, some runs grew to the whole 1 GiB
+    device (64 MiB segments and growth ahead at every wait)."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         peaks = []
@@ -69,7 +69,7 @@ def test_three_one_mib_blocks_churned_beside_a_busy_cpu_stay_within_the_budget_a
     finally:
         hog.kill()
         hog.wait()
-    assert max(peaks) <= 48, f"peaks {peaks} MiB for a 3 MiB working set and a 32 MiB budget"
+    assert max(peaks) <= 48, f"peaks {peaks} MiB for a 3 MiB working set"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
@@ -92,11 +92,3 @@ print(json.dumps({"peak": s["peak_pool_bytes"], "worst_live": worst_live}))
 """)
     assert out["worst_live"] <= DEVICE // 100
     assert out["peak"] <= DEVICE // 10, f"the pool held up to {out['peak'] >> 20} MiB for a {out['worst_live'] >> 20} MiB working set"
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
-def test_gpuptr_pool_headroom_sets_how_far_past_the_live_set_the_pool_grows():
-    # No headroom: the budget is 1.5 x the live set (4.5 MiB here), and the
-    # loop reuses fenced blocks rather than carve 8 MiB and more.
-    out = _child(LOOP, GPUPTR_POOL_HEADROOM="0")
-    assert out["peak"] <= 12 << 20, f"the pool held up to {out['peak'] >> 20} MiB"

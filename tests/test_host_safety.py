@@ -310,7 +310,8 @@ def test_a_raising_log_handler_does_not_drop_the_rest_of_the_batch():
         lib.gpuptr_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         lib.gpuptr_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         gpuptr.context(0)
-        ptrs = [lib.gpuptr_torch_alloc((k + 1) << 16, 0, None) for k in range(10)]
+        # Each a segment of its own (10 MiB and more): records of growth.
+        ptrs = [lib.gpuptr_torch_alloc((k + 10) << 20, 0, None) for k in range(10)]
         assert all(ptrs)
         seen["first"].clear(); seen["second"].clear()
         armed.append(True)              # the batch's first record raises

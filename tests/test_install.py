@@ -33,7 +33,7 @@ def client(name, device=0):
 def fenced_hooks():
     _core._hooks_configure(False)
     yield
-    _core._hooks_configure(False)
+    _core._hooks_configure(True)  # the default
 
 
 def test_torch_entry_points_allocate_from_the_pool_and_count_as_torch(fenced_hooks):
@@ -141,6 +141,27 @@ def test_torch_frees_wait_for_every_stream_unless_stream_ordered(fenced_hooks):
     b = t_alloc(1 << 20, 0, 0x9000)
     assert b == a, "the same stream reuses it at once"
     t_free(b, 1 << 20, 0, 0x9000)
+
+
+@pytest.mark.sim
+def test_a_recorded_stream_makes_a_torch_free_wait_for_every_stream():
+    # PyTorch's default rule, and record_stream (gpuptr.torch.install makes
+    # Tensor.record_stream tell the hooks): a tensor used on a side stream
+    # and recorded there is not reused under that stream's work; one that
+    # is not recorded is reused at once, as under PyTorch's own allocator.
+    a = t_alloc(1 << 20, 0, 0x9000)
+    _testing.sim_queue_write(0x7000, a, b"\xab" * 64)
+    assert _core._hooks_record_stream(a, 0x7000)
+    assert not _core._hooks_record_stream(a + 512, 0x7000), "not an allocation's start"
+    t_free(a, 1 << 20, 0, 0x9000)
+    b = t_alloc(1 << 20, 0, 0x9000)
+    assert b != a, "recorded: it waits for the side stream"
+    t_free(b, 1 << 20, 0, 0x9000)
+    c = t_alloc(1 << 20, 0, 0x9000)
+    assert c == b, "not recorded: reused at once on its stream"
+    t_free(c, 1 << 20, 0, 0x9000)
+    _testing.sim_complete()
+    gpuptr.flush_pool()
 
 
 def test_clients_count_their_own_allocations():
@@ -265,20 +286,23 @@ def test_cupy_allocator_hands_out_pool_memory_owned_by_gpuptr(fake_cupy):
 
 
 @pytest.mark.sim
-def test_cupy_frees_wait_for_every_stream_by_default(fake_cupy):
-    # Fenced by default: memory CuPy freed while a (side-stream) kernel may
+def test_cupy_frees_wait_for_every_stream_when_not_stream_ordered(fake_cupy):
+    # The strict rule: memory CuPy freed while a (side-stream) kernel may
     # still write it is not handed out again until the fence.
     import gpuptr.cupy
 
-    gpuptr.cupy.install(pinned=False)
-    mp = fake_cupy.allocator(1 << 20)
-    p = mp.ptr
-    _testing.sim_queue_write(0x7000, p, b"\xab" * 64)
-    del mp
-    again = fake_cupy.allocator(1 << 20)
-    assert again.ptr != p, "not reused while a stream may still write it"
-    del again
-    _testing.sim_complete()
+    gpuptr.cupy.install(stream_ordered=False, pinned=False)
+    try:
+        mp = fake_cupy.allocator(1 << 20)
+        p = mp.ptr
+        _testing.sim_queue_write(0x7000, p, b"\xab" * 64)
+        del mp
+        again = fake_cupy.allocator(1 << 20)
+        assert again.ptr != p, "not reused while a stream may still write it"
+        del again
+    finally:
+        _testing.sim_complete()
+        gpuptr.cupy.install(pinned=False)
     gpuptr.flush_pool()
 
 

@@ -69,12 +69,11 @@ def test_logging_disable_turns_records_off(caplog):
 def test_out_of_memory_recovery_is_logged_at_info(caplog):
     caplog.set_level(logging.INFO, logger="gpuptr")
     total = gpuptr.devices()[1].total_memory
-    # Freed on its stream, the block stays on that stream's list: the pool
-    # gives idle ready cache back before it grows past its budget, but not
-    # a block a stream may reuse, so the next allocation runs out first.
-    big = gpuptr.alloc(total * 3 // 4, device=1, stream=2)
-    del big  # cached in its class, too big to leave room for the next one
-    other = gpuptr.alloc(total // 2, device=1)
+    # A cached block too small for the next request, and too big to leave
+    # room for it: the next request runs out, and the cache goes back.
+    big = gpuptr.alloc(total // 2, device=1)
+    del big
+    other = gpuptr.alloc(total * 3 // 4, device=1)
     del other
     gpuptr.trim()
     infos = [r.getMessage() for r in rust_records(caplog, logging.INFO) if r.levelno == logging.INFO]

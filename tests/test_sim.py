@@ -27,19 +27,22 @@ def _driver_bytes() -> int:
 def test_injected_oom_raises_out_of_memory_and_leaks_nothing(no_leaks):
     base = _driver_bytes()
     keep = gpuptr.alloc(1000)
-    # An idle device (no fence outstanding) grows one block per driver call.
     gpuptr.flush_pool()
-    # One OOM is absorbed: the pool releases its cache and retries once.
+    # One OOM is absorbed: a 20 MiB segment is refused, and the request
+    # gets a segment of its own size.
     _testing.sim_fail_nth("mem_alloc", 1, 2)
-    retried = gpuptr.alloc(4096)
-    assert retried.size == 4096
+    retried = gpuptr.alloc(3 << 20)
+    assert retried.size == 3 << 20
     del retried
     gpuptr.flush_pool()
-    # Two in a row surface as a typed error.
-    _testing.sim_fail_nth("mem_alloc", 1, 2)
-    _testing.sim_fail_nth("mem_alloc", 2, 2)
+    gpuptr.trim()
+    # Every driver allocation refused (the segment, its own size, and the
+    # retries after the cache went back): a typed error.
+    for n in range(1, 9):
+        _testing.sim_fail_nth("mem_alloc", n, 2)
     with pytest.raises(gpuptr.OutOfMemoryError) as ei:
-        gpuptr.alloc(1 << 20)
+        gpuptr.alloc(3 << 20)
+    _testing.sim_clear_faults()
     assert isinstance(ei.value, MemoryError)
     assert gpuptr.stats()[0]["live_bytes"] == 1000
     del keep

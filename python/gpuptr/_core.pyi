@@ -66,6 +66,7 @@ __all__ = [
     "_set_log_level",
     "_flush_log",
     "_hooks_configure",
+    "_hooks_record_stream",
     "_hooks_state",
     "_cupy_malloc",
     "_cuda_core_buffer",
@@ -706,7 +707,13 @@ def _torch_is_live(address: int) -> bool:
     """Whether ``address`` starts a live allocation of gpuptr's PyTorch hooks."""
 def _hooks_configure(stream_ordered: bool) -> None:
     """Set how the C entry points free memory: ordered on the allocating
-    stream (``True``), or through the pool's fence (``False``, the default).
+    stream (``True``, PyTorch's own rule), or through the pool's fence
+    (``False``).
+    """
+def _hooks_record_stream(address: int, stream: int) -> bool:
+    """Note that the allocation the C entry points handed out at ``address``
+    is also used on ``stream`` (``Tensor.record_stream``): its free then
+    waits for the pool's fence. Whether ``address`` is such an allocation.
     """
 def _cupy_malloc(nbytes: int, device: int, stream: _Stream = None) -> int:
     """CuPy's allocation hook, for ``cupy.cuda.PythonFunctionAllocator``:

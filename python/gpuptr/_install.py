@@ -54,8 +54,17 @@ _NEEDS = {
 }
 
 
+def flag(value: object, name: str) -> bool:
+    """``value`` if it is a bool (numpy's included); ``TypeError`` naming
+    ``name`` otherwise, so that ``stream_ordered="no"`` is not read as
+    true."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
+
+
 def install(
-    numba: bool = True, cupy: bool = True, torch: bool = True, *, stream_ordered: bool = False
+    numba: bool = True, cupy: bool = True, torch: bool = True, *, stream_ordered: bool = True
 ) -> Dict[str, str]:
     """Put numba (numba-cuda and numba-cuda-mlir, each that imports), CuPy
     and PyTorch on gpuptr's pool, so that memory one of
@@ -64,11 +73,14 @@ def install(
     allocators after its first CUDA allocation, numba after its first
     context: both raise :class:`~gpuptr.InstallError` saying so).
 
-    Freed memory is reused only after all work queued before the free, on
-    every stream, is done, so no stream can still be using it; with
-    ``stream_ordered``, CuPy and PyTorch memory is reused at once on the
-    stream that freed it (their own allocators' rule; numba frees without a
-    stream either way).
+    CuPy and PyTorch memory follows their own allocators' rule: a block
+    freed on a stream is reused at once on that stream (PyTorch's
+    ``record_stream`` is honoured: such a block waits until all work queued
+    before its free, on every stream, is done). ``stream_ordered=False``
+    gives CuPy and PyTorch memory that rule for every block (safe for
+    tensors used on a side stream without ``record_stream``, at a cost
+    on busy training steps: see the README). numba frees without a stream,
+    and so waits for every stream, either way.
 
     Returns what happened to each library: ``"installed"``, ``"not
     requested"``, or ``"skipped: …"`` with the reason it could not be
@@ -76,7 +88,8 @@ def install(
     """
     import importlib
 
-    wanted = {"numba": numba, "cupy": cupy, "torch": torch}
+    wanted = {"numba": flag(numba, "numba"), "cupy": flag(cupy, "cupy"), "torch": flag(torch, "torch")}
+    stream_ordered = flag(stream_ordered, "stream_ordered")
     report: Dict[str, str] = {}
     for name, part in _PARTS.items():
         if not wanted[name]:
@@ -88,6 +101,6 @@ def install(
         except ImportError as e:
             report[name] = f"skipped: {module} cannot be imported ({e}); pip install {dist}"
             continue
-        part(bool(stream_ordered))
+        part(stream_ordered)
         report[name] = "installed"
     return report

@@ -5,12 +5,12 @@
 (``cupy.cuda.set_pinned_memory_allocator``), so CuPy arrays come from the
 same per-device pool as numba, PyTorch and ``gpuptr.alloc``.
 
-Safety on every stream needs no call from you: by default memory CuPy frees
-is reused only after all work queued before the free, on every stream, is
-done. ``install(stream_ordered=True)`` allocates and frees on CuPy's current
-stream instead, as CuPy's own pool does: a block freed on a stream is reused
-at once there (and by other streams after the fence), for code that keeps
-each array on its stream.
+Streams: as under CuPy's own pool, memory is allocated and freed on CuPy's
+current stream and reused at once there (other streams get it after a
+fence, or when the device runs out of memory). ``install(stream_ordered=False)``
+makes every free wait until all work queued before it, on every stream, is
+done, for code that uses an array on a stream other than the one it was
+allocated on.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gpuptr._errors import InstallError
 
 __all__ = ["OutOfMemoryError", "install", "installed", "malloc", "malloc_pinned"]
 
-_stream_ordered = False
+_stream_ordered = True
 _installed = False
 _allocator: Any = None  # a cupy.cuda.PythonFunctionAllocator over gpuptr's hooks
 
@@ -85,12 +85,16 @@ def installed() -> bool:
     return _installed
 
 
-def install(*, stream_ordered: bool = False, pinned: bool = True) -> None:
+def install(*, stream_ordered: bool = True, pinned: bool = True) -> None:
     """Make gpuptr CuPy's device allocator (and, with ``pinned``, its pinned
     host allocator). Arrays CuPy allocated before keep their memory.
     Raises :class:`~gpuptr.InstallError`, with what to install, where CuPy
     cannot be imported."""
     global _installed, _stream_ordered, _allocator
+    from gpuptr._install import flag
+
+    stream_ordered = flag(stream_ordered, "stream_ordered")
+    pinned = flag(pinned, "pinned")
     try:
         import cupy
     except ImportError as e:

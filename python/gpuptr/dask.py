@@ -51,7 +51,7 @@ class GpuptrPlugin(WorkerPlugin):  # type: ignore[misc]  # distributed ships no 
         numba: bool = True,
         cupy: bool = True,
         torch: bool = True,
-        stream_ordered: bool = False,
+        stream_ordered: bool = True,
         pool_limit: Union[int, float, str, None] = None,
         reserve: Union[int, float, str] = 0,
         block_size: Union[int, str] = 1 << 20,

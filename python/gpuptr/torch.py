@@ -6,13 +6,14 @@
 extension module, which allocate from the same per-device pool as numba,
 CuPy and ``gpuptr.alloc``. Call it before PyTorch's first CUDA allocation.
 
-Safety on every stream needs no call from you: by default a tensor's memory
-is reused only after all work queued before its free, on every stream, is
-done (the pluggable-allocator interface cannot forward ``record_stream``, so
-PyTorch's own stream-ordered rule would reuse memory a side stream still
-uses). ``install(stream_ordered=True)`` orders frees on the allocating
-stream instead, as PyTorch's caching allocator does, for code that keeps
-each tensor on its stream.
+Streams: as under PyTorch's own caching allocator, a tensor's memory is
+reused at once on the stream it was allocated on, and ``record_stream``
+(``Tensor.record_stream``, which ``install()`` extends to tell gpuptr) makes
+it wait until all work queued before its free, on every stream, is done. A
+tensor used on a side stream without ``record_stream`` may be reused under
+that stream's work, exactly as under PyTorch's allocator.
+``install(stream_ordered=False)`` makes every tensor wait so, for code that
+does not call ``record_stream``.
 
 CUDA graphs: memory allocated during a ``torch.cuda.graph`` capture, and
 memory freed during it, is reused only after the graph is destroyed (gpuptr
@@ -65,7 +66,7 @@ def installed() -> bool:
     return _allocator is not None
 
 
-def install(*, stream_ordered: bool = False, graph_trees: Optional[bool] = None) -> None:
+def install(*, stream_ordered: bool = True, graph_trees: Optional[bool] = None) -> None:
     """Make gpuptr PyTorch's CUDA allocator. Idempotent; a second call only
     changes ``stream_ordered`` (for frees from then on) and ``graph_trees``.
 
@@ -75,13 +76,21 @@ def install(*, stream_ordered: bool = False, graph_trees: Optional[bool] = None)
     function, and the log says so); True or False sets it.
 
     Raises :class:`~gpuptr.InstallError` if PyTorch has already allocated
-    CUDA memory with its own allocator (it cannot swap allocators then), and
-    ``ImportError`` without PyTorch.
+    CUDA memory with its own allocator (it cannot swap allocators then), or
+    cannot be imported (naming what to install).
     """
     global _allocator
-    import torch.cuda.memory as tmem
+    from gpuptr._install import flag
 
-    _core._hooks_configure(bool(stream_ordered))
+    ordered = flag(stream_ordered, "stream_ordered")
+    try:
+        import torch.cuda.memory as tmem
+    except ImportError as e:
+        raise InstallError(
+            f"gpuptr.torch.install() needs PyTorch, which cannot be imported ({e}): pip install torch"
+        ) from e
+
+    _core._hooks_configure(ordered)
     if _allocator is not None:
         _graph_trees(graph_trees)
         return
@@ -101,6 +110,29 @@ def install(*, stream_ordered: bool = False, graph_trees: Optional[bool] = None)
     _torch_stats.patch(_torch_C())
     _pools_and_sharing(allocator)
     _graph_trees(graph_trees)
+    _tell_record_stream()
+
+
+def _tell_record_stream() -> None:
+    """Make ``Tensor.record_stream`` tell gpuptr too: PyTorch's pluggable
+    allocator drops the call, and the memory would then be reused on its
+    allocating stream while the recorded stream still uses it. Calls from
+    PyTorch's C++ (some collectives) do not pass through here."""
+    import torch
+
+    cls = getattr(torch, "Tensor", None)
+    own = getattr(cls, "record_stream", None)
+    if own is None or getattr(own, "_gpuptr", False):
+        return
+
+    def record_stream(self: Any, stream: Any) -> None:
+        own(self, stream)
+        if self.is_cuda:
+            _core._hooks_record_stream(self.untyped_storage().data_ptr(), int(stream.cuda_stream))
+
+    record_stream.__doc__ = own.__doc__
+    record_stream._gpuptr = True  # type: ignore[attr-defined]
+    setattr(cls, "record_stream", record_stream)
 
 
 def _pools_and_sharing(allocator: Any) -> None:

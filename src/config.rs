@@ -6,6 +6,7 @@
 //! | `GPUPTR_SIM_DEVICES` | the simulator | its device count (default 1) |
 //! | `GPUPTR_SIM_MEMORY` | the simulator | a size per device (default 1 GiB) |
 //! | `GPUPTR_POOL` | the global runtime | a switch: off (`0`, `off`, `false`, `no`) means no caching pool |
+//! | `GPUPTR_POOL_HEADROOM` | the global runtime | the least the pool holds before a miss of memory freed without a stream waits for a fence rather than grow ([`PoolConfig::headroom_bytes`](crate::PoolConfig::headroom_bytes)); default 32 MiB |
 //! | `GPUPTR_POOL_AHEAD` | the global runtime | the segment grown ahead, on a busy GPU, for memory freed without a stream ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
 //! | `GPUPTR_HOST_CACHE` | the global runtime | the most pinned host memory the pool caches ([`PoolConfig::host_cache_bytes`](crate::PoolConfig::host_cache_bytes)); 0 turns the host cache off |
 //! | `GPUPTR_TRACK` | the global runtime | a switch: on (`1`, `on`, `true`, `yes`) means the leak report from the start |
@@ -29,6 +30,8 @@ pub(crate) const SIM_DEVICES: &str = "GPUPTR_SIM_DEVICES";
 pub(crate) const SIM_MEMORY: &str = "GPUPTR_SIM_MEMORY";
 /// `GPUPTR_POOL`.
 pub(crate) const POOL: &str = "GPUPTR_POOL";
+/// `GPUPTR_POOL_HEADROOM`.
+pub(crate) const POOL_HEADROOM: &str = "GPUPTR_POOL_HEADROOM";
 /// `GPUPTR_POOL_AHEAD`.
 pub(crate) const POOL_AHEAD: &str = "GPUPTR_POOL_AHEAD";
 /// `GPUPTR_HOST_CACHE`.

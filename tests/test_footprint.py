@@ -25,7 +25,7 @@ def _child(body: str, pinned: bool = True, **settings: str) -> dict:
     """Run ``body`` after PRELUDE in a child on the simulator (on one CPU
     unless not ``pinned``); its last line of output, as JSON."""
     env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(DEVICE))
-    for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD"):
+    for k in ("GPUPTR_POOL", "GPUPTR_POOL_AHEAD", "GPUPTR_POOL_HEADROOM"):
         env.pop(k, None)
     env.update(settings)
     prelude = PRELUDE if pinned else PRELUDE.replace(PIN, "")
@@ -92,3 +92,11 @@ print(json.dumps({"peak": s["peak_pool_bytes"], "worst_live": worst_live}))
 """)
     assert out["worst_live"] <= DEVICE // 100
     assert out["peak"] <= DEVICE // 10, f"the pool held up to {out['peak'] >> 20} MiB for a {out['worst_live'] >> 20} MiB working set"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_gpuptr_pool_headroom_sets_how_far_past_the_live_set_the_pool_grows():
+    # No headroom: the budget is 1.5 x the live set (4.5 MiB here), and the
+    # loop reuses fenced blocks rather than grow.
+    out = _child(LOOP, GPUPTR_POOL_HEADROOM="0")
+    assert out["peak"] <= 12 << 20, f"the pool held up to {out['peak'] >> 20} MiB"

@@ -122,7 +122,7 @@ def test_settings_from_the_environment():
 
 
 @pytest.mark.parametrize(
-    "name,value", [("GPUPTR_POOL", "banana"), ("GPUPTR_TRACK", "maybe"), ("GPUPTR_SIM_MEMORY", "lots"), ("GPUPTR_POOL_AHEAD", "50%")]
+    "name,value", [("GPUPTR_POOL", "banana"), ("GPUPTR_TRACK", "maybe"), ("GPUPTR_SIM_MEMORY", "lots"), ("GPUPTR_POOL_AHEAD", "50%"), ("GPUPTR_POOL_HEADROOM", "lots")]
 )
 def test_a_bad_setting_is_an_error_that_names_it(name, value):
     r = _child(

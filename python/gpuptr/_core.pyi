@@ -69,6 +69,8 @@ __all__ = [
     "_hooks_record_stream",
     "_hooks_state",
     "_cupy_malloc",
+    "_cupy_malloc_current",
+    "_cupy_set_stream_source",
     "_cuda_core_buffer",
     "_cupy_free",
     "_cupy_set_oom_error",
@@ -721,6 +723,16 @@ def _cupy_malloc(nbytes: int, device: int, stream: _Stream = None) -> int:
     bytes), counted under ``"cupy"``. With ``stream``, allocated and freed on
     that stream; without, freed through the fence. Errors are gpuptr's typed
     exceptions (``OutOfMemoryError`` and so on), which CuPy passes on.
+    """
+def _cupy_malloc_current(nbytes: int, device: int) -> int:
+    """CuPy's allocation hook on its current stream: ``_cupy_malloc`` with the
+    stream the callable set by ``_cupy_set_stream_source`` returns (CuPy's
+    ``get_current_stream_ptr``), called from here: no Python frame of
+    gpuptr's per allocation. Without a source set, no stream (fenced).
+    """
+def _cupy_set_stream_source(source: Any) -> None:
+    """Set the callable ``_cupy_malloc_current`` asks for CuPy's current
+    stream handle.
     """
 def _cupy_free(address: int, device: int) -> None:
     """CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``

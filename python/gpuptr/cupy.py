@@ -27,16 +27,12 @@ _installed = False
 _allocator: Any = None  # a cupy.cuda.PythonFunctionAllocator over gpuptr's hooks
 
 
-def _malloc_on_current_stream(nbytes: int, device: int) -> int:
-    return _core._cupy_malloc(nbytes, device, _current_stream_ptr())
-
-
 def _make_allocator(cupy: Any, stream_ordered: bool) -> Any:
     # CuPy's own Cython allocator class builds the memory objects and calls
     # gpuptr's hooks (compiled functions) directly: no Python frame, and no
     # UnownedMemory or MemoryPointer built in Python, per allocation.
     cls = getattr(cupy.cuda, "PythonFunctionAllocator", None) or cupy.cuda.memory.PythonFunctionAllocator
-    malloc_func = _malloc_on_current_stream if stream_ordered else _core._cupy_malloc
+    malloc_func = _core._cupy_malloc_current if stream_ordered else _core._cupy_malloc
     return cls(malloc_func, _core._cupy_free)
 
 
@@ -241,6 +237,7 @@ def _bind(cupy: Any) -> None:
         _current_stream_ptr = getattr(stream_mod, "get_current_stream_ptr", None) or (
             lambda: cupy.cuda.get_current_stream().ptr
         )
+        _core._cupy_set_stream_source(_current_stream_ptr)
     except AttributeError as e:  # pragma: no cover - a CuPy without these
         raise InstallError(f"this CuPy ({cupy.__version__}) lacks {e.name}") from e
 

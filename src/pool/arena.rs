@@ -265,7 +265,7 @@ impl Arena {
             info.size = size;
         }
         info.state = State::Used;
-        self.blocks.insert(at, info);
+        *self.info(at) = info;
         Some((at, info.size))
     }
 
@@ -307,16 +307,14 @@ impl Arena {
                 (tag, size, next) = (t, size + n.size, n.next);
             }
         }
-        self.blocks.insert(
-            start,
-            Info {
-                size,
-                prev,
-                next,
-                state: State::Free(tag),
-                kind,
-            },
-        );
+        // `start` is this block's own entry or its merged neighbour's.
+        *self.info(start) = Info {
+            size,
+            prev,
+            next,
+            state: State::Free(tag),
+            kind,
+        };
         if next != 0 {
             self.info(next).prev = start;
         }

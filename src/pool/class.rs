@@ -43,7 +43,7 @@ pub(super) fn class_index(class: usize) -> Option<usize> {
 /// Addresses are already well spread integers: hash them as they are
 /// (SipHash costs more than the rest of an allocation).
 #[derive(Default)]
-pub(super) struct IdentityHasher(u64);
+pub(crate) struct IdentityHasher(u64);
 
 impl std::hash::Hasher for IdentityHasher {
     fn finish(&self) -> u64 {
@@ -65,7 +65,7 @@ impl std::hash::Hasher for IdentityHasher {
     }
 }
 
-pub(super) type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>>;
+pub(crate) type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>>;
 
 /// The class stored at `index` of a shard's `ready` table.
 pub(super) fn class_of_index(index: usize) -> usize {

@@ -30,10 +30,12 @@
 //! **A miss, top to bottom** ([`Pool::alloc`]):
 //! 1. the best fit in the caller's arena;
 //! 2. (no stream) memory anyone may use in another arena;
-//! 3. a fence under way: wait for it and reuse what it frees (an idle
-//!    GPU's fence takes microseconds), unless it has spun longer than a
-//!    growth costs (the pool's own `cuMemAlloc` time, measured) on its
-//!    thread's CPU: a busy GPU;
+//! 3. past the pool's budget (`max(1.5 x live, 32 MiB)`), a fence under
+//!    way: wait for it and reuse what it frees (an idle GPU's fence takes
+//!    microseconds), unless it has spun longer than a growth costs (the
+//!    pool's own `cuMemAlloc` time, measured) on its thread's CPU: a busy
+//!    GPU. Within the budget a miss grows at once: a tight loop gets the
+//!    stock that covers its fences;
 //! 4. the growth helper allocating for this arena: wait for it;
 //! 5. grow by one segment. While a fence has spun longer than a growth costs
 //!    (a busy GPU holds every fenced free back), memory freed without a
@@ -77,7 +79,7 @@ use ahead::{Grower, AHEAD_WAIT};
 use arena::{round, Arena, Tag, ANY};
 pub(crate) use arena::{BlockState, Kind};
 pub use class::size_class;
-use class::FastMap;
+pub(crate) use class::FastMap;
 use fence::Fencer;
 pub(crate) use host::HostBlock;
 use host::HostCache;
@@ -107,6 +109,12 @@ pub struct PoolConfig {
     /// size on a helper thread, so that an allocation finds a block rather
     /// than wait for the driver. Zero: off.
     pub ahead_bytes: usize,
+    /// The most bytes the pool holds, at least, before a miss of memory
+    /// freed without a stream waits for its fence rather than grow: its
+    /// budget is `max(1.5 x live, headroom_bytes)`, `live` being what its
+    /// users hold. Within it a tight loop's misses cost no wait; past it
+    /// an idle GPU's pool stays close to what is live.
+    pub headroom_bytes: usize,
     /// The most bytes free for anyone the pool holds before it stops
     /// growing ahead. Growth ahead also stops while it would leave less
     /// than a quarter of the device's memory free.
@@ -127,6 +135,7 @@ impl Default for PoolConfig {
             fence_pace: Duration::ZERO,
             ahead_bytes: 64 << 20,
             ahead_total: 512 << 20,
+            headroom_bytes: 32 << 20,
             host_cache_bytes: 512 << 20,
         }
     }
@@ -144,6 +153,12 @@ const GROW_COST_FIRST: Duration = Duration::from_micros(50);
 /// with a process spinning beside them: fences that waited for a CPU
 /// started within a millisecond).
 const FENCE_WAIT_MAX: Duration = Duration::from_millis(1);
+
+/// The least a growth is taken to cost, whatever the driver's calls
+/// measure: a `cuMemAlloc` took at least 20 µs on an idle H200, and a
+/// driver that answers faster (the simulator's) would make every wait for
+/// a fence look dearer than growing.
+const GROW_COST_LEAST: Duration = Duration::from_micros(20);
 
 /// A device's caching pool, over the driver alone.
 pub(crate) struct Pool {
@@ -298,10 +313,11 @@ impl Pool {
         key & (n - 1)
     }
 
-    /// What a growth costs: the pool's own `cuMemAlloc` calls' mean time.
+    /// What a growth costs: the pool's own `cuMemAlloc` calls' mean time,
+    /// and at least [`GROW_COST_LEAST`].
     #[inline]
     fn grow_cost(&self) -> Duration {
-        Duration::from_nanos(self.grow_ns.load(Ordering::Relaxed))
+        Duration::from_nanos(self.grow_ns.load(Ordering::Relaxed)).max(GROW_COST_LEAST)
     }
 
     /// Whether a fence has spun longer than a growth costs (see
@@ -310,6 +326,19 @@ impl Pool {
     #[inline]
     fn gpu_busy(&self) -> bool {
         self.fencer.spun(self.grow_cost())
+    }
+
+    /// Whether the pool may grow by a request of `size` bytes rather than
+    /// wait for a fence: it holds less than its budget, `max(1.5 x live,
+    /// headroom)` ([`PoolConfig::headroom_bytes`]). A look at every arena:
+    /// misses only.
+    fn within_budget(&self, size: usize) -> bool {
+        let live: usize = size
+            + (0..self.arenas.len())
+                .map(|i| self.arena(i).live_bytes)
+                .sum::<usize>();
+        let budget = (live + live / 2).max(self.config.headroom_bytes);
+        self.held_bytes() < budget
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
@@ -518,7 +547,7 @@ impl Pool {
     /// [`Fencer::wait_unless_busy`]), and take the best fit.
     fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let newest = self.arena(ask.home).newest_sealed();
-        if newest == 0 || self.fencer.capturing() {
+        if newest == 0 || self.fencer.capturing() || self.within_budget(ask.size) {
             return None;
         }
         if !self

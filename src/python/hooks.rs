@@ -15,7 +15,6 @@
 //! the pool's fence instead: reused only after all work queued before the
 //! free, on every stream, is done.
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -39,7 +38,7 @@ enum Entry {
 
 /// A live map's shard: address to allocation and the entry points that
 /// handed it out.
-type LiveShard = HashMap<u64, (Arc<DevicePointer>, Entry)>;
+type LiveShard = crate::pool::FastMap<u64, (Arc<DevicePointer>, Entry)>;
 
 /// The allocations handed out through the C entry points, by address,
 /// in shards so that threads rarely share a lock.
@@ -47,7 +46,7 @@ struct Live([Mutex<LiveShard>; SHARDS]);
 
 fn live() -> &'static Live {
     static LIVE: OnceLock<Live> = OnceLock::new();
-    LIVE.get_or_init(|| Live(std::array::from_fn(|_| Mutex::new(HashMap::new()))))
+    LIVE.get_or_init(|| Live(std::array::from_fn(|_| Mutex::new(LiveShard::default()))))
 }
 
 impl Live {
@@ -333,6 +332,37 @@ pub(crate) fn _cupy_malloc(
     allocate(Client::Cupy, Entry::Cupy, size, device, stream, None)
         .map(|(address, _)| address)
         .map_err(cupy_error)
+}
+
+/// CuPy's allocation hook on its current stream: ``_cupy_malloc`` with the
+/// stream the callable set by ``_cupy_set_stream_source`` returns (CuPy's
+/// ``get_current_stream_ptr``), called from here: no Python frame of
+/// gpuptr's per allocation. Without a source set, no stream (fenced).
+#[pyfunction]
+pub(crate) fn _cupy_malloc_current(
+    py: Python<'_>,
+    nbytes: &Bound<'_, PyAny>,
+    device: &Bound<'_, PyAny>,
+) -> PyResult<u64> {
+    let source = crate::sync::lock(&CUPY_STREAM)
+        .as_ref()
+        .map(|s| s.clone_ref(py));
+    let stream = match source {
+        Some(s) => Some(s.bind(py).call0()?),
+        None => None,
+    };
+    _cupy_malloc(py, nbytes, device, stream.as_ref())
+}
+
+/// The callable ``_cupy_malloc_current`` asks for CuPy's current stream
+/// (its handle, an int).
+static CUPY_STREAM: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
+
+/// Set the callable ``_cupy_malloc_current`` asks for CuPy's current
+/// stream handle.
+#[pyfunction]
+pub(crate) fn _cupy_set_stream_source(source: Bound<'_, PyAny>) {
+    *crate::sync::lock(&CUPY_STREAM) = Some(source.unbind());
 }
 
 /// CuPy's free hook: release what ``_cupy_malloc`` returned at ``address``

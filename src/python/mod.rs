@@ -532,8 +532,9 @@ mod _core {
         _alloc_for, _cuda_core_buffer,
         dlpack::{_dlpack_consume, _dtype_info},
         hooks::{
-            _cupy_free, _cupy_malloc, _cupy_set_oom_error, _hooks_configure, _hooks_record_stream,
-            _hooks_state, _hooks_torch_errors,
+            _cupy_free, _cupy_malloc, _cupy_malloc_current, _cupy_set_oom_error,
+            _cupy_set_stream_source, _hooks_configure, _hooks_record_stream, _hooks_state,
+            _hooks_torch_errors,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
         torch_oom::_hooks_torch_oom_missing,

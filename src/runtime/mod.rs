@@ -287,6 +287,11 @@ impl Runtime {
                             config::POOL_AHEAD,
                             PoolConfig::default().ahead_bytes,
                         )?,
+                        // Bytes past the live set before a miss waits for a fence.
+                        headroom_bytes: config::size_or(
+                            config::POOL_HEADROOM,
+                            PoolConfig::default().headroom_bytes,
+                        )?,
                         // Bytes; 0 turns the pinned host cache off.
                         host_cache_bytes: config::size_or(
                             config::HOST_CACHE,

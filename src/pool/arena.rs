@@ -19,7 +19,8 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use super::class::{class_index, class_of_index, size_class, FastMap, SMALL_CLASSES};
+use super::books::{BlockState, ClassCount};
+use super::class::{FastMap, SMALL_CLASSES};
 use crate::driver::{DevicePtr, RawStream};
 use crate::stats::{Client, ClientStats};
 
@@ -76,7 +77,7 @@ pub(crate) fn round(size: usize) -> usize {
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum State {
+pub(super) enum State {
     Used,
     Free(Tag),
     Waiting,
@@ -87,12 +88,12 @@ enum State {
 
 /// One block: its size, its neighbours in its segment (0: none), its state.
 #[derive(Copy, Clone, Debug)]
-struct Info {
-    size: usize,
-    prev: DevicePtr,
-    next: DevicePtr,
-    state: State,
-    kind: Kind,
+pub(super) struct Info {
+    pub(super) size: usize,
+    pub(super) prev: DevicePtr,
+    pub(super) next: DevicePtr,
+    pub(super) state: State,
+    pub(super) kind: Kind,
 }
 
 /// A batch of blocks freed without a stream, waiting for fence `seq`.
@@ -102,27 +103,9 @@ struct Batch {
     bytes: usize,
 }
 
-/// Blocks handed out of one size class: now, and at most.
-#[derive(Copy, Clone, Debug, Default)]
-pub(crate) struct ClassCount {
-    pub(crate) live: usize,
-    pub(crate) peak: usize,
-}
-
-/// What a block's state looks like to a memory snapshot.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) enum BlockState {
-    /// Handed out.
-    Used,
-    /// Cached, free for reuse now (on its stream, or by anyone).
-    Free,
-    /// Cached, waiting for a fence.
-    Waiting,
-}
-
 /// One arena (see the module documentation).
 pub(crate) struct Arena {
-    blocks: FastMap<DevicePtr, Info>,
+    pub(super) blocks: FastMap<DevicePtr, Info>,
     /// Free blocks by (kind, tag, size, address): the first at or after
     /// `(kind, tag, size, 0)` is the best fit for `tag`.
     free: BTreeSet<(Kind, Tag, usize, DevicePtr)>,
@@ -184,7 +167,7 @@ impl Default for Arena {
 /// [`ANY`] (memory anyone may use is safe on that stream too); `None` for
 /// two different streams, which never merge.
 #[inline]
-fn merged(a: Tag, b: Tag) -> Option<Tag> {
+pub(super) fn merged(a: Tag, b: Tag) -> Option<Tag> {
     if a == b || b == ANY {
         Some(a)
     } else if a == ANY {
@@ -597,369 +580,5 @@ impl Arena {
     #[inline]
     pub(crate) fn free_any_bytes(&self) -> usize {
         self.free_any_bytes
-    }
-
-    /// The blocks of the segment at `base` of `size` bytes, in address
-    /// order, with their sizes and states (memory snapshots). Empty if the
-    /// arena holds no block at `base`.
-    pub(crate) fn segment_blocks(
-        &self,
-        base: DevicePtr,
-        size: usize,
-    ) -> Vec<(DevicePtr, usize, BlockState)> {
-        let mut out = Vec::new();
-        let end = base + size as u64;
-        let mut at = base;
-        while at != 0 && at < end {
-            let Some(i) = self.blocks.get(&at) else { break };
-            let state = match i.state {
-                State::Used => BlockState::Used,
-                State::Free(_) => BlockState::Free,
-                State::Waiting | State::Claimed => BlockState::Waiting,
-            };
-            out.push((at, i.size, state));
-            at = i.next;
-        }
-        out
-    }
-
-    /// The block handed out that holds `address`, in the segment at
-    /// `base`: its start and size.
-    pub(crate) fn used_block_at(
-        &self,
-        base: DevicePtr,
-        address: DevicePtr,
-    ) -> Option<(DevicePtr, usize)> {
-        let mut at = base;
-        while at != 0 && at <= address {
-            let i = self.blocks.get(&at)?;
-            if address < at + i.size as u64 {
-                return (i.state == State::Used).then_some((at, i.size));
-            }
-            at = i.next;
-        }
-        None
-    }
-
-    /// Count a hand-out of `size` bytes (asked for) to `client`.
-    #[inline]
-    pub(crate) fn handed_out(&mut self, size: usize, client: Client, hit: bool) {
-        let c = self.class_count(size_class(size.max(1)));
-        c.live += 1;
-        c.peak = c.peak.max(c.live);
-        let k = &mut self.clients[client.index()];
-        k.live_bytes += size;
-        k.live_count += 1;
-        k.alloc_count += 1;
-        self.live_bytes += size;
-        self.live_count += 1;
-        self.peak_bytes = self.peak_bytes.max(self.live_bytes);
-        self.alloc_count += 1;
-        if hit {
-            self.hits += 1;
-        } else {
-            self.misses += 1;
-        }
-    }
-
-    /// Count the return of a block handed out for `size` bytes to
-    /// `client`. Saturating: a count a reset zeroed stays at zero.
-    #[inline]
-    pub(crate) fn returned(&mut self, size: usize, client: Client) {
-        self.live_bytes = self.live_bytes.saturating_sub(size);
-        self.live_count = self.live_count.saturating_sub(1);
-        let c = self.class_count(size_class(size.max(1)));
-        c.live = c.live.saturating_sub(1);
-        let k = &mut self.clients[client.index()];
-        k.live_bytes = k.live_bytes.saturating_sub(size);
-        k.live_count = k.live_count.saturating_sub(1);
-    }
-
-    pub(crate) fn class_count(&mut self, class: usize) -> &mut ClassCount {
-        match class_index(class) {
-            Some(i) => &mut self.class_live[i],
-            None => self.large_live.entry(class).or_default(),
-        }
-    }
-
-    /// Live and peak blocks per size class, with the cached blocks by the
-    /// size class of their sizes, into `out` (class → (live, peak, cached)).
-    pub(crate) fn class_counts(&self, out: &mut FastMap<usize, (usize, usize, usize)>) {
-        let small = self
-            .class_live
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (class_of_index(i), *c));
-        for (class, c) in small.chain(self.large_live.iter().map(|(k, c)| (*k, *c))) {
-            if c.peak > 0 {
-                let e = out.entry(class).or_default();
-                e.0 += c.live;
-                e.1 += c.peak;
-            }
-        }
-        for i in self.blocks.values() {
-            if i.state != State::Used {
-                out.entry(size_class(i.size)).or_default().2 += 1;
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: usize = 1 << 20;
-
-    fn arena_with(base: DevicePtr, size: usize) -> Arena {
-        let mut a = Arena::default();
-        a.add_segment(base, size, Kind::of(size.min(SMALL_MAX)));
-        a
-    }
-
-    /// Every block of the segment at `base`: sizes tile it, links agree.
-    fn check_tiles(a: &Arena, base: DevicePtr, size: usize) {
-        let blocks = a.segment_blocks(base, size);
-        let total: usize = blocks.iter().map(|b| b.1).sum();
-        assert_eq!(total, size, "blocks tile the segment: {blocks:?}");
-        for w in blocks.windows(2) {
-            assert_eq!(w[0].0 + w[0].1 as u64, w[1].0);
-            assert_eq!(a.blocks[&w[1].0].prev, w[0].0);
-        }
-        // No two neighbours free for the same tag (they would have merged).
-        for w in blocks.windows(2) {
-            let (x, y) = (a.blocks[&w[0].0].state, a.blocks[&w[1].0].state);
-            if let (State::Free(s), State::Free(t)) = (x, y) {
-                assert!(merged(s, t).is_none(), "{x:?} and {y:?} should have merged");
-            }
-        }
-    }
-
-    #[test]
-    fn a_small_request_splits_and_the_free_merges_the_segment_back() {
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        let (p, n) = a.take(ANY, 4096).unwrap();
-        assert_eq!((p, n), (1 << 32, 4096));
-        let (q, _) = a.take(ANY, 8192).unwrap();
-        assert_eq!(q, (1 << 32) + 4096, "the rest of the split serves the next");
-        check_tiles(&a, 1 << 32, 2 * MIB);
-        a.free(p, ANY);
-        a.free(q, ANY);
-        check_tiles(&a, 1 << 32, 2 * MIB);
-        assert_eq!(
-            a.segment_blocks(1 << 32, 2 * MIB).len(),
-            1,
-            "one block again"
-        );
-        assert_eq!(a.free_bytes(), 2 * MIB);
-    }
-
-    #[test]
-    fn best_fit_takes_the_smallest_block_that_fits() {
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        let blocks: Vec<_> = [1024, 4096, 2048, 8192, 512]
-            .iter()
-            .map(|&n| a.take(ANY, n).unwrap().0)
-            .collect();
-        // Free the 4096 and the 8192 (not neighbours: a 2048 lies between).
-        a.free(blocks[1], ANY);
-        a.free(blocks[3], ANY);
-        let (p, _) = a.take(ANY, 3000 / 512 * 512 + 512).unwrap();
-        assert_eq!(p, blocks[1], "the 4096-byte hole, not the 8192 one");
-        check_tiles(&a, 1 << 32, 2 * MIB);
-    }
-
-    #[test]
-    fn a_large_block_keeps_a_rest_of_one_mib_or_less_whole() {
-        let mut a = Arena::default();
-        a.add_segment(1 << 32, 20 * MIB, Kind::Large);
-        let (_, n) = a.take(ANY, 19 * MIB + MIB / 2).unwrap();
-        assert_eq!(n, 20 * MIB, "a 0.5 MiB rest is not split off");
-        let mut b = Arena::default();
-        b.add_segment(1 << 32, 20 * MIB, Kind::Large);
-        let (_, n) = b.take(ANY, 18 * MIB).unwrap();
-        assert_eq!(n, 18 * MIB, "a 2 MiB rest is");
-    }
-
-    #[test]
-    fn small_and_large_requests_never_share_a_segment() {
-        let mut a = Arena::default();
-        a.add_segment(1 << 32, 20 * MIB, Kind::Large);
-        assert_eq!(
-            a.take(ANY, 4096),
-            None,
-            "a small request needs a small segment"
-        );
-        a.add_segment(2 << 32, 2 * MIB, Kind::Small);
-        assert_eq!(
-            a.take(ANY, 2 * MIB).map(|b| b.0),
-            Some(1 << 32),
-            "not the small one"
-        );
-        assert_eq!(a.take(ANY, 4096).map(|b| b.0), Some(2 << 32));
-    }
-
-    #[test]
-    fn a_block_freed_on_a_stream_serves_that_stream_only() {
-        let (s, t) = (0x1000, 0x2000);
-        let mut a = Arena::default();
-        a.add_segment(1 << 32, 20 * MIB, Kind::Large);
-        let (p, _) = a.take(s, 20 * MIB).unwrap();
-        a.free(p, s);
-        assert_eq!(a.take(t, 2 * MIB), None, "another stream waits for a fence");
-        assert_eq!(
-            a.take(ANY, 2 * MIB),
-            None,
-            "so does an owner with no stream"
-        );
-        assert_eq!(
-            a.take(s, 2 * MIB).map(|x| x.0),
-            Some(p),
-            "its own stream at once"
-        );
-    }
-
-    #[test]
-    fn memory_anyone_may_use_merges_into_a_streams_block() {
-        let s = 0x1000;
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        let (p, _) = a.take(s, 4096).unwrap();
-        // The rest of the segment is fresh memory, free for anyone.
-        assert_eq!(a.free_any_bytes(), 2 * MIB - 4096);
-        a.free(p, s);
-        check_tiles(&a, 1 << 32, 2 * MIB);
-        assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
-        assert_eq!(
-            a.free_any_bytes(),
-            0,
-            "the whole segment is the stream's now"
-        );
-        assert_eq!(a.take(ANY, MIB), None, "no longer anyone's");
-        assert!(a.take(s, MIB).is_some(), "the stream's");
-    }
-
-    #[test]
-    fn two_streams_blocks_never_merge() {
-        let (s, t) = (0x1000, 0x2000);
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        let (p, _) = a.take(s, MIB).unwrap();
-        let (q, _) = a.take(t, MIB).unwrap();
-        a.free(p, s);
-        a.free(q, t);
-        check_tiles(&a, 1 << 32, 2 * MIB);
-        assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 2);
-        a.wait_all_tagged();
-        a.seal(1);
-        assert_eq!(a.take(s, 4096), None, "both wait for the fence");
-        a.promote(1);
-        check_tiles(&a, 1 << 32, 2 * MIB);
-        assert_eq!(
-            a.segment_blocks(1 << 32, 2 * MIB).len(),
-            1,
-            "after a fence they do"
-        );
-        assert_eq!(a.free_any_bytes(), 2 * MIB);
-    }
-
-    #[test]
-    fn a_block_freed_without_a_stream_waits_for_its_fence() {
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        let (p, _) = a.take(ANY, MIB).unwrap();
-        let (q, _) = a.take(ANY, MIB).unwrap();
-        a.wait(p);
-        a.wait(q);
-        assert_eq!(a.take(ANY, 4096), None, "pending");
-        a.seal(7);
-        assert!(!a.promote(6), "its fence is not done");
-        assert_eq!(a.take(ANY, 4096), None, "sealed");
-        assert_eq!(
-            a.take_free_segments(&[(1 << 32, 2 * MIB)], false),
-            Vec::<DevicePtr>::new(),
-            "waiting is not free"
-        );
-        assert!(a.promote(7));
-        assert_eq!(a.take(ANY, 4096).map(|x| x.0), Some(p));
-    }
-
-    #[test]
-    fn whole_free_segments_are_taken_out_and_others_stay() {
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        a.add_segment(2 << 32, 2 * MIB, Kind::Small);
-        let segs = [(1u64 << 32, 2 * MIB), (2u64 << 32, 2 * MIB)];
-        let (p, _) = a.take(ANY, 4096).unwrap();
-        let q = a.take(ANY, 8192).unwrap().0;
-        a.wait(q);
-        let bases = a.take_free_segments(&segs, false);
-        let other = if p >> 32 == 1 { 2 << 32 } else { 1 << 32 };
-        assert_eq!(bases, vec![other]);
-        assert_eq!(a.free_bytes(), 2 * MIB - 4096 - 8192);
-        a.free(p, 0x1000);
-        assert_eq!(
-            a.take_free_segments(&segs, false),
-            Vec::<DevicePtr>::new(),
-            "a block waits"
-        );
-        assert_eq!(
-            a.take_free_segments(&segs, true).len(),
-            1,
-            "unless waiting counts"
-        );
-        assert_eq!((a.free_bytes(), a.waiting_bytes()), (0, 0));
-        assert!(a.blocks.is_empty());
-    }
-
-    #[test]
-    fn used_block_at_finds_only_blocks_handed_out() {
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        let (p, n) = a.take(ANY, 8192).unwrap();
-        assert_eq!(a.used_block_at(1 << 32, p + 100), Some((p, n)));
-        assert_eq!(a.used_block_at(1 << 32, p + 8192), None, "the free rest");
-        a.free(p, ANY);
-        assert_eq!(a.used_block_at(1 << 32, p), None);
-    }
-
-    /// Random takes and frees on three tags keep the segment tiled, the
-    /// byte counts exact, and end as one free block.
-    #[test]
-    fn random_churn_keeps_the_books() {
-        let mut a = arena_with(1 << 32, 2 * MIB);
-        let mut used: Vec<(DevicePtr, Tag)> = Vec::new();
-        let mut x: u64 = 0x9e3779b97f4a7c15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        for _ in 0..20_000 {
-            let r = next();
-            let tag = [ANY, 0x1000, 0x2000][(r % 3) as usize];
-            if r & 8 == 0 || used.is_empty() {
-                let size = round(((r >> 8) % 65536) as usize + 1);
-                if let Some((p, _)) = a.take(tag, size) {
-                    used.push((p, tag));
-                }
-            } else {
-                let i = (r >> 8) as usize % used.len();
-                let (p, t) = used.swap_remove(i);
-                a.free(p, t);
-            }
-            let in_use: usize = a
-                .segment_blocks(1 << 32, 2 * MIB)
-                .iter()
-                .filter(|b| b.2 == BlockState::Used)
-                .map(|b| b.1)
-                .sum();
-            assert_eq!(in_use + a.free_bytes(), 2 * MIB);
-        }
-        check_tiles(&a, 1 << 32, 2 * MIB);
-        for (p, t) in used {
-            a.free(p, t);
-        }
-        a.wait_all_tagged();
-        a.seal(1);
-        a.promote(1);
-        assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
-        assert_eq!(a.free_any_bytes(), 2 * MIB);
     }
 }

@@ -57,7 +57,9 @@
 //! it is tested on a bare simulator.
 
 mod ahead;
+mod alloc;
 mod arena;
+mod books;
 mod class;
 mod fence;
 mod helper;
@@ -72,12 +74,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::driver::{Driver, RawContext, RawStream};
-use crate::error::Result;
-use crate::stats::{ClassStats, Client, PoolStats};
+
+use crate::stats::{ClassStats, PoolStats};
 use crate::sync::lock;
 use ahead::{Grower, AHEAD_WAIT};
-use arena::{round, Arena, Tag, ANY};
-pub(crate) use arena::{BlockState, Kind};
+use arena::Arena;
+pub(crate) use arena::Kind;
+pub(crate) use books::BlockState;
 pub use class::size_class;
 pub(crate) use class::FastMap;
 use fence::Fencer;
@@ -198,34 +201,6 @@ impl std::fmt::Debug for Pool {
         f.debug_struct("Pool")
             .field("config", &self.config)
             .finish_non_exhaustive()
-    }
-}
-
-/// One request on its way down the miss ladder ([`Pool::alloc`]).
-struct Ask<V> {
-    /// The arena it goes to first (its stream's, or its thread's).
-    home: usize,
-    /// Its stream, or [`ANY`].
-    tag: Tag,
-    /// Its size rounded ([`round`]), and as asked.
-    want: usize,
-    size: usize,
-    client: Client,
-    /// Whether its context is still the device's (see [`Pool::alloc`]).
-    valid: V,
-}
-
-impl<V: Fn() -> bool> Ask<V> {
-    /// The best fit for it on `tag` in arena `i` (locked as `a`), handed
-    /// out, if its context is still valid.
-    #[inline]
-    fn take(&self, a: &mut Arena, i: usize, tag: Tag) -> Option<Grant> {
-        if !(self.valid)() {
-            return None;
-        }
-        let (p, n) = a.take(tag, self.want)?;
-        a.handed_out(self.size, self.client, true);
-        Some(Grant::new(p, n, i, None, false))
     }
 }
 
@@ -402,232 +377,6 @@ impl Pool {
             .collect();
         v.sort_by_key(|c| c.class);
         v
-    }
-
-    /// A block of at least `size` bytes for an owner on `stream` (`None`:
-    /// no stream known) in `context`: the miss ladder of the module
-    /// documentation, rungs 1 to 6. Out of memory past rung 6 is the
-    /// caller's to climb on (give free segments back, ask again).
-    ///
-    /// `valid` (whether `context` is still the device's: no reset since)
-    /// is asked under the arena lock before a block is handed out or a new
-    /// segment joins an arena, the lock a reset's [`Pool::forget`] takes
-    /// too: a reset either comes before (the request fails, and a segment
-    /// grown meanwhile is forgotten with its context) or after (the block
-    /// is the old context's, and goes with it).
-    pub(crate) fn alloc(
-        &self,
-        context: RawContext,
-        size: usize,
-        stream: Option<RawStream>,
-        device: usize,
-        client: Client,
-        valid: impl Fn() -> bool + Copy,
-    ) -> Result<Grant> {
-        let ask = Ask {
-            home: self.arena_for(stream),
-            tag: stream.unwrap_or(ANY),
-            want: round(size),
-            size,
-            client,
-            valid,
-        };
-        let reset = || {
-            crate::error::Error::InvalidPointer(format!(
-                "the context of device {device} was reset; memory comes from the new one"
-            ))
-        };
-        // 1. The best fit in the caller's arena: one lock, no driver call.
-        {
-            let mut a = self.arena(ask.home);
-            if !valid() {
-                return Err(reset());
-            }
-            if a.has_sealed() {
-                a.promote(self.fencer.done());
-            }
-            if let Some(mut g) = ask.take(&mut a, ask.home, ask.tag) {
-                g.ahead = ask.tag == ANY && self.wants_ahead(&mut a);
-                return Ok(g);
-            }
-            // A miss: what waits in this arena is sealed for a fence now.
-            if a.pending_count() > 0 {
-                a.seal(self.fencer.request(context));
-            }
-        }
-        // 2. Memory anyone may use, in another arena.
-        if ask.tag == ANY {
-            if let Some(g) = self.take_elsewhere(context, &ask) {
-                return Ok(g);
-            }
-        }
-        // 3. A fence that ends sooner than a growth would: wait, and reuse.
-        if let Some(g) = self.wait_fence_and_take(&ask) {
-            return Ok(g);
-        }
-        // 4. The helper is growing this arena: the driver makes one
-        // allocation at a time, so wait for it rather than queue behind it.
-        if self.wait_ahead(ask.home) {
-            if let Some(g) = ask.take(&mut self.arena(ask.home), ask.home, ask.tag) {
-                return Ok(g);
-            }
-        }
-        // 5. Grow by a segment: a larger one for a busy GPU's fenced
-        // frees, which come back only once its work is done.
-        let busy = ask.tag == ANY && self.gpu_busy();
-        let fit = segments::segment_size(ask.want);
-        let first = if busy {
-            fit.max(self.config.ahead_bytes)
-        } else {
-            fit
-        };
-        let kind = Kind::of(ask.want);
-        let mut grown = self.grow(context, ask.home, first, kind);
-        // A device too full for a whole segment may still fit less.
-        let mut tried = first;
-        for smaller in [fit, ask.want] {
-            if smaller < tried && grown.as_ref().is_err_and(|e| e.is_oom()) {
-                tried = smaller;
-                grown = self.grow(context, ask.home, smaller, kind);
-            }
-        }
-        match grown {
-            Ok(new) => {
-                let mut a = self.arena(ask.home);
-                if !valid() {
-                    // Its context went while the driver allocated: so did
-                    // the segment.
-                    drop(a);
-                    self.forget_segment(new.base);
-                    return Err(reset());
-                }
-                a.add_segment(new.base, new.bytes, new.kind);
-                let Some((p, n)) = a.take(ask.tag, ask.want) else {
-                    // The new segment fits the request: unreachable, but a
-                    // deleter-safe answer all the same.
-                    return Err(crate::error::Error::InvalidArgument(
-                        "a new segment did not fit its request".into(),
-                    ));
-                };
-                a.handed_out(size, client, false);
-                let ahead = busy && self.wants_ahead(&mut a);
-                Ok(Grant::new(p, n, ask.home, Some(new), ahead))
-            }
-            // 6. Out of memory: every free block, after a fence.
-            Err(e) if e.is_oom() => self
-                .fence_all_and_take(context, &ask)
-                .ok_or_else(|| e.oom_on(device, size)),
-            Err(e) => Err(e.oom_on(device, size)),
-        }
-    }
-
-    /// Rung 2: a free block anyone may use from an arena other than the
-    /// asker's, which keeps it as its own (it goes back there). Arenas busy
-    /// now are skipped rather than waited for.
-    fn take_elsewhere(&self, context: RawContext, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
-        let n = self.arenas.len();
-        let done = self.fencer.done();
-        (1..n).find_map(|d| {
-            let i = (ask.home + d) & (n - 1);
-            let mut a = self.arenas[i].0.try_lock().ok()?;
-            if a.has_sealed() {
-                a.promote(done);
-            }
-            let found = ask.take(&mut a, i, ANY);
-            if found.is_none() && !a.has_sealed() && a.pending_count() > 0 {
-                // Its own thread may never free again: start its fence.
-                a.seal(self.fencer.request(context));
-            }
-            found
-        })
-    }
-
-    /// Rung 3: if the asker's arena holds blocks sealed for a fence, wait
-    /// for it unless it turns out a busy GPU's (see
-    /// [`Fencer::wait_unless_busy`]), and take the best fit.
-    fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
-        let newest = self.arena(ask.home).newest_sealed();
-        if newest == 0 || self.fencer.capturing() || self.within_budget(ask.size) {
-            return None;
-        }
-        if !self
-            .fencer
-            .wait_unless_busy(newest, self.grow_cost(), FENCE_WAIT_MAX)
-        {
-            return None;
-        }
-        let mut a = self.arena(ask.home);
-        a.promote(self.fencer.done());
-        ask.take(&mut a, ask.home, ask.tag)
-    }
-
-    /// Rung 6, out of memory: every free block of every arena, on any
-    /// stream, waits for one fence with what was freed without a stream;
-    /// wait for it (a host-side wait, on this rung alone; none during a
-    /// capture), then take the best fit, in the asker's arena first, then
-    /// anywhere. A waiting block that fits is claimed before the wait, so
-    /// that threads churning the cache meanwhile cannot take every block
-    /// the fence frees before this thread looks.
-    fn fence_all_and_take(
-        &self,
-        context: RawContext,
-        ask: &Ask<impl Fn() -> bool>,
-    ) -> Option<Grant> {
-        let n = self.arenas.len();
-        let mut claimed = None;
-        let fenced = self.fence_everything(context, |i, a| {
-            if claimed.is_none() {
-                claimed = a.claim_waiting(ask.want).map(|(p, got)| (i, p, got));
-            }
-        });
-        if let Some((i, p, got)) = claimed {
-            let mut a = self.arena(i);
-            if fenced && (ask.valid)() && a.take_claimed(p) {
-                a.handed_out(ask.size, ask.client, true);
-                return Some(Grant::new(p, got, i, None, false));
-            }
-            a.unclaim(p);
-        }
-        let done = self.fencer.done();
-        (0..n).find_map(|d| {
-            let i = (ask.home + d) & (n - 1);
-            let mut a = self.arena(i);
-            a.promote(done);
-            ask.take(&mut a, i, ask.tag)
-        })
-    }
-
-    /// Seal every arena's waiting blocks, with every block free on a stream
-    /// (see [`Arena::wait_all_tagged`]), and the host cache's (calling
-    /// `also` with each arena, locked, once sealed), and wait for the fence
-    /// that covers them all; whether it ran (not during a
-    /// capture, nor when it failed). Each arena asks for its fence under
-    /// its own lock, after every free it seals.
-    fn fence_everything(
-        &self,
-        context: RawContext,
-        mut also: impl FnMut(usize, &mut Arena),
-    ) -> bool {
-        if self.fencer.capturing() {
-            return false;
-        }
-        let mut newest = 0;
-        for i in 0..self.arenas.len() {
-            let mut a = self.arena(i);
-            a.wait_all_tagged();
-            if a.pending_count() > 0 {
-                a.seal(self.fencer.request(context));
-            }
-            newest = newest.max(a.newest_sealed());
-            also(i, &mut a);
-        }
-        self.host.each(|sh| {
-            if sh.pending_count() > 0 {
-                sh.seal(self.fencer.request(context));
-            }
-            newest = newest.max(sh.newest_sealed());
-        });
-        newest == 0 || self.fencer.wait(newest)
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`

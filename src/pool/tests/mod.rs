@@ -3,6 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod arena;
+
 use super::ahead::AHEAD_WAIT;
 use super::arena::Kind;
 use super::{Block, Grant, Pool, PoolConfig};

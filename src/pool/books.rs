@@ -1,0 +1,132 @@
+//! An arena's books: its counts by size class and client, and what a
+//! memory snapshot or a wrap sees of its blocks.
+
+use super::arena::{Arena, State};
+use super::class::{class_index, class_of_index, size_class, FastMap};
+use crate::driver::DevicePtr;
+use crate::stats::Client;
+
+/// Blocks handed out of one size class: now, and at most.
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct ClassCount {
+    pub(crate) live: usize,
+    pub(crate) peak: usize,
+}
+
+/// What a block's state looks like to a memory snapshot.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// Handed out.
+    Used,
+    /// Cached, free for reuse now (on its stream, or by anyone).
+    Free,
+    /// Cached, waiting for a fence.
+    Waiting,
+}
+
+impl Arena {
+    /// The blocks of the segment at `base` of `size` bytes, in address
+    /// order, with their sizes and states (memory snapshots). Empty if the
+    /// arena holds no block at `base`.
+    pub(crate) fn segment_blocks(
+        &self,
+        base: DevicePtr,
+        size: usize,
+    ) -> Vec<(DevicePtr, usize, BlockState)> {
+        let mut out = Vec::new();
+        let end = base + size as u64;
+        let mut at = base;
+        while at != 0 && at < end {
+            let Some(i) = self.blocks.get(&at) else { break };
+            let state = match i.state {
+                State::Used => BlockState::Used,
+                State::Free(_) => BlockState::Free,
+                State::Waiting | State::Claimed => BlockState::Waiting,
+            };
+            out.push((at, i.size, state));
+            at = i.next;
+        }
+        out
+    }
+
+    /// The block handed out that holds `address`, in the segment at
+    /// `base`: its start and size.
+    pub(crate) fn used_block_at(
+        &self,
+        base: DevicePtr,
+        address: DevicePtr,
+    ) -> Option<(DevicePtr, usize)> {
+        let mut at = base;
+        while at != 0 && at <= address {
+            let i = self.blocks.get(&at)?;
+            if address < at + i.size as u64 {
+                return (i.state == State::Used).then_some((at, i.size));
+            }
+            at = i.next;
+        }
+        None
+    }
+
+    /// Count a hand-out of `size` bytes (asked for) to `client`.
+    #[inline]
+    pub(crate) fn handed_out(&mut self, size: usize, client: Client, hit: bool) {
+        let c = self.class_count(size_class(size.max(1)));
+        c.live += 1;
+        c.peak = c.peak.max(c.live);
+        let k = &mut self.clients[client.index()];
+        k.live_bytes += size;
+        k.live_count += 1;
+        k.alloc_count += 1;
+        self.live_bytes += size;
+        self.live_count += 1;
+        self.peak_bytes = self.peak_bytes.max(self.live_bytes);
+        self.alloc_count += 1;
+        if hit {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+    }
+
+    /// Count the return of a block handed out for `size` bytes to
+    /// `client`. Saturating: a count a reset zeroed stays at zero.
+    #[inline]
+    pub(crate) fn returned(&mut self, size: usize, client: Client) {
+        self.live_bytes = self.live_bytes.saturating_sub(size);
+        self.live_count = self.live_count.saturating_sub(1);
+        let c = self.class_count(size_class(size.max(1)));
+        c.live = c.live.saturating_sub(1);
+        let k = &mut self.clients[client.index()];
+        k.live_bytes = k.live_bytes.saturating_sub(size);
+        k.live_count = k.live_count.saturating_sub(1);
+    }
+
+    pub(crate) fn class_count(&mut self, class: usize) -> &mut ClassCount {
+        match class_index(class) {
+            Some(i) => &mut self.class_live[i],
+            None => self.large_live.entry(class).or_default(),
+        }
+    }
+
+    /// Live and peak blocks per size class, with the cached blocks by the
+    /// size class of their sizes, into `out` (class → (live, peak, cached)).
+    pub(crate) fn class_counts(&self, out: &mut FastMap<usize, (usize, usize, usize)>) {
+        let small = self
+            .class_live
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (class_of_index(i), *c));
+        for (class, c) in small.chain(self.large_live.iter().map(|(k, c)| (*k, *c))) {
+            if c.peak > 0 {
+                let e = out.entry(class).or_default();
+                e.0 += c.live;
+                e.1 += c.peak;
+            }
+        }
+        for i in self.blocks.values() {
+            if i.state != State::Used {
+                out.entry(size_class(i.size)).or_default().2 += 1;
+            }
+        }
+    }
+}

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{sim_pooled, NON_BLOCKING};
+use common::{sim_pooled, EndsKernels, NON_BLOCKING};
 use gpuptr::{PoolConfig, Runtime, SimConfig, SimDriver};
 
 /// A busy device (a kernel holds every freed block back) churned at about
@@ -161,15 +161,6 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Completes the simulator's queued kernels when dropped.
-struct EndsKernels<'a>(&'a SimDriver);
-
-impl Drop for EndsKernels<'_> {
-    fn drop(&mut self) {
-        self.0.complete(None);
-    }
-}
-
 /// Growth ahead leaves a quarter of a busy device free: it is never why
 /// another allocation runs out of memory, which would then wait for the
 /// kernel (the Python suite's 256 MiB device hung so, when the helper had
@@ -195,8 +186,14 @@ fn test_growth_ahead_leaves_a_quarter_of_a_busy_device_free() {
     drv.queue_write(NON_BLOCKING, a.address(), &[7; 64])
         .unwrap();
     drop(a);
-    for mib in [4, 5, 6, 7, 8] {
-        drop(ctx.alloc(mib << 20).unwrap());
+    // A miss seals A's block: the fence starts, and spins while the kernel
+    // runs, long enough to read as a busy GPU's.
+    drop(ctx.alloc(1 << 20).unwrap());
+    std::thread::sleep(Duration::from_millis(30));
+    for _ in 0..20 {
+        for mib in [4, 5, 6, 7, 8] {
+            drop(ctx.alloc(mib << 20).unwrap());
+        }
     }
     // Let the helper run out of jobs: the device's use stays put 100 ms.
     let (mut last, mut since) = (drv.live_bytes(), Instant::now());

@@ -109,10 +109,9 @@ impl Pool {
         // frees, which come back only once its work is done.
         let busy = ask.tag == ANY && self.gpu_busy();
         let fit = segments::segment_size(ask.want);
-        let first = if busy {
-            fit.max(self.config.ahead_bytes)
-        } else {
-            fit
+        let first = match busy {
+            true => fit.max(self.config.ahead_bytes),
+            false => fit,
         };
         let kind = Kind::of(ask.want);
         let mut grown = self.grow(context, ask.home, first, kind);
@@ -180,7 +179,7 @@ impl Pool {
     /// [`Fencer::wait_unless_busy`]), and take the best fit.
     fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let newest = self.arena(ask.home).newest_sealed();
-        if newest == 0 || self.fencer.capturing() || self.within_budget(ask.size) {
+        if newest == 0 || self.fencer.capturing() || self.budget_room(ask.size) > 0 {
             return None;
         }
         if !self

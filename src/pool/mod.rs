@@ -303,17 +303,17 @@ impl Pool {
         self.fencer.spun(self.grow_cost())
     }
 
-    /// Whether the pool may grow by a request of `size` bytes rather than
-    /// wait for a fence: it holds less than its budget, `max(1.5 x live,
-    /// headroom)` ([`PoolConfig::headroom_bytes`]). A look at every arena:
-    /// misses only.
-    fn within_budget(&self, size: usize) -> bool {
+    /// What the pool may still grow by, with a request of `size` bytes,
+    /// within its budget, `max(1.5 x live, headroom)`
+    /// ([`PoolConfig::headroom_bytes`]): 0 once past it. A look at every
+    /// arena: misses only.
+    fn budget_room(&self, size: usize) -> usize {
         let live: usize = size
             + (0..self.arenas.len())
                 .map(|i| self.arena(i).live_bytes)
                 .sum::<usize>();
         let budget = (live + live / 2).max(self.config.headroom_bytes);
-        self.held_bytes() < budget
+        budget.saturating_sub(self.held_bytes())
     }
 
     pub(crate) fn stats(&self) -> PoolStats {

@@ -14,7 +14,9 @@
 //!
 //! Sizes are read by [`crate::sizes::parse`] (`"1GiB"`, `"512M"`,
 //! `1073741824`); switches by [`crate::sizes::switch`]. A bad value is an
-//! error that names the variable, never a silent default.
+//! error that names the variable, never a silent default; so is a value
+//! that is no UTF-8 text, but for the path `GPUPTR_OOM_SNAPSHOT`, which is
+//! taken as the bytes it is (a Linux path need not be UTF-8).
 //!
 //! The Python package reads its own (`GPUPTR_LOG`, the CLI's choices) in
 //! Python; nothing in the crate reads the environment but this file.
@@ -40,27 +42,43 @@ pub(crate) const HISTORY: &str = "GPUPTR_HISTORY";
 /// `GPUPTR_OOM_SNAPSHOT`.
 pub(crate) const OOM_SNAPSHOT: &str = "GPUPTR_OOM_SNAPSHOT";
 
-/// The text of `name` (empty when unset or not Unicode).
-pub(crate) fn text(name: &str) -> String {
-    std::env::var(name).unwrap_or_default()
+/// The text of `name` (empty when unset). A value that is no UTF-8 text
+/// is an [`Error::InvalidArgument`] that names it, never read as unset.
+pub(crate) fn text(name: &str) -> Result<String> {
+    match std::env::var(name) {
+        Ok(v) => Ok(v),
+        Err(std::env::VarError::NotPresent) => Ok(String::new()),
+        Err(std::env::VarError::NotUnicode(raw)) => Err(Error::InvalidArgument(format!(
+            "{name}={raw:?} is not UTF-8 text"
+        ))),
+    }
+}
+
+/// A path from `name` (`None` when unset or blank), as the bytes it is:
+/// a Linux path need not be UTF-8.
+pub(crate) fn path(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os(name)
+        .filter(|v| !v.as_encoded_bytes().trim_ascii().is_empty())
+        .map(Into::into)
 }
 
 /// A non-negative integer setting from `name` (`default` when unset or
 /// blank); a bad value is an [`Error::InvalidArgument`] that names it.
 pub(crate) fn usize_or(name: &str, default: usize) -> Result<usize> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
-            Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
-        }),
-        _ => Ok(default),
+    let v = text(name)?;
+    if v.trim().is_empty() {
+        return Ok(default);
     }
+    v.trim()
+        .parse()
+        .map_err(|_| Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer")))
 }
 
 /// A size in bytes from `name` (`default` when unset or blank), as
 /// [`crate::sizes::parse`] reads it; a share of the device is refused here
 /// (these sizes are not per device).
 pub(crate) fn size_or(name: &str, default: usize) -> Result<usize> {
-    let v = text(name);
+    let v = text(name)?;
     if v.trim().is_empty() {
         return Ok(default);
     }
@@ -75,5 +93,5 @@ pub(crate) fn size_or(name: &str, default: usize) -> Result<usize> {
 /// A switch from `name` (`default` when unset or blank), as
 /// [`crate::sizes::switch`] reads it.
 pub(crate) fn switch_or(name: &str, default: bool) -> Result<bool> {
-    Ok(crate::sizes::switch(&text(name), name)?.unwrap_or(default))
+    Ok(crate::sizes::switch(&text(name)?, name)?.unwrap_or(default))
 }

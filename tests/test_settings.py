@@ -139,6 +139,81 @@ def test_a_bad_setting_is_an_error_that_names_it(name, value):
     assert r.stdout.startswith("refused:") and name in r.stdout, r.stdout
 
 
+def _child_bytes(code, **env):
+    """`_child` with an environment of raw bytes (os.environb): a value
+    that is no UTF-8 text, as a Linux environment may hold."""
+    e = dict(os.environb)
+    e[b"GPUPTR_DRIVER"] = b"sim"
+    e.update({k.encode(): v for k, v in env.items()})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, timeout=120)
+    return r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("GPUPTR_POOL_AHEAD", b"32\xffMiB"),
+        ("GPUPTR_HOST_CACHE", b"1\xffGiB"),
+        ("GPUPTR_POOL", b"o\xffn"),
+        ("GPUPTR_TRACK", b"\xff"),
+        ("GPUPTR_HISTORY", b"on\xff"),
+        ("GPUPTR_SIM_MEMORY", b"1\xffGiB"),
+        ("GPUPTR_SIM_DEVICES", b"2\xff"),
+    ],
+)
+def test_a_setting_that_is_no_utf8_text_is_refused_by_name_not_read_as_unset(name, value):
+    rc, out, err = _child_bytes(
+        """
+        import gpuptr
+        try:
+            gpuptr.alloc(16)
+            print("accepted")
+        except gpuptr.InvalidArgumentError as e:
+            print("refused:", e)
+        """,
+        **{name: value},
+    )
+    assert rc == 0, err
+    assert out.startswith("refused:") and name in out and "UTF-8" in out, out
+
+
+def test_a_driver_choice_that_is_no_utf8_text_is_refused_by_name():
+    rc, out, err = _child_bytes(
+        """
+        import gpuptr
+        try:
+            gpuptr.alloc(16)
+            print("accepted")
+        except gpuptr.NoDriverError as e:
+            print("refused:", e)
+        """,
+        GPUPTR_DRIVER=b"s\xffim",
+    )
+    assert rc == 0, err
+    # Not read as unset (auto), whose own refusal on a machine without a
+    # driver names GPUPTR_DRIVER too.
+    assert out.startswith("refused:") and "GPUPTR_DRIVER" in out and "UTF-8" in out, out
+
+
+def test_an_oom_snapshot_path_that_is_no_utf8_text_is_written_there(tmp_path):
+    # A Linux path is bytes: gpuptr takes it as it is, never as unset.
+    path = os.fsencode(tmp_path) + b"/oom-\xff.pickle"
+    rc, out, err = _child_bytes(
+        """
+        import gpuptr
+        gpuptr.set_pool_limit(8 << 20)
+        try:
+            gpuptr.alloc(64 << 20)
+        except gpuptr.OutOfMemoryError as e:
+            print(e)
+        """,
+        GPUPTR_OOM_SNAPSHOT=path,
+    )
+    assert rc == 0, err
+    assert "a memory snapshot was written to" in out, out
+    assert os.path.isfile(path), os.listdir(os.fsencode(tmp_path))
+
+
 
 
 # gpuptr.numba serves numba-cuda and numba-cuda-mlir: it is missing only when both are.

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `GPUPTR_DRIVER` | [`Runtime::global`](crate::Runtime::global) | `auto` (default), `cuda` or `sim` |
 //! | `GPUPTR_SIM_DEVICES` | the simulator | its device count (default 1) |
-//! | `GPUPTR_SIM_MEMORY` | the simulator | a size per device (default 1 GiB) |
+//! | `GPUPTR_SIM_MEMORY` | the simulator | each device's size in bytes (`4GiB`; default 1 GiB); no share, as there is no device to take one of |
 //! | `GPUPTR_POOL` | the global runtime | a switch: off (`0`, `off`, `false`, `no`) means no caching pool |
 //! | `GPUPTR_POOL_AHEAD` | the global runtime | the segment grown ahead, on a busy GPU, for memory freed without a stream ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
 //! | `GPUPTR_HOST_CACHE` | the global runtime | the most pinned host memory the pool caches ([`PoolConfig::host_cache_bytes`](crate::PoolConfig::host_cache_bytes)); 0 turns the host cache off |
@@ -75,19 +75,14 @@ pub(crate) fn usize_or(name: &str, default: usize) -> Result<usize> {
 }
 
 /// A size in bytes from `name` (`default` when unset or blank), as
-/// [`crate::sizes::parse`] reads it; a share of the device is refused here
-/// (these sizes are not per device).
+/// [`crate::sizes::parse_bytes`] reads it: a share of the device is refused
+/// here (these sizes are not per device), and no hint offers one.
 pub(crate) fn size_or(name: &str, default: usize) -> Result<usize> {
     let v = text(name)?;
     if v.trim().is_empty() {
         return Ok(default);
     }
-    match crate::sizes::parse(&v, name)? {
-        crate::sizes::Size::Bytes(n) => Ok(n),
-        crate::sizes::Size::Share(_) => Err(Error::InvalidArgument(format!(
-            "{name}={v:?}: give a size in bytes (\"1GiB\", \"512M\"), not a share of the device"
-        ))),
-    }
+    crate::sizes::parse_bytes(&v, name)
 }
 
 /// A switch from `name` (`default` when unset or blank), as

@@ -3,6 +3,7 @@ extras, and the memory as a context manager (issue: a newcomer's first
 hour, items 14-17)."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -137,6 +138,43 @@ def test_a_bad_setting_is_an_error_that_names_it(name, value):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("refused:") and name in r.stdout, r.stdout
+
+
+_REFUSED = """
+    import gpuptr
+    try:
+        gpuptr.alloc(16)
+        print("accepted")
+    except gpuptr.InvalidArgumentError as e:
+        print("refused:", e)
+    """
+
+
+@pytest.mark.parametrize("name", ["GPUPTR_SIM_MEMORY", "GPUPTR_POOL_AHEAD", "GPUPTR_HOST_CACHE"])
+def test_a_byte_size_settings_hint_names_only_what_it_takes(name):
+    # These sizes are not of a device: a share is refused, so the hint for
+    # a bad value must not offer one, and every form it offers is taken.
+    r = _child(_REFUSED, **{name: "abc"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused:") and name in r.stdout, r.stdout
+    assert "%" not in r.stdout and "0.8" not in r.stdout and "share such as" not in r.stdout, r.stdout
+    hint = r.stdout.split(";", 1)[1]  # after 'NAME="abc" is not a size (why;'
+    offered = re.findall(r'"([^"]+)"', hint) + re.findall(r"\((\d+)\)", hint)
+    assert len(offered) >= 2, r.stdout
+    for form in offered:
+        ok = _child(_REFUSED, **{name: form})
+        assert ok.returncode == 0 and ok.stdout.strip() == "accepted", (form, ok.stdout, ok.stderr)
+    share = _child(_REFUSED, **{name: "80%"})
+    assert share.stdout.startswith("refused:") and name in share.stdout and "share" in share.stdout, share.stdout
+
+
+@sim
+def test_reserves_block_size_hint_names_only_what_it_takes():
+    with pytest.raises(gpuptr.InvalidArgumentError, match="block_size") as e:
+        gpuptr.reserve(1 << 20, block_size="abc")
+    assert "%" not in str(e.value) and "share such as" not in str(e.value), e.value
+    with pytest.raises(gpuptr.InvalidArgumentError, match="block_size.*share"):
+        gpuptr.reserve(1 << 20, block_size="50%")
 
 
 def _child_bytes(code, **env):

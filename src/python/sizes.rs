@@ -30,6 +30,19 @@ pub(crate) fn size_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Size> {
     Ok(Size::Bytes(size_arg(obj, what)?))
 }
 
+/// A size in bytes only, for the argument `what` (``reserve``'s
+/// ``block_size``): [`size_of`], but a share is refused and a bad string's
+/// hint offers none ([`sizes::parse_bytes`]).
+pub(crate) fn bytes_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    if obj.is_instance_of::<PyString>() {
+        return Ok(sizes::parse_bytes(&obj.extract::<String>()?, what)?);
+    }
+    match size_of(obj, what)? {
+        Size::Bytes(n) => Ok(n),
+        Size::Share(_) => Err(sizes::not_a_share(&obj.str()?.to_string(), what).into()),
+    }
+}
+
 /// A float-like scalar that is not an int (numpy's `float32`, `float16`):
 /// `__float__` without `__index__`, which every int-like (numpy's integer
 /// scalars too, taken as ints) has.

@@ -96,6 +96,28 @@ def test_a_bool_is_not_a_size():
 
 
 @sim
+@pytest.mark.parametrize("kind", ["bool", "complex"])
+def test_numpy_bools_and_complex_numbers_are_not_sizes_as_a_bool_is_not(kind, no_limit):
+    # np.True_ is no int and has __float__: it read as a share of 1.0 (the
+    # whole device), and a complex number as its real part.
+    np = pytest.importorskip("numpy")
+    given = {
+        "bool": [True, np.True_, np.False_, np.bool_(True)],
+        "complex": [0.5 + 0j, 0.5j, np.complex64(0.5), np.complex128(0.5), np.clongdouble(0.5)],
+    }[kind]
+    for value in given:
+        for call in (
+            lambda: gpuptr.set_pool_limit(value),
+            lambda: gpuptr.reserve(value),
+            lambda: gpuptr.reserve(1 << 20, block_size=value),
+        ):
+            with pytest.raises(TypeError, match=kind) as e:
+                call()
+            assert not isinstance(e.value, gpuptr.GpuptrError), repr(value)
+        assert gpuptr.stats()[0]["pool_limit"] is None, repr(value)
+
+
+@sim
 def test_a_reservation_past_the_free_memory_is_refused_whole():
     free0, total = gpuptr.context(0).get_memory_info()
     held0 = gpuptr.stats()[0]["pool_bytes"]

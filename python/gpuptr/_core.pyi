@@ -254,8 +254,9 @@ class MemoryPointer:
         """
     def view(self, start: int, stop: Optional[int] = None) -> MemoryPointer:
         """A pointer to bytes ``[start, stop)`` of this one (``stop`` defaults to
-        the end). It keeps the allocation alive. Out-of-range, reversed or
-        negative bounds raise `InvalidPointerError`.
+        the end). It keeps the allocation alive. Bounds past the end, or
+        reversed, raise `InvalidPointerError`; a negative one
+        `InvalidArgumentError`.
         """
     def copy_from_host(self, src: object, stream: _Stream = None) -> None:
         """Copy a C-contiguous host buffer (bytes, numpy array, ...) to the

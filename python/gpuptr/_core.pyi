@@ -2,7 +2,7 @@
 
 import ctypes
 import os
-from typing import Any, Callable, Optional, Self, TypeVar, Union, final, overload
+from typing import Any, Callable, NoReturn, Optional, Self, TypeVar, Union, final, overload
 
 from gpuptr._types import ClassStats, DeviceStats, DriverInfo, Outstanding
 
@@ -203,6 +203,8 @@ class MemoryPointer:
     ) -> object:
         """..."""
     def __dlpack_device__(self) -> tuple[int, int]:
+        """..."""
+    def __array__(self, *args: object, **kwargs: object) -> NoReturn:
         """..."""
     @property
     def refct(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import operator
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, NoReturn, Optional, Tuple, Union
 
 from gpuptr import _core
 from gpuptr._errors import InvalidArgumentError, InvalidPointerError
@@ -155,6 +155,12 @@ class ArrayView:
     def __dlpack_device__(self) -> Tuple[int, int]:
         """``(2, device_id)``: CUDA memory of the context's device."""
         return self.pointer.__dlpack_device__()
+
+    def __array__(self, *args: object, **kwargs: object) -> NoReturn:
+        """numpy cannot read device memory: ``TypeError``, saying how to
+        (the pointer's own refusal)."""
+        self.pointer.__array__()
+        raise AssertionError("unreachable: a MemoryPointer refuses numpy")
 
     def __repr__(self) -> str:
         return f"<gpuptr.ArrayView {self.typestr} shape={self.shape} strides={self.strides} at {self.ptr:#x}>"

@@ -363,6 +363,24 @@ impl PyMemoryPointer {
         dlpack::device_of(py, &self.view)
     }
 
+    /// numpy cannot read device memory: ``numpy.asarray`` and
+    /// ``numpy.array`` raise ``TypeError``, saying how to read it
+    /// (``copy_to_host``, or CuPy or torch for an array on the device),
+    /// rather than make an object array that holds the pointer. Host memory
+    /// (``MappedMemory``, ``ManagedMemory``) is read through its buffer.
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn __array__(
+        &self,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        Err(pyo3::exceptions::PyTypeError::new_err(
+            "numpy cannot read device memory: copy it to the host with copy_to_host() \
+             (numpy.frombuffer(mem.copy_to_host(), dtype)), or make a device array of it \
+             with CuPy (cupy.asarray(mem)) or torch (torch.from_dlpack(mem))",
+        ))
+    }
+
     /// The object that owns the memory: the given owner, else this pointer.
     #[getter]
     fn owner(slf: &Bound<'_, Self>) -> Py<PyAny> {

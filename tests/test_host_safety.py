@@ -1,5 +1,5 @@
 """Host memory, fork, exit, logging and argument safety on the simulator:
-items 8-13 of issue 26, each with a test that failed before its mend.
+each mend (the numbered sections below) with a test that failed before it.
 Cases that crashed or could hang the process run in a subprocess with a
 timeout, so a regression fails the test instead of killing pytest."""
 

@@ -1,6 +1,6 @@
 """Sizes and switches in settings and arguments, install hints for missing
-extras, and the memory as a context manager (issue: a newcomer's first
-hour, items 14-17)."""
+extras, and the memory as a context manager (what a newcomer meets in
+the first hour)."""
 
 import os
 import re

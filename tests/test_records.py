@@ -1,6 +1,7 @@
-"""The project's records speak to outsiders: no record or comment cites
-an issue by a number that only the team's tracker knows (``(#36)``,
-``issue 26``); it says in words what it refers to."""
+"""The project's records speak to outsiders: the CHANGELOG dates each
+version and each note, and no record or comment cites an issue by a number
+that only the team's tracker knows (``(#36)``, ``issue 26``); it says in
+words what it refers to."""
 
 from __future__ import annotations
 
@@ -52,3 +53,9 @@ def test_the_citation_pattern_finds_citations_and_nothing_else():
     for plain in ["[Rust](#use-from-rust)", '("gpuptr", "#4a7", -h / 2)', "the numba-cuda #536 complaint", '"#888"', "TorchLoan(#[allow(dead_code)] Loan)", "# 13. Ints past 64 bits"]:
         assert not CITATION.search(plain), plain
 
+
+def test_the_changelog_dates_each_version_and_each_note():
+    headings = re.findall(r"^(#{2,3}) (.+)$", CHANGELOG.read_text(), flags=re.M)
+    assert headings
+    undated = [h for _, h in headings if not re.search(r"\b20\d\d-\d\d-\d\d\b", h)]
+    assert not undated, undated

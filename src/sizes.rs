@@ -78,13 +78,47 @@ fn unit(name: &str) -> Option<f64> {
 
 /// Parse `text`, the value of `setting` (named in the error).
 pub fn parse(text: &str, setting: &str) -> Result<Size> {
+    parse_as(text, setting, true)
+}
+
+/// Parse `text`, the value of `setting`, as bytes only: for the sizes that
+/// are not of a device (`GPUPTR_SIM_MEMORY`, `GPUPTR_POOL_AHEAD`,
+/// `GPUPTR_HOST_CACHE`, `reserve`'s `block_size`). A share is refused, and
+/// no error's hint offers one.
+pub fn parse_bytes(text: &str, setting: &str) -> Result<usize> {
+    match parse_as(text, setting, false)? {
+        Size::Bytes(n) => Ok(n),
+        Size::Share(_) => Err(not_a_share(text, setting)),
+    }
+}
+
+/// The refusal of a share where only bytes are taken.
+pub(crate) fn not_a_share(text: &str, setting: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{setting}={text:?}: a share of a device (0.8, \"80%\") is not taken here; {BYTES_HINT}"
+    ))
+}
+
+/// What a size in bytes may be written as (each form here is taken).
+const BYTES_HINT: &str =
+    "give bytes (1073741824) or a size such as \"1GiB\", \"512MiB\" or \"500M\"";
+
+/// [`parse`], or [`parse_bytes`] when `shares` is false (then a share is
+/// refused here, and the hint names bytes only).
+fn parse_as(text: &str, setting: &str, shares: bool) -> Result<Size> {
     let bad = |why: &str| {
-        Error::InvalidArgument(format!(
-            "{setting}={text:?} is not a size ({why}; give bytes, a size such as \"40GB\", \"40GiB\" or \"512M\", a share such as 0.8, or \"80%\")"
-        ))
+        let hint = if shares {
+            "give bytes, a size such as \"40GB\", \"40GiB\" or \"512M\", a share such as 0.8, or \"80%\""
+        } else {
+            BYTES_HINT
+        };
+        Error::InvalidArgument(format!("{setting}={text:?} is not a size ({why}; {hint})"))
     };
     let t = text.trim();
     if let Some(p) = t.strip_suffix('%') {
+        if !shares {
+            return Err(not_a_share(text, setting));
+        }
         let v: f64 = p.trim().parse().map_err(|_| bad("not a number before %"))?;
         return Size::share(v / 100.0, setting)
             .map_err(|_| bad("a percentage must be in (0, 100]"));
@@ -102,6 +136,9 @@ pub fn parse(text: &str, setting: &str) -> Result<Size> {
     let per = unit(&name).ok_or_else(|| bad("unknown unit"))?;
     if name.is_empty() {
         if number.contains('.') {
+            if !shares {
+                return Err(not_a_share(text, setting));
+            }
             let f: f64 = number.parse().map_err(|_| bad("not a number"))?;
             return Size::share(f, setting).map_err(|_| bad("a share must be in (0, 1]"));
         }
@@ -185,6 +222,30 @@ mod tests {
             let e = parse(t, "GPUPTR_SIM_MEMORY").unwrap_err().to_string();
             assert!(e.contains("GPUPTR_SIM_MEMORY"), "{t:?}: {e}");
         }
+    }
+
+    #[test]
+    fn byte_sizes_refuse_shares_and_offer_only_what_they_take() {
+        let p = |t: &str| parse_bytes(t, "GPUPTR_SIM_MEMORY");
+        assert_eq!(p("1GiB").unwrap(), 1 << 30);
+        assert_eq!(p("1073741824").unwrap(), 1 << 30);
+        for share in ["80%", "0.5", "1.0"] {
+            let e = p(share).unwrap_err().to_string();
+            assert!(
+                e.contains("GPUPTR_SIM_MEMORY") && e.contains("share"),
+                "{e}"
+            );
+        }
+        let e = p("abc").unwrap_err().to_string();
+        assert!(
+            e.contains("GPUPTR_SIM_MEMORY") && !e.contains("share such as"),
+            "{e}"
+        );
+        // Every form the hint offers is taken.
+        for form in BYTES_HINT.split('"').skip(1).step_by(2) {
+            assert!(p(form).is_ok(), "{form}");
+        }
+        assert!(p(BYTES_HINT.split(['(', ')']).nth(1).unwrap()).is_ok());
     }
 
     #[test]

@@ -155,7 +155,7 @@ fn test_only_gpuptr_device_allocations_are_exported() {
     ));
 }
 
-// Issue 26: handles that no input can turn against their owner -------------
+// Handles that no input can turn against their owner ----------------------
 
 #[test]
 fn test_a_handle_is_bounded_by_the_drivers_range_not_its_own_size() {

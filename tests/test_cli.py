@@ -131,7 +131,7 @@ def test_bench_exits_non_zero_when_it_measured_nothing(monkeypatch, capsys):
 
 
 
-# --- issue 28: a newcomer's first hour ---------------------------------------------
+# --- what a newcomer meets in the first hour: the bench's errors and table ---------
 
 import io  # noqa: E402
 import itertools  # noqa: E402

@@ -1,5 +1,5 @@
-"""IPC safety on the simulator (issue 26, items 1-7, and what an adversarial
-pass over the same surface found): no handle, however it was made or
+"""IPC safety on the simulator (a review of handles and their liveness,
+and what an adversarial pass over the same surface found): no handle, however it was made or
 altered, no file in /dev/shm, and no exit makes gpuptr open memory that is
 not the handle's, block, or leave state behind.
 

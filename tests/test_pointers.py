@@ -113,6 +113,23 @@ def test_freed_pointer_raises_invalid_pointer_on_use(no_leaks):
         v.copy_to_host()
 
 
+def test_numpy_refuses_device_memory_and_says_how_to_read_it(no_leaks):
+    # numpy cannot read device memory in place: np.asarray made a 0-d object
+    # array holding the pointer, silently.
+    np = pytest.importorskip("numpy")
+    mem = gpuptr.alloc(16)
+    for device in (mem, mem.view(4), gpuptr.as_array(mem, 4, "float32")):
+        for to_numpy in (np.asarray, np.array):
+            with pytest.raises(TypeError, match="copy_to_host") as e:
+                to_numpy(device)
+            assert "CuPy" in str(e.value) and "torch" in str(e.value), e.value
+    # Host memory is host memory: numpy reads its bytes.
+    for host in (gpuptr.alloc_host(16, mapped=True), gpuptr.alloc_managed(16), gpuptr.alloc_host(16)):
+        assert np.asarray(host).shape == (16,)
+        host.free()
+    mem.free()
+
+
 def test_zero_size_alloc_is_a_null_pointer(no_leaks):
     mem = gpuptr.alloc(0)
     assert mem.size == 0
@@ -124,11 +141,19 @@ def test_zero_size_alloc_is_a_null_pointer(no_leaks):
 
 @pytest.mark.parametrize(
     "start, stop",
-    [(101, None), (0, 101), (60, 50), (-1, None), (0, -1), (200, 300)],
+    [(101, None), (0, 101), (60, 50), (200, 300)],
 )
 def test_out_of_range_views_are_invalid_pointer(start, stop, no_leaks):
     mem = gpuptr.alloc(100)
     with pytest.raises(gpuptr.InvalidPointerError):
+        mem.view(start, stop)
+
+
+@pytest.mark.parametrize("start, stop", [(-1, None), (0, -1)])
+def test_negative_view_bounds_are_invalid_argument(start, stop, no_leaks):
+    # An int out of its argument's range, as a negative size is.
+    mem = gpuptr.alloc(100)
+    with pytest.raises(gpuptr.InvalidArgumentError, match="view"):
         mem.view(start, stop)
 
 

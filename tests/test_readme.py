@@ -205,6 +205,34 @@ def test_the_requirements_are_the_builds_own():
     assert "CUDA 12.0 or later" in reqs
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+def test_the_pip_that_refuses_git_file_urls_is_named_truly(tmp_path):
+    """The README names the newest pip that refuses ``git+file:///`` (pip
+    took such URLs once it vendored packaging 22 or later); the pip here
+    refuses it exactly when it is that one or older."""
+    import importlib.metadata
+
+    try:
+        pip = importlib.metadata.version("pip")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no pip here")
+    text = " ".join(README.read_text().split())
+    named = re.search(r"\(pip ([\d.]+) and older(?:,[^)]*?)? refuse `git\+file:///…`", text)
+    assert named, "the README's note on git+file:/// URLs"
+    # Nothing is fetched: the URL names no repository, and no index is asked.
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index",
+         f"gpuptr @ git+file://{tmp_path}/no-repository"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    refused = "Invalid requirement" in out.stdout + out.stderr
+    assert refused == (_release(pip) <= _release(named[1])), (pip, named[1], out.stderr[-600:])
+
+
 def test_every_extra_installs_from_the_repository_and_no_url_leads_nowhere():
     """gpuptr is on no package index: the README installs it from a clone or
     a git URL, names every extra pyproject.toml has (and no other), and the

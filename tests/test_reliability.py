@@ -120,11 +120,11 @@ BAD_INPUT = [
     ("wrap past the block", lambda m: gpuptr.wrap(m.device_pointer_value, 1 << 40), gpuptr.InvalidPointerError),
     ("view past the end", lambda m: m.view(0, m.size + 1), gpuptr.InvalidPointerError),
     ("view reversed", lambda m: m.view(8, 4), gpuptr.InvalidPointerError),
-    ("view negative start", lambda m: m.view(-1), gpuptr.InvalidPointerError),
+    ("view negative start", lambda m: m.view(-1), gpuptr.InvalidArgumentError),
     ("view start past the end", lambda m: m.view(m.size + 1), gpuptr.InvalidPointerError),
     ("memset beyond the size", lambda m: m.memset(0, count=m.size + 1), gpuptr.InvalidPointerError),
     ("memset negative count", lambda m: m.memset(0, count=-1), gpuptr.InvalidArgumentError),
-    ("memset byte out of range", lambda m: m.memset(256), OverflowError),
+    ("memset byte out of range", lambda m: m.memset(256), gpuptr.InvalidArgumentError),
     ("copy from host too large", lambda m: m.copy_from_host(b"x" * (m.size + 1)), gpuptr.InvalidPointerError),
     ("copy to read-only buffer", lambda m: m.copy_to_host(b"xxxx"), gpuptr.InvalidArgumentError),
     ("free then use", lambda m: (m.free(), m.memset(0)), gpuptr.InvalidPointerError),
@@ -137,7 +137,7 @@ BAD_INPUT = [
     ("DLPack of a host array", lambda m: gpuptr.from_dlpack(__import__("numpy").zeros(3)), gpuptr.InvalidArgumentError),
     ("DLPack of a non-exporter", lambda m: gpuptr.from_dlpack(object()), gpuptr.InvalidArgumentError),
     ("MemoryPointer bad context", lambda m: gpuptr.MemoryPointer("ctx", m.device_pointer_value, 8), gpuptr.InvalidArgumentError),
-    ("MemoryPointer bad pointer", lambda m: gpuptr.MemoryPointer(None, "addr", 8), gpuptr.InvalidPointerError),
+    ("MemoryPointer bad pointer", lambda m: gpuptr.MemoryPointer(None, "addr", 8), TypeError),
     ("register a non-buffer", lambda m: gpuptr.register_host(object()), TypeError),
 ]
 
@@ -231,7 +231,13 @@ def test_view_arithmetic_never_panics(size, start, stop):
         assert 0 <= v.size <= size
     except BaseException as e:
         assert not _is_panic(e), e
-        assert isinstance(e, (gpuptr.InvalidPointerError, OverflowError)), repr(e)
+        # A bound that is no offset at all is out of its range; one past the
+        # memory (or reversed bounds) reaches memory that is not there.
+        bounds = [start] + ([] if stop is None else [stop])
+        if any(b < 0 or b >= 2**63 for b in bounds):
+            assert isinstance(e, gpuptr.InvalidArgumentError), repr(e)
+        else:
+            assert isinstance(e, gpuptr.InvalidPointerError), repr(e)
 
 
 _ints = st.integers(-(1 << 70), 1 << 70)

@@ -1,8 +1,9 @@
 """Sizes and switches in settings and arguments, install hints for missing
-extras, and the memory as a context manager (issue: a newcomer's first
-hour, items 14-17)."""
+extras, and the memory as a context manager (what a newcomer meets in
+the first hour)."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,28 @@ def test_a_bool_is_not_a_size():
 
 
 @sim
+@pytest.mark.parametrize("kind", ["bool", "complex"])
+def test_numpy_bools_and_complex_numbers_are_not_sizes_as_a_bool_is_not(kind, no_limit):
+    # np.True_ is no int and has __float__: it read as a share of 1.0 (the
+    # whole device), and a complex number as its real part.
+    np = pytest.importorskip("numpy")
+    given = {
+        "bool": [True, np.True_, np.False_, np.bool_(True)],
+        "complex": [0.5 + 0j, 0.5j, np.complex64(0.5), np.complex128(0.5), np.clongdouble(0.5)],
+    }[kind]
+    for value in given:
+        for call in (
+            lambda: gpuptr.set_pool_limit(value),
+            lambda: gpuptr.reserve(value),
+            lambda: gpuptr.reserve(1 << 20, block_size=value),
+        ):
+            with pytest.raises(TypeError, match=kind) as e:
+                call()
+            assert not isinstance(e.value, gpuptr.GpuptrError), repr(value)
+        assert gpuptr.stats()[0]["pool_limit"] is None, repr(value)
+
+
+@sim
 def test_a_reservation_past_the_free_memory_is_refused_whole():
     free0, total = gpuptr.context(0).get_memory_info()
     held0 = gpuptr.stats()[0]["pool_bytes"]
@@ -137,6 +160,118 @@ def test_a_bad_setting_is_an_error_that_names_it(name, value):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("refused:") and name in r.stdout, r.stdout
+
+
+_REFUSED = """
+    import gpuptr
+    try:
+        gpuptr.alloc(16)
+        print("accepted")
+    except gpuptr.InvalidArgumentError as e:
+        print("refused:", e)
+    """
+
+
+@pytest.mark.parametrize("name", ["GPUPTR_SIM_MEMORY", "GPUPTR_POOL_AHEAD", "GPUPTR_HOST_CACHE"])
+def test_a_byte_size_settings_hint_names_only_what_it_takes(name):
+    # These sizes are not of a device: a share is refused, so the hint for
+    # a bad value must not offer one, and every form it offers is taken.
+    r = _child(_REFUSED, **{name: "abc"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused:") and name in r.stdout, r.stdout
+    assert "%" not in r.stdout and "0.8" not in r.stdout and "share such as" not in r.stdout, r.stdout
+    hint = r.stdout.split(";", 1)[1]  # after 'NAME="abc" is not a size (why;'
+    offered = re.findall(r'"([^"]+)"', hint) + re.findall(r"\((\d+)\)", hint)
+    assert len(offered) >= 2, r.stdout
+    for form in offered:
+        ok = _child(_REFUSED, **{name: form})
+        assert ok.returncode == 0 and ok.stdout.strip() == "accepted", (form, ok.stdout, ok.stderr)
+    share = _child(_REFUSED, **{name: "80%"})
+    assert share.stdout.startswith("refused:") and name in share.stdout and "share" in share.stdout, share.stdout
+
+
+@sim
+def test_reserves_block_size_hint_names_only_what_it_takes():
+    with pytest.raises(gpuptr.InvalidArgumentError, match="block_size") as e:
+        gpuptr.reserve(1 << 20, block_size="abc")
+    assert "%" not in str(e.value) and "share such as" not in str(e.value), e.value
+    with pytest.raises(gpuptr.InvalidArgumentError, match="block_size.*share"):
+        gpuptr.reserve(1 << 20, block_size="50%")
+
+
+def _child_bytes(code, **env):
+    """`_child` with an environment of raw bytes (os.environb): a value
+    that is no UTF-8 text, as a Linux environment may hold."""
+    e = dict(os.environb)
+    e[b"GPUPTR_DRIVER"] = b"sim"
+    e.update({k.encode(): v for k, v in env.items()})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, timeout=120)
+    return r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("GPUPTR_POOL_AHEAD", b"32\xffMiB"),
+        ("GPUPTR_HOST_CACHE", b"1\xffGiB"),
+        ("GPUPTR_POOL", b"o\xffn"),
+        ("GPUPTR_TRACK", b"\xff"),
+        ("GPUPTR_HISTORY", b"on\xff"),
+        ("GPUPTR_SIM_MEMORY", b"1\xffGiB"),
+        ("GPUPTR_SIM_DEVICES", b"2\xff"),
+    ],
+)
+def test_a_setting_that_is_no_utf8_text_is_refused_by_name_not_read_as_unset(name, value):
+    rc, out, err = _child_bytes(
+        """
+        import gpuptr
+        try:
+            gpuptr.alloc(16)
+            print("accepted")
+        except gpuptr.InvalidArgumentError as e:
+            print("refused:", e)
+        """,
+        **{name: value},
+    )
+    assert rc == 0, err
+    assert out.startswith("refused:") and name in out and "UTF-8" in out, out
+
+
+def test_a_driver_choice_that_is_no_utf8_text_is_refused_by_name():
+    rc, out, err = _child_bytes(
+        """
+        import gpuptr
+        try:
+            gpuptr.alloc(16)
+            print("accepted")
+        except gpuptr.NoDriverError as e:
+            print("refused:", e)
+        """,
+        GPUPTR_DRIVER=b"s\xffim",
+    )
+    assert rc == 0, err
+    # Not read as unset (auto), whose own refusal on a machine without a
+    # driver names GPUPTR_DRIVER too.
+    assert out.startswith("refused:") and "GPUPTR_DRIVER" in out and "UTF-8" in out, out
+
+
+def test_an_oom_snapshot_path_that_is_no_utf8_text_is_written_there(tmp_path):
+    # A Linux path is bytes: gpuptr takes it as it is, never as unset.
+    path = os.fsencode(tmp_path) + b"/oom-\xff.pickle"
+    rc, out, err = _child_bytes(
+        """
+        import gpuptr
+        gpuptr.set_pool_limit(8 << 20)
+        try:
+            gpuptr.alloc(64 << 20)
+        except gpuptr.OutOfMemoryError as e:
+            print(e)
+        """,
+        GPUPTR_OOM_SNAPSHOT=path,
+    )
+    assert rc == 0, err
+    assert "a memory snapshot was written to" in out, out
+    assert os.path.isfile(path), os.listdir(os.fsencode(tmp_path))
 
 
 

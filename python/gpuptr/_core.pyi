@@ -2,7 +2,7 @@
 
 import ctypes
 import os
-from typing import Any, Callable, Optional, Self, TypeVar, Union, final, overload
+from typing import Any, Callable, NoReturn, Optional, Self, TypeVar, Union, final, overload
 
 from gpuptr._types import ClassStats, DeviceStats, DriverInfo, Outstanding
 
@@ -206,6 +206,8 @@ class MemoryPointer:
         """..."""
     def __dlpack_device__(self) -> tuple[int, int]:
         """..."""
+    def __array__(self, *args: object, **kwargs: object) -> NoReturn:
+        """..."""
     @property
     def refct(self) -> int:
         """How many pointer objects (this one, its views, `own()` handles) share
@@ -256,8 +258,9 @@ class MemoryPointer:
         """
     def view(self, start: int, stop: Optional[int] = None) -> MemoryPointer:
         """A pointer to bytes ``[start, stop)`` of this one (``stop`` defaults to
-        the end). It keeps the allocation alive. Out-of-range, reversed or
-        negative bounds raise `InvalidPointerError`.
+        the end). It keeps the allocation alive. Bounds past the end, or
+        reversed, raise `InvalidPointerError`; a negative one
+        `InvalidArgumentError`.
         """
     def copy_from_host(self, src: object, stream: _Stream = None) -> None:
         """Copy a C-contiguous host buffer (bytes, numpy array, ...) to the

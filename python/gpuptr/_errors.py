@@ -45,12 +45,14 @@ class OutOfMemoryError(CudaError, MemoryError):
 
 
 class InvalidPointerError(GpuptrError, ValueError):
-    """A pointer that is freed, stale, out of range, or not device memory.
-    Also a :class:`ValueError`."""
+    """Memory gpuptr cannot reach: an address with no memory there, memory
+    that is freed or stale, or bounds past the end of their memory. Also a
+    :class:`ValueError`."""
 
 
 class InvalidArgumentError(GpuptrError, ValueError):
-    """An argument with a bad value: a negative size, an unknown device, a
+    """An argument with a bad value: an int outside its argument's range (a
+    negative size or offset, one past 2**63-1), an unknown device, a
     malformed array descriptor. Also a :class:`ValueError`."""
 
 

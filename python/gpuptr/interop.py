@@ -5,10 +5,11 @@ gpuptr MemoryPointer with the context resolved from the address itself."""
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, Optional, Tuple, Union
+import operator
+from typing import Any, Dict, NoReturn, Optional, Tuple, Union
 
 from gpuptr import _core
-from gpuptr._errors import InvalidArgumentError
+from gpuptr._errors import InvalidArgumentError, InvalidPointerError
 
 __all__ = ["ArrayView", "as_array", "from_cuda_array_interface", "from_dlpack"]
 
@@ -155,6 +156,12 @@ class ArrayView:
         """``(2, device_id)``: CUDA memory of the context's device."""
         return self.pointer.__dlpack_device__()
 
+    def __array__(self, *args: object, **kwargs: object) -> NoReturn:
+        """numpy cannot read device memory: ``TypeError``, saying how to
+        (the pointer's own refusal)."""
+        self.pointer.__array__()
+        raise AssertionError("unreachable: a MemoryPointer refuses numpy")
+
     def __repr__(self) -> str:
         return f"<gpuptr.ArrayView {self.typestr} shape={self.shape} strides={self.strides} at {self.ptr:#x}>"
 
@@ -227,6 +234,26 @@ def _dtype_name(dtype: Any) -> str:
     return str(dt.name)
 
 
+def _ints(given: Any, what: str) -> Tuple[int, ...]:
+    """``given`` (an int, or a sequence of them) as a tuple of ints; any
+    element that is no int (a float, a bool, a string) is a ``TypeError``."""
+    if isinstance(given, (str, bytes, bytearray)):
+        raise TypeError(f"{what} must be an int or a sequence of ints, not {type(given).__name__}")
+    try:
+        items = tuple(given)
+    except TypeError:
+        items = (given,)
+    out = []
+    for n in items:
+        if isinstance(n, bool) or type(n).__name__ in ("bool", "bool_"):
+            raise TypeError(f"{what} must be ints, not {type(n).__name__} ({given!r})")
+        try:
+            out.append(operator.index(n))
+        except TypeError:
+            raise TypeError(f"{what} must be ints, not {type(n).__name__} ({given!r})") from None
+    return tuple(out)
+
+
 def as_array(
     ptr: _core.MemoryPointer,
     shape: Union[int, Tuple[int, ...]],
@@ -241,19 +268,21 @@ def as_array(
     numpy's (C order when None). The array's lowest byte is at ``ptr`` (so
     with negative strides element 0 is above it, at ``offset``); an array
     that does not fit in ``ptr.size`` bytes raises
-    :class:`InvalidArgumentError`. The view keeps ``ptr``'s memory alive, and
-    carries its stream (memory allocated with ``stream=``).
+    :class:`InvalidPointerError`, as any bound past the end of memory does
+    (a shape or stride that is no int raises ``TypeError``, a negative
+    dimension :class:`InvalidArgumentError`). The view keeps ``ptr``'s
+    memory alive, and carries its stream (memory allocated with ``stream=``).
     """
     if not isinstance(ptr, _core.MemoryPointer):
-        raise InvalidArgumentError(f"as_array needs a gpuptr MemoryPointer, not {type(ptr).__name__}")
+        raise TypeError(f"as_array needs a gpuptr MemoryPointer, not {type(ptr).__name__}")
     name = _dtype_name(dtype)
     typestr, itemsize, _code, _bits = _core._dtype_info(name)
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in dims):
+    dims = _ints(shape, "shape")
+    if any(n < 0 for n in dims):
         raise InvalidArgumentError(f"shape must be non-negative ints, got {shape!r}")
     if strides is not None:
-        strides = tuple(strides)
-        if len(strides) != len(dims) or any(not isinstance(s, int) or isinstance(s, bool) for s in strides):
+        strides = _ints(strides, "strides")
+        if len(strides) != len(dims):
             raise InvalidArgumentError(f"strides {strides!r} do not match shape {dims!r}")
     try:
         steps, lo, span = _core._layout(dims, strides, itemsize)
@@ -261,7 +290,7 @@ def as_array(
         raise InvalidArgumentError("the array's extent overflows") from None
     strides = tuple(steps)
     if span > ptr.size:
-        raise InvalidArgumentError(f"an array of {span} bytes does not fit in {ptr.size} bytes")
+        raise InvalidPointerError(f"an array of {span} bytes does not fit in {ptr.size} bytes")
     readonly = bool(ptr.__cuda_array_interface__["data"][1])
     # As imported arrays: the pointer starts at element 0 and ends where the
     # array's memory does.

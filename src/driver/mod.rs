@@ -499,9 +499,16 @@ impl DriverChoice {
         }
     }
 
-    /// Read `GPUPTR_DRIVER` from the environment.
+    /// Read `GPUPTR_DRIVER` from the environment. A value that is no
+    /// UTF-8 text names no driver either.
     pub fn from_env() -> Result<Self> {
-        DriverChoice::parse(&crate::config::text(crate::config::DRIVER))
+        match crate::config::text(crate::config::DRIVER) {
+            Ok(v) => DriverChoice::parse(&v),
+            Err(Error::InvalidArgument(why)) => {
+                Err(Error::NoDriver(format!("{why}; use auto, cuda or sim")))
+            }
+            Err(e) => Err(e),
+        }
     }
 }
 

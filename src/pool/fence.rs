@@ -204,7 +204,7 @@ impl Fencer {
     /// CPU clock, the wall time it ran. One clock read once the fence has
     /// run `cost`; nothing before.
     pub(crate) fn spun(&self, cost: Duration) -> bool {
-        if !self.running_for().is_some_and(|t| t >= cost) {
+        if self.running_for().is_none_or(|t| t < cost) {
             return false;
         }
         let ext = self.ext();
@@ -399,7 +399,7 @@ fn spin_for_request(ext: &FenceExt, started: u64, since: Instant) {
     let mut n = 0u32;
     while ext.requested.load(Ordering::Relaxed) == started && since.elapsed() < FENCE_SPIN {
         n = n.wrapping_add(1);
-        if n % 64 == 0 {
+        if n.is_multiple_of(64) {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();

@@ -139,41 +139,73 @@ pub(crate) fn device_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
 }
 
 /// An address from an int, `ctypes.c_void_p`, `CUdeviceptr` or anything
-/// with `__int__`.
+/// with `__int__` (``None``: the null address). A value of another type (a
+/// float, a bool, a complex number, a string) is a `TypeError`; an int that
+/// is no address (negative, or past 64 bits) is an `InvalidPointerError`,
+/// as an address with no memory there is.
 pub(crate) fn pointer_arg(obj: &Bound<'_, PyAny>) -> PyResult<DevicePtr> {
+    use pyo3::types::{PyBool, PyBytes, PyComplex, PyFloat, PyString};
     if obj.is_none() {
         return Ok(0);
     }
-    if obj.is_instance_of::<pyo3::types::PyFloat>() || obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(Error::InvalidPointer(format!(
-            "an address must be an integer, not {}",
-            obj.get_type().name()?
+    let type_name = || {
+        obj.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
+    };
+    let wrong_type = || -> PyErr {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "an address must be an int, ctypes.c_void_p, CUdeviceptr or None, not {}",
+            type_name()
         ))
-        .into());
+    };
+    if obj.is_instance_of::<PyFloat>()
+        || obj.is_instance_of::<PyBool>()
+        || obj.is_instance_of::<PyComplex>()
+        || obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+    {
+        return Err(wrong_type());
     }
-    if let Ok(v) = obj.extract::<u64>() {
-        return Ok(v);
+    let no_address = |v: &Bound<'_, PyAny>| -> PyErr {
+        Error::InvalidPointer(format!(
+            "{} is not a device address (an address is an int from 0 to 2**64-1)",
+            shown(v)
+        ))
+        .into()
+    };
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return obj.extract::<u64>().map_err(|_| no_address(obj));
     }
     // An address object's `value` and `__int__` may be Python code.
     let _region = Region::enter_or_hang(obj.py());
+    // A float-like or complex scalar (numpy's `float32`, `bool`,
+    // `complex64`) has `__int__` too, but is no address.
+    let ty = obj.get_type();
+    let has = |name: &str| ty.hasattr(name).unwrap_or(false);
+    if has("__complex__") || (has("__float__") && !has("__index__")) {
+        return Err(wrong_type());
+    }
+    let int_of = |v: PyResult<Bound<'_, PyAny>>| match v {
+        Ok(v) if v.is_instance_of::<pyo3::types::PyInt>() => {
+            v.extract::<u64>().map_err(|_| no_address(&v))
+        }
+        _ => Err(wrong_type()),
+    };
+    // An int-like (numpy's integer scalars).
+    if has("__index__") {
+        return int_of(obj.call_method0("__index__"));
+    }
     if let Ok(v) = obj.getattr("value") {
         if v.is_none() {
             return Ok(0);
         }
-        if let Ok(v) = v.extract::<u64>() {
-            return Ok(v);
+        if v.is_instance_of::<pyo3::types::PyInt>() {
+            return v.extract::<u64>().map_err(|_| no_address(&v));
         }
     }
-    if let Ok(v) = obj.call_method0("__int__") {
-        if let Ok(v) = v.extract::<u64>() {
-            return Ok(v);
-        }
-    }
-    Err(Error::InvalidPointer(format!(
-        "{} is not a device address",
-        obj.repr().map(|r| r.to_string()).unwrap_or_default()
-    ))
-    .into())
+    int_of(obj.call_method0("__int__"))
 }
 
 /// A stream argument: ``None`` (no stream), an int handle (0 and 1 are the

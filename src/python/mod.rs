@@ -408,14 +408,7 @@ fn reserve(
     let _log = logging::Deliver(py);
     let wanted = sizes::size_of(nbytes, "nbytes")?;
     let size = match block_size.filter(|b| !b.is_none()) {
-        Some(b) => match sizes::size_of(b, "block_size")? {
-            crate::sizes::Size::Bytes(n) => n,
-            crate::sizes::Size::Share(_) => {
-                return Err(
-                    Error::InvalidArgument("block_size must be bytes, not a share".into()).into(),
-                )
-            }
-        },
+        Some(b) => sizes::bytes_of(b, "block_size")?,
         None => 1 << 20,
     };
     if size == 0 {

@@ -153,10 +153,11 @@ impl PyMemoryPointer {
 }
 
 /// A bound of `view` named `what`: negative, or past 64 bits, is an
-/// `InvalidPointerError` (as every out-of-range bound is).
+/// `InvalidArgumentError` (as every int out of its argument's range is); a
+/// bound past the end of the memory is the core's `InvalidPointerError`.
 fn view_bound(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     let bad = || -> PyErr {
-        Error::InvalidPointer(format!(
+        Error::InvalidArgument(format!(
             "view {what} {} is out of range: a bound is an int from 0 to 2**63-1",
             super::args::shown(obj)
         ))
@@ -169,21 +170,21 @@ fn view_bound(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     }
 }
 
-/// The ``byte`` of a memset: an int from 0 to 255, else an `OverflowError`
-/// that says so.
+/// The ``byte`` of a memset: an int from 0 to 255, else an
+/// `InvalidArgumentError` that says so.
 fn byte_arg(obj: &Bound<'_, PyAny>) -> PyResult<u8> {
-    let v = int_arg(obj, "byte").map_err(|e| {
-        if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) {
-            e
-        } else {
-            pyo3::exceptions::PyOverflowError::new_err("byte must be an int from 0 to 255")
-        }
-    })?;
-    u8::try_from(v).map_err(|_| {
-        pyo3::exceptions::PyOverflowError::new_err(format!(
-            "byte must be an int from 0 to 255, not {v}"
+    let bad = || -> PyErr {
+        Error::InvalidArgument(format!(
+            "byte {} is out of range: it must be an int from 0 to 255",
+            super::args::shown(obj)
         ))
-    })
+        .into()
+    };
+    match int_arg(obj, "byte") {
+        Ok(v) => u8::try_from(v).map_err(|_| bad()),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Err(e),
+        Err(_) => Err(bad()),
+    }
 }
 
 fn contiguous(buf: &PyUntypedBuffer) -> PyResult<()> {
@@ -362,6 +363,24 @@ impl PyMemoryPointer {
         dlpack::device_of(py, &self.view)
     }
 
+    /// numpy cannot read device memory: ``numpy.asarray`` and
+    /// ``numpy.array`` raise ``TypeError``, saying how to read it
+    /// (``copy_to_host``, or CuPy or torch for an array on the device),
+    /// rather than make an object array that holds the pointer. Host memory
+    /// (``MappedMemory``, ``ManagedMemory``) is read through its buffer.
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn __array__(
+        &self,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        Err(pyo3::exceptions::PyTypeError::new_err(
+            "numpy cannot read device memory: copy it to the host with copy_to_host() \
+             (numpy.frombuffer(mem.copy_to_host(), dtype)), or make a device array of it \
+             with CuPy (cupy.asarray(mem)) or torch (torch.from_dlpack(mem))",
+        ))
+    }
+
     /// The object that owns the memory: the given owner, else this pointer.
     #[getter]
     fn owner(slf: &Bound<'_, Self>) -> Py<PyAny> {
@@ -499,8 +518,9 @@ impl PyMemoryPointer {
     }
 
     /// A pointer to bytes ``[start, stop)`` of this one (``stop`` defaults to
-    /// the end). It keeps the allocation alive. Out-of-range, reversed or
-    /// negative bounds raise `InvalidPointerError`.
+    /// the end). It keeps the allocation alive. Bounds past the end, or
+    /// reversed, raise `InvalidPointerError`; a negative one
+    /// `InvalidArgumentError`.
     #[pyo3(signature = (start, stop=None))]
     fn view(
         slf: &Bound<'_, Self>,

@@ -307,9 +307,8 @@ impl Runtime {
                 if config::switch_or(config::HISTORY, false)? {
                     rt.record_history(true, crate::history::DEFAULT_MAX_ENTRIES);
                 }
-                let oom = config::text(config::OOM_SNAPSHOT);
-                if !oom.trim().is_empty() {
-                    rt.set_oom_snapshot(Some(oom.into()));
+                if let Some(oom) = config::path(config::OOM_SNAPSHOT) {
+                    rt.set_oom_snapshot(Some(oom));
                 }
                 Ok(rt)
             })

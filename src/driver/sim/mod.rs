@@ -335,9 +335,9 @@ impl State {
     /// Whether queued work of `device` (on `stream`, or on any stream) from
     /// before `seq` is still outstanding.
     fn busy(&self, device: usize, stream: Option<RawStream>, seq: u64) -> bool {
-        self.ops.iter().any(|op| {
-            op.seq < seq && op.device == device && stream.map_or(true, |s| s == op.stream)
-        })
+        self.ops
+            .iter()
+            .any(|op| op.seq < seq && op.device == device && stream.is_none_or(|s| s == op.stream))
     }
 
     /// The bytes `[ptr, ptr+count)`, which must lie in one device-accessible
@@ -351,11 +351,7 @@ impl State {
             Kind::Pinned { mapped } | Kind::Registered { mapped } => mapped,
         };
         let offset = (ptr - start) as usize;
-        if !reachable
-            || offset
-                .checked_add(count)
-                .map_or(true, |end| end > block.len)
-        {
+        if !reachable || offset.checked_add(count).is_none_or(|end| end > block.len) {
             return Err(invalid());
         }
         let base = block.base(start);

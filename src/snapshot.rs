@@ -21,7 +21,8 @@
 //!   `device_free` (for `oom`), `time_us`;
 //! - a frame: `filename`, `line`, `name`.
 //!
-//! gpuptr adds `client` (`"direct"`, `"numba"`, `"cupy"`, `"torch"`) to
+//! gpuptr adds `client` (`"direct"`, `"numba"`, `"cupy"`, `"torch"`,
+//! `"cuda_core"`, `"rmm"`) to
 //! each allocation's block and trace entries, and puts it first among their
 //! frames as `gpuptr:0:client=NAME`, where the viewer shows frames.
 

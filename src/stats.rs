@@ -26,6 +26,9 @@ pub enum Client {
     Torch = 3,
     /// cuda.core, through `gpuptr.cuda_core`'s memory resources.
     CudaCore = 4,
+    /// RMM (and RAPIDS through it), through `gpuptr.rmm`'s device memory
+    /// resource.
+    Rmm = 5,
 }
 
 impl Client {
@@ -36,11 +39,13 @@ impl Client {
         Client::Cupy,
         Client::Torch,
         Client::CudaCore,
+        Client::Rmm,
     ];
     /// How many clients there are.
-    pub const COUNT: usize = 5;
+    pub const COUNT: usize = 6;
 
-    /// Its name: `"direct"`, `"numba"`, `"cupy"`, `"torch"` or `"cuda_core"`.
+    /// Its name: `"direct"`, `"numba"`, `"cupy"`, `"torch"`, `"cuda_core"`
+    /// or `"rmm"`.
     pub fn name(self) -> &'static str {
         match self {
             Client::Direct => "direct",
@@ -48,6 +53,7 @@ impl Client {
             Client::Cupy => "cupy",
             Client::Torch => "torch",
             Client::CudaCore => "cuda_core",
+            Client::Rmm => "rmm",
         }
     }
 
@@ -421,5 +427,20 @@ impl DeviceStats {
             host,
             segments: SegmentStats::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Client;
+
+    #[test]
+    fn every_client_is_listed_once_in_index_order_under_its_own_name() {
+        for (i, c) in Client::ALL.into_iter().enumerate() {
+            assert_eq!(c.index(), i, "{c:?}");
+            assert_eq!(Client::from_name(c.name()), Some(c));
+        }
+        assert_eq!(Client::from_name("rmm"), Some(Client::Rmm));
+        assert_eq!(Client::from_name("jax"), None);
     }
 }

@@ -23,7 +23,10 @@ def test_the_plugin_sets_up_gpuptr_in_every_worker(client):
     client.register_plugin(GpuptrPlugin(pool_limit=64 << 20, reserve=4 << 20, cupy=False, torch=False))
     reports = worker_reports(client)
     assert len(reports) == 2
-    assert all(r == {"numba": "installed", "cupy": "not requested", "torch": "not requested"} for r in reports.values())
+    for r in reports.values():
+        rmm = r.pop("rmm")
+        assert rmm == "installed" or "pip install rmm-cu13" in rmm, "RMM too, where it imports"
+        assert r == {"numba": "installed", "cupy": "not requested", "torch": "not requested"}
 
     def manager():
         import os
@@ -58,3 +61,54 @@ def test_tasks_allocate_from_the_pool_and_give_it_back(client):
     assert all(r[1] >= 1 << 20 for r in results)
     for per_device in worker_stats(client).values():
         assert per_device[0]["live_bytes"] == 0
+
+
+def test_the_plugin_makes_gpuptr_rmms_resource_in_every_worker(client):
+    # A stand-in for RMM (tests/fake_rmm.py, made in each worker from its
+    # source: the workers need not import the tests), holding the resource
+    # a dask-cuda plugin would have set when the worker started: gpuptr's
+    # plugin, registered after, replaces it.
+    from pathlib import Path
+
+    from gpuptr.dask import GpuptrPlugin, worker_reports
+
+    source = (Path(__file__).parent / "fake_rmm.py").read_text()
+
+    def fake_rmm_with_dask_cudas_pool(src):
+        import sys
+        import types
+
+        mod = types.ModuleType("fake_rmm")
+        exec(compile(src, "fake_rmm.py", "exec"), mod.__dict__)
+        rmm, mr = mod.make()
+        sys.modules["rmm"], sys.modules["rmm.mr"] = rmm, mr
+        mr.set_current_device_resource(mr.CudaMemoryResource())  # as dask-cuda's RMMSetup
+
+    client.run(fake_rmm_with_dask_cudas_pool, source)
+    try:
+        client.register_plugin(GpuptrPlugin(cupy=False, torch=False))
+        assert all(r["rmm"] == "installed" for r in worker_reports(client).values())
+
+        def through_rmm():
+            import gpuptr
+            import gpuptr.rmm
+            import rmm
+
+            buf = rmm.DeviceBuffer(size=1 << 20)
+            live = gpuptr.stats()[0]["clients"]["rmm"]["live_bytes"]
+            owner = gpuptr.context_of(buf.ptr).device.id
+            del buf
+            return gpuptr.rmm.installed(), live, owner, gpuptr.stats()[0]["clients"]["rmm"]["live_bytes"]
+
+        assert set(client.run(through_rmm).values()) == {(True, 1 << 20, 0, 0)}
+        client.register_plugin(GpuptrPlugin(cupy=False, torch=False, rmm=False))
+        assert all(r["rmm"] == "not requested" for r in worker_reports(client).values())
+    finally:
+
+        def forget_rmm():
+            import sys
+
+            for name in ("rmm", "rmm.mr"):
+                sys.modules.pop(name, None)
+
+        client.run(forget_rmm)

@@ -74,6 +74,8 @@ __all__ = [
     "_cuda_core_buffer",
     "_cupy_free",
     "_cupy_set_oom_error",
+    "_rmm_alloc",
+    "_rmm_free",
     "_hooks_torch_errors",
     "_hooks_torch_oom_missing",
     "_torch_counts",
@@ -314,7 +316,8 @@ def stats() -> list[DeviceStats]:
     """Allocation statistics per device: live bytes and count, peak, the number
     of allocations made, the pool's cached bytes, hits, misses and fences,
     ``clients``: live bytes and count, and allocations made, per client
-    (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``), and
+    (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``,
+    ``"rmm"``), and
     ``host``: the cache of pinned host memory (held, live, cached and pending
     bytes, hits, misses, and its limit), and ``segments``: the pool's driver
     allocations as PyTorch counts segments (``count`` and ``bytes``, each
@@ -563,8 +566,8 @@ def _dlpack_export(
     is a stream whose queued work may still use the memory.
     """
 def _alloc_for(client: str, nbytes: int, device: Optional[int] = None, stream: _Stream = None) -> MemoryPointer:
-    """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``
-    or ``"direct"``), counted under that client in ``stats()``. The hook
+    """``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``,
+    ``"rmm"`` or ``"direct"``), counted under that client in ``stats()``. The hook
     for gpuptr's own allocator plugins.
     """
 @final
@@ -636,11 +639,12 @@ def record_history(
     """Start (or stop) recording the allocation history, as PyTorch's
     ``torch.cuda.memory._record_memory_history``, for every library on
     gpuptr's pool: each allocation and free (with the Python stack of the
-    allocation and the client that asked: ``direct``, ``numba``, ``cupy``
-    or ``torch``), each driver allocation of the pool, and each out of
-    memory. Started, the trace begins afresh and keeps the newest
-    ``max_entries`` events; stopped, nothing more is recorded and what was
-    stays for ``snapshot()``. ``GPUPTR_HISTORY=1`` starts it at start-up.
+    allocation and the client that asked: ``direct``, ``numba``, ``cupy``,
+    ``torch``, ``cuda_core`` or ``rmm``), each driver allocation of the
+    pool, and each out of memory. Started, the trace begins afresh and
+    keeps the newest ``max_entries`` events; stopped, nothing more is
+    recorded and what was stays for ``snapshot()``. ``GPUPTR_HISTORY=1``
+    starts it at start-up.
 
     ``oom_snapshot``: a path (``str`` or ``os.PathLike``) where a snapshot is
     written when an allocation runs out of memory (its error then names the
@@ -745,6 +749,30 @@ def _cupy_free(address: int, device: int) -> None:
     """
 def _cupy_set_oom_error(cls: Any) -> None:
     """Set the class ``_cupy_malloc`` raises for out of memory."""
+def _rmm_alloc(device: int, ordered: bool, nbytes: int, stream: _Stream = None) -> int:
+    """RMM's allocation callback, for ``rmm.mr.CallbackMemoryResource``
+    (``gpuptr.rmm`` binds ``device`` and ``ordered`` with
+    ``functools.partial``: one resource per device): ``nbytes`` on
+    ``device`` from the pool, as an address (0 for zero bytes, as RMM's own
+    resources), counted under ``"rmm"``. ``stream`` is RMM's stream (its
+    ``Stream``, or anything ``stream`` arguments take): the allocation is
+    made on it and, with ``ordered``, freed on the stream ``_rmm_free`` is
+    given (reused at once there, by others after a fence: RMM's rule);
+    without ``ordered``, every free waits for the fence. Errors are gpuptr's
+    typed exceptions: out of memory is ``OutOfMemoryError``, a
+    ``MemoryError``, which RMM rethrows as its ``rmm::out_of_memory``
+    (``MemoryError`` in Python again, with this message).
+    """
+def _rmm_free(address: int, nbytes: Optional[int] = None, stream: _Stream = None) -> None:
+    """RMM's deallocation callback: release what ``_rmm_alloc`` returned at
+    ``address``, on ``stream`` where it was allocated stream-ordered (through
+    the fence otherwise, or when the stream cannot be read). ``nbytes`` is
+    RMM's and unused: the address names the allocation. Null is nothing to
+    free, as RMM's own resources; any other address ``_rmm_alloc`` did not
+    hand out (another library's, or one freed already) is ignored and
+    counted as a failure, never freed. It never raises: RMM calls it from
+    C++ destructors, which cannot take an exception.
+    """
 def _hooks_torch_errors(path: Any) -> bool:
     """Find PyTorch's exception thrower in its loaded ``libc10`` at ``path``
     (never loads the library: it must be loaded already), so a failed

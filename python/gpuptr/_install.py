@@ -1,4 +1,4 @@
-"""``gpuptr.install()``: numba, CuPy and PyTorch on one pool."""
+"""``gpuptr.install()``: numba, CuPy, PyTorch and RMM on one pool."""
 
 from __future__ import annotations
 
@@ -45,12 +45,19 @@ def _torch(stream_ordered: bool) -> None:
     _capture.hook_torch()
 
 
-_PARTS: Dict[str, Callable[[bool], None]] = {"numba": _numba, "cupy": _cupy, "torch": _torch}
+def _rmm(stream_ordered: bool) -> None:
+    from gpuptr import rmm
+
+    rmm.install(stream_ordered=stream_ordered)
+
+
+_PARTS: Dict[str, Callable[[bool], None]] = {"numba": _numba, "cupy": _cupy, "torch": _torch, "rmm": _rmm}
 # The module each part needs, as pip names it in the message.
 _NEEDS = {
     "numba": ("gpuptr.numba", '"gpuptr[numba]" (numba-cuda) or "gpuptr[numba-mlir]" (numba-cuda-mlir)'),
     "cupy": ("cupy", "cupy-cuda13x (or cupy-cuda12x)"),
     "torch": ("torch", "torch"),
+    "rmm": ("rmm", "rmm-cu13 (or rmm-cu12)"),
 }
 
 
@@ -64,20 +71,22 @@ def flag(value: object, name: str) -> bool:
 
 
 def install(
-    numba: bool = True, cupy: bool = True, torch: bool = True, *, stream_ordered: bool = True
+    numba: bool = True, cupy: bool = True, torch: bool = True, rmm: bool = True, *, stream_ordered: bool = True
 ) -> Dict[str, str]:
-    """Put numba (numba-cuda and numba-cuda-mlir, each that imports), CuPy
-    and PyTorch on gpuptr's pool, so that memory one of
-    them frees is there for the others. Each part is installed only if its
-    library imports; call it before they allocate (PyTorch cannot swap
-    allocators after its first CUDA allocation, numba after its first
-    context: both raise :class:`~gpuptr.InstallError` saying so).
+    """Put numba (numba-cuda and numba-cuda-mlir, each that imports), CuPy,
+    PyTorch and RMM (RMM's device memory resource on every device, so cuDF,
+    cuML and the other RAPIDS libraries too: see :mod:`gpuptr.rmm`) on
+    gpuptr's pool, so that memory one of them frees is there for the
+    others. Each part is installed only if its library imports; call it
+    before they allocate (PyTorch cannot swap allocators after its first
+    CUDA allocation, numba after its first context: both raise
+    :class:`~gpuptr.InstallError` saying so).
 
-    CuPy and PyTorch memory follows their own allocators' rule: a block
-    freed on a stream is reused at once on that stream (PyTorch's
+    CuPy, PyTorch and RMM memory follows their own allocators' rule: a
+    block freed on a stream is reused at once on that stream (PyTorch's
     ``record_stream`` is honoured: such a block waits until all work queued
     before its free, on every stream, is done). ``stream_ordered=False``
-    gives CuPy and PyTorch memory that rule for every block (safe for
+    gives CuPy, PyTorch and RMM memory that rule for every block (safe for
     tensors used on a side stream without ``record_stream``, at a cost
     on busy training steps: see the README). numba frees without a stream,
     and so waits for every stream, either way.
@@ -88,7 +97,12 @@ def install(
     """
     import importlib
 
-    wanted = {"numba": flag(numba, "numba"), "cupy": flag(cupy, "cupy"), "torch": flag(torch, "torch")}
+    wanted = {
+        "numba": flag(numba, "numba"),
+        "cupy": flag(cupy, "cupy"),
+        "torch": flag(torch, "torch"),
+        "rmm": flag(rmm, "rmm"),
+    }
     stream_ordered = flag(stream_ordered, "stream_ordered")
     report: Dict[str, str] = {}
     for name, part in _PARTS.items():

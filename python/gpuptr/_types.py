@@ -76,7 +76,8 @@ class DeviceStats(TypedDict):
     #: Fences (batches of freed blocks made safe for reuse) completed.
     fences: int
     #: The allocations per client: ``"direct"`` (``gpuptr.alloc``),
-    #: ``"numba"``, ``"cupy"`` and ``"torch"`` (gpuptr's allocator plugins).
+    #: ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"`` and ``"rmm"``
+    #: (gpuptr's allocator plugins).
     clients: Dict[str, ClientStats]
     #: Bytes the pool holds from the driver (handed out or cached), and the
     #: cap ``set_pool_limit()`` put on them (None: none).
@@ -119,5 +120,6 @@ class Outstanding(TypedDict):
     count: int
     bytes: int
     devices: List[int]
-    #: ``"direct"``, ``"numba"``, ``"cupy"`` or ``"torch"``.
+    #: ``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``
+    #: or ``"rmm"``.
     clients: List[str]

@@ -16,11 +16,12 @@ use crate::Error;
 /// Start (or stop) recording the allocation history, as PyTorch's
 /// ``torch.cuda.memory._record_memory_history``, for every library on
 /// gpuptr's pool: each allocation and free (with the Python stack of the
-/// allocation and the client that asked: ``direct``, ``numba``, ``cupy``
-/// or ``torch``), each driver allocation of the pool, and each out of
-/// memory. Started, the trace begins afresh and keeps the newest
-/// ``max_entries`` events; stopped, nothing more is recorded and what was
-/// stays for ``snapshot()``. ``GPUPTR_HISTORY=1`` starts it at start-up.
+/// allocation and the client that asked: ``direct``, ``numba``, ``cupy``,
+/// ``torch``, ``cuda_core`` or ``rmm``), each driver allocation of the
+/// pool, and each out of memory. Started, the trace begins afresh and
+/// keeps the newest ``max_entries`` events; stopped, nothing more is
+/// recorded and what was stays for ``snapshot()``. ``GPUPTR_HISTORY=1``
+/// starts it at start-up.
 ///
 /// ``oom_snapshot``: a path (``str`` or ``os.PathLike``) where a snapshot is
 /// written when an allocation runs out of memory (its error then names the

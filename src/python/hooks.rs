@@ -34,6 +34,8 @@ enum Entry {
     Torch,
     /// `_cupy_malloc` / `_cupy_free`.
     Cupy,
+    /// `_rmm_alloc` / `_rmm_free`.
+    Rmm,
 }
 
 /// A live map's shard: address to allocation and the entry points that
@@ -381,6 +383,80 @@ pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bo
             FAILURES.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+/// RMM's allocation callback, for ``rmm.mr.CallbackMemoryResource``
+/// (``gpuptr.rmm`` binds ``device`` and ``ordered`` with
+/// ``functools.partial``: one resource per device): ``nbytes`` on
+/// ``device`` from the pool, as an address (0 for zero bytes, as RMM's own
+/// resources), counted under ``"rmm"``. ``stream`` is RMM's stream (its
+/// ``Stream``, or anything ``stream`` arguments take): the allocation is
+/// made on it and, with ``ordered``, freed on the stream ``_rmm_free`` is
+/// given (reused at once there, by others after a fence: RMM's rule);
+/// without ``ordered``, every free waits for the fence. Errors are gpuptr's
+/// typed exceptions: out of memory is ``OutOfMemoryError``, a
+/// ``MemoryError``, which RMM rethrows as its ``rmm::out_of_memory``
+/// (``MemoryError`` in Python again, with this message).
+#[pyfunction]
+#[pyo3(signature = (device, ordered, nbytes, stream=None))]
+pub(crate) fn _rmm_alloc(
+    py: Python<'_>,
+    device: &Bound<'_, PyAny>,
+    ordered: bool,
+    nbytes: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<u64> {
+    let _log = super::logging::Deliver(py);
+    let device = super::args::device_arg(device)?;
+    let size = super::args::size_arg(nbytes, "nbytes")?;
+    let stream = match ordered {
+        true => super::args::stream_arg(stream)?,
+        false => None,
+    };
+    allocate(Client::Rmm, Entry::Rmm, size, device, stream, None)
+        .map(|(address, _)| address)
+        .map_err(PyErr::from)
+}
+
+/// RMM's deallocation callback: release what ``_rmm_alloc`` returned at
+/// ``address``, on ``stream`` where it was allocated stream-ordered (through
+/// the fence otherwise, or when the stream cannot be read). ``nbytes`` is
+/// RMM's and unused: the address names the allocation. Null is nothing to
+/// free, as RMM's own resources; any other address ``_rmm_alloc`` did not
+/// hand out (another library's, or one freed already) is ignored and
+/// counted as a failure, never freed. It never raises: RMM calls it from
+/// C++ destructors, which cannot take an exception.
+#[pyfunction]
+#[pyo3(signature = (address, nbytes=None, stream=None))]
+pub(crate) fn _rmm_free(
+    py: Python<'_>,
+    address: &Bound<'_, PyAny>,
+    nbytes: Option<&Bound<'_, PyAny>>,
+    stream: Option<&Bound<'_, PyAny>>,
+) {
+    let _ = nbytes;
+    let _log = super::logging::Deliver(py);
+    let mem = match address.extract::<u64>() {
+        Ok(0) => return,
+        Ok(a) => take(a, Entry::Rmm),
+        Err(_) => {
+            FAILURES.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    let Some(mem) = mem else { return };
+    if mem.stream().is_some() {
+        match super::args::stream_arg(stream) {
+            Ok(Some(s)) => mem.release_on(s),
+            // No stream, or one that cannot be read: the per-thread
+            // default stream orders nothing another thread can rely on, so
+            // the fence decides.
+            _ => mem.release_on(crate::STREAM_PER_THREAD),
+        }
+    }
+    // The last holder (a loan may hold it longer) releases it: on its
+    // stream, or through the pool's fence.
+    drop(mem);
 }
 
 /// The exception class CuPy's hook raises for out of memory (set by

@@ -82,8 +82,8 @@ fn alloc_as(
     Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }
 
-/// ``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``
-/// or ``"direct"``), counted under that client in ``stats()``. The hook
+/// ``alloc`` on behalf of ``client`` (``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``,
+/// ``"rmm"`` or ``"direct"``), counted under that client in ``stats()``. The hook
 /// for gpuptr's own allocator plugins.
 #[pyfunction]
 #[pyo3(signature = (client, nbytes, device=None, stream=None))]
@@ -190,7 +190,8 @@ fn probe_cuda(py: Python<'_>) -> PyResult<(bool, Py<PyAny>)> {
 /// Allocation statistics per device: live bytes and count, peak, the number
 /// of allocations made, the pool's cached bytes, hits, misses and fences,
 /// ``clients``: live bytes and count, and allocations made, per client
-/// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``), and
+/// (``"direct"``, ``"numba"``, ``"cupy"``, ``"torch"``, ``"cuda_core"``,
+/// ``"rmm"``), and
 /// ``host``: the cache of pinned host memory (held, live, cached and pending
 /// bytes, hits, misses, and its limit), and ``segments``: the pool's driver
 /// allocations as PyTorch counts segments (``count`` and ``bytes``, each
@@ -527,7 +528,7 @@ mod _core {
         hooks::{
             _cupy_free, _cupy_malloc, _cupy_malloc_current, _cupy_set_oom_error,
             _cupy_set_stream_source, _hooks_configure, _hooks_record_stream, _hooks_state,
-            _hooks_torch_errors,
+            _hooks_torch_errors, _rmm_alloc, _rmm_free,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
         torch_oom::_hooks_torch_oom_missing,

@@ -1,5 +1,6 @@
 """CuPy's and PyTorch's allocation through gpuptr against their own pools
-and RMM's, each in its own process. Processes differ, so each allocator
+and RMM's, and RMM's own (``rmm.DeviceBuffer``) on gpuptr's pool against
+RMM's pool, each in its own process. Processes differ, so each allocator
 runs in alternating rounds and keeps its best."""
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from gpuptr.bench._child import best_of_rounds, child_ns, gpuptr_vs_own, pick
 
 
 def library_alloc_ns(lib: str, allocator: str, n: int, repeat: int) -> float:
-    """``cp.empty(1 MiB)`` (``lib="cupy"``) or ``torch.empty(1 MiB)``
-    (``"torch"``) alloc+free, in ns, in a child process whose allocator is
+    """``cp.empty(1 MiB)`` (``lib="cupy"``), ``torch.empty(1 MiB)``
+    (``"torch"``) or ``rmm.DeviceBuffer(size=1 MiB)`` (``"rmm"``)
+    alloc+free, in ns, in a child process whose allocator is
     ``allocator``: ``"own"`` (the library's pool), ``"gpuptr"``,
     ``"gpuptr-ordered"`` (``stream_ordered=True``) or ``"rmm"`` (RMM's pool
-    through its allocator for that library)."""
+    through its allocator for that library; for ``"rmm"`` itself, RMM's
+    pool resource, against ``"gpuptr"``: ``gpuptr.rmm.install()``)."""
     return child_ns("lib_alloc", lib, allocator, n, repeat)
 
 
@@ -43,6 +46,14 @@ def rows(b: Bench) -> None:
         best, failed = best_of_rounds(lib, allocators, rounds, n_lib, b.repeat, b.on_gpu, library_alloc_ns)
         for row, mine, peer, label in rows:
             b.record(row, label, partial(pick, best, failed, mine, peer))
+    # RMM's own allocation (cuDF's columns are DeviceBuffers): gpuptr's
+    # resource on RMM, called back with the GIL per allocation and free,
+    # against RMM's pool resource, a C++ call.
+    row, label = "rmm.DeviceBuffer(1 MiB)+free, gpuptr.rmm", "RMM pool (rmm.reinitialize(pool_allocator=True))"
+    if b.wants(row, label):
+        b.say("rmm.DeviceBuffer(1 MiB)+free under gpuptr.rmm and RMM's own pool")
+        best, failed = best_of_rounds("rmm", ["gpuptr", "rmm"], rounds, n_lib, b.repeat, b.on_gpu, library_alloc_ns)
+        b.record(row, label, partial(pick, best, failed, "gpuptr", "rmm"))
     # torch.cuda.memory_allocated() itself: under gpuptr it reads PyTorch's
     # counts in gpuptr's hooks and the pool's segments; both build the whole
     # memory_stats() dict and flatten it in Python.

@@ -1,10 +1,12 @@
-"""``cp.empty(1 MiB)`` (library ``cupy``) or ``torch.empty(1 MiB)``
-(``torch``) alloc+free: the best ns per pair under one allocator.
+"""``cp.empty(1 MiB)`` (library ``cupy``), ``torch.empty(1 MiB)``
+(``torch``) or ``rmm.DeviceBuffer(size=1 MiB)`` (``rmm``) alloc+free: the
+best ns per pair under one allocator.
 
 Arguments: the library, the allocator (``own``: the library's pool;
 ``gpuptr``; ``gpuptr-ordered``: gpuptr with ``stream_ordered=True``;
-``rmm``: RMM's pool through its allocator for that library), calls per
-run, runs."""
+``rmm``: RMM's pool, through its allocator for that library; for library
+``rmm``, ``gpuptr`` is ``gpuptr.rmm.install()``, its resource on RMM, and
+``rmm`` RMM's own pool resource), calls per run, runs."""
 
 import sys
 from gpuptr.bench._timing import best_ns
@@ -14,7 +16,21 @@ if allocator == "rmm":
     import rmm
 
     rmm.reinitialize(pool_allocator=True)
-if lib == "cupy":
+if lib == "rmm":
+    import rmm
+
+    if allocator.startswith("gpuptr"):
+        import gpuptr.rmm
+
+        gpuptr.rmm.install()
+        assert gpuptr.rmm.installed()
+    elif allocator != "rmm":
+        raise SystemExit(f"lib_alloc.py: RMM has no allocator {allocator!r}")
+
+    def pair() -> object:
+        return rmm.DeviceBuffer(size=1 << 20)
+
+elif lib == "cupy":
     import cupy as cp
 
     if allocator.startswith("gpuptr"):

@@ -315,7 +315,7 @@ def install_gpuptr(result: Result, workload: str, allocator: str) -> Any:
             raise RuntimeError(f"{NUMBA_MANAGER} is {os.environ.get(NUMBA_MANAGER)!r}, not gpuptr.numba")
         return gpuptr
     part = "cupy" if workload == "cupy" else "torch"
-    report = gpuptr.install(numba=False, cupy=part == "cupy", torch=part == "torch", **kw)
+    report = gpuptr.install(numba=False, cupy=part == "cupy", torch=part == "torch", rmm=False, **kw)
     if report.get(part) != "installed":
         raise RuntimeError(f"gpuptr.install() did not install {part}: {report!r}")
     return gpuptr

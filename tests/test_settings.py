@@ -172,7 +172,7 @@ _REFUSED = """
     """
 
 
-@pytest.mark.parametrize("name", ["GPUPTR_SIM_MEMORY", "GPUPTR_POOL_AHEAD", "GPUPTR_HOST_CACHE"])
+@pytest.mark.parametrize("name", ["GPUPTR_SIM_MEMORY", "GPUPTR_POOL_AHEAD", "GPUPTR_POOL_HEADROOM", "GPUPTR_HOST_CACHE"])
 def test_a_byte_size_settings_hint_names_only_what_it_takes(name):
     # These sizes are not of a device: a share is refused, so the hint for
     # a bad value must not offer one, and every form it offers is taken.

@@ -65,10 +65,11 @@ fn test_a_busy_device_is_grown_ahead_on_the_helper_so_allocations_hit() {
         without >= 5,
         "{without} misses without growth ahead (one per carve)"
     );
-    // A miss or two while the busy GPU is first confirmed (the fence
-    // thread must get a CPU in its fence; on a loaded host that can wait).
+    // A few misses while the busy GPU is first confirmed (the fence thread
+    // must spin in its fence a growth's cost; under valgrind, which runs
+    // one thread at a time, that took three).
     assert!(
-        ahead <= 2 && ahead < without,
+        ahead <= 4 && ahead * 10 < without,
         "{ahead} misses with growth ahead, {without} without"
     );
     // Growth ahead costs at most its target (64 blocks) more memory.

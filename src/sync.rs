@@ -64,3 +64,38 @@ pub(crate) fn wait_while<T>(
         .unwrap_or_else(|p| p.into_inner());
     !r.timed_out()
 }
+
+/// What runs a wait for the GPU or for another thread's work
+/// ([`blocking`]): set once by an embedding that must let its own threads
+/// go on meanwhile (the Python binding lets the GIL go).
+pub(crate) type Blocking = fn(&mut dyn FnMut());
+
+static BLOCKING: std::sync::OnceLock<Blocking> = std::sync::OnceLock::new();
+
+/// Set what runs [`blocking`] waits (once; later calls are ignored).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn set_blocking(f: Blocking) {
+    let _ = BLOCKING.set(f);
+}
+
+/// Run `f`, a wait that may last (a fence, a driver call that waits for
+/// the GPU, another thread's growth), as the embedding asks: the Python
+/// binding lets the GIL go around it, so that a Python thread whose work
+/// ends the wait (a stream callback, a thread that feeds the GPU) runs.
+/// The pool's fast paths never come here.
+pub(crate) fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match BLOCKING.get() {
+        None => f(),
+        Some(run) => {
+            let mut f = Some(f);
+            let mut out = None;
+            run(&mut || out = f.take().map(|f| f()));
+            match out {
+                Some(r) => r,
+                // `run` must call its argument once; if it did not, run it
+                // here.
+                None => (f.take().expect("not run yet"))(),
+            }
+        }
+    }
+}

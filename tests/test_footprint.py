@@ -56,7 +56,7 @@ def test_three_one_mib_blocks_churned_beside_a_busy_cpu_stay_within_a_few_segmen
     """The same loop on every CPU, with another process spinning beside
     it: the pool's fence thread then waits for a CPU now and then. A fence
     that runs long without spending CPU in the driver is such a wait, not
-    a busy GPU: a miss waits for it (at most 1 ms) rather than grow. Read
+    a busy GPU: a miss waits for it (at most 4 ms) rather than grow. Read
     as a busy GPU by its length alone, some runs grew to the whole 1 GiB
     device (64 MiB segments and growth ahead at every wait)."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])

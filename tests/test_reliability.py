@@ -269,3 +269,33 @@ def test_cai_parsing_never_panics(shape, strides, typestr, offset, stream):
 @pytest.mark.sim
 def test_soak_through_the_plugin_hooks_on_the_simulator():
     soak(100_000, "hooks", dict(os.environ))
+
+
+@pytest.mark.sim
+def test_an_allocation_waiting_for_a_fence_lets_the_gil_go():
+    # Out of memory, an allocation waits for the fence that frees a cached
+    # block, and the fence waits for queued work that a Python thread ends
+    # (as a stream callback or a feeding thread would). Holding the GIL
+    # through the wait, the allocation would wait for ever.
+    code = textwrap.dedent(
+        """
+        import threading, time, gpuptr
+        from gpuptr import _testing
+        MiB = 1 << 20
+        a = gpuptr.alloc(12 * MiB)                  # a segment of its own
+        _testing.sim_queue_write(0x7000, a.device_pointer_value, b"\\x01" * 64)
+        a.free()                                    # waits for a fence
+        def finish():
+            time.sleep(0.3)
+            _testing.sim_complete()                 # needs the GIL
+        t = threading.Thread(target=finish)
+        t.start()
+        b = gpuptr.alloc(12 * MiB)                  # the device has no room for more
+        t.join()
+        print("done", b.device_pointer_value == a.device_pointer_value)
+        """
+    )
+    env = dict(os.environ, GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="1", GPUPTR_SIM_MEMORY=str(20 << 20))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["done", "True"], r.stdout

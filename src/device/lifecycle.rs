@@ -113,11 +113,13 @@ impl DeviceState {
 
     /// At the last drop of a context born in epoch `born`: give the cache
     /// back before the retain that keeps it valid goes. A context of an
-    /// older epoch (detached by a reset) no longer owns the pool.
+    /// older epoch (detached by a reset) no longer owns the pool while a
+    /// newer one lives; if none does, the pool's memory (which a context
+    /// kept across the reset may have grown) goes with this retain.
     pub(crate) fn teardown(&self, ctx: &Context, born: u64) {
         // Before the release: the handle may name another context after it.
         self.forget_raw(ctx.raw());
-        if born == self.epoch() {
+        if born == self.epoch() || self.existing().is_none() {
             let _recovering = lock(&self.recovery);
             let _ = self.trim_logged(ctx, true);
         }

@@ -42,30 +42,9 @@ impl DeviceState {
         let valid = || self.epoch() == epoch;
         let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client, valid);
         if attempt.as_ref().is_err_and(Error::is_oom) {
-            self.counters.alloc_retries.fetch_add(1, Ordering::Relaxed);
-            let _recovering = lock(&self.recovery);
-            let (mut returned, mut rounds) = (0, 0);
-            for round in 0..4 {
-                let freed = self.trim_locked(ctx, false)?;
-                returned += freed;
-                rounds += 1;
-                if freed == 0 && round > 0 {
-                    break;
-                }
-                attempt = pool.alloc(ctx.raw(), size, stream, self.device, client, valid);
-                if !attempt.as_ref().is_err_and(Error::is_oom) {
-                    break;
-                }
-            }
-            log::info!(
-                target: "gpuptr::pool",
-                "device {}: out of memory for {} bytes; returned {} bytes of cache to the driver in {} round(s), then {}",
-                self.device,
-                size,
-                returned,
-                rounds,
-                if attempt.is_ok() { "succeeded" } else { "failed" }
-            );
+            // Trims wait for the GPU (`cuMemFree`), and for the recovery
+            // lock another thread's trim holds.
+            attempt = crate::sync::blocking(|| self.recover(ctx, size, stream, client, valid));
         }
         let block = attempt.map_err(|e| match e.is_oom() {
             true => {
@@ -98,6 +77,50 @@ impl DeviceState {
             );
         }
         Ok(block)
+    }
+
+    /// Rungs 3 and 4 of [`DeviceState::pool_alloc`]: give the cache back
+    /// to the driver and ask the pool again, while that frees something,
+    /// at least once, one thread at a time.
+    fn recover(
+        &self,
+        ctx: &Arc<Context>,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+        valid: impl Fn() -> bool + Copy,
+    ) -> Result<Grant> {
+        let pool = self.pool.as_ref().expect("pooled device");
+        self.counters.alloc_retries.fetch_add(1, Ordering::Relaxed);
+        let _recovering = lock(&self.recovery);
+        let (mut returned, mut rounds) = (0, 0);
+        let mut attempt = Err(Error::OutOfMemory {
+            device: self.device,
+            requested: size,
+            detail: String::new(),
+        });
+        for round in 0..4 {
+            let freed = self.trim_locked(ctx, false)?;
+            returned += freed;
+            rounds += 1;
+            if freed == 0 && round > 0 {
+                break;
+            }
+            attempt = pool.alloc(ctx.raw(), size, stream, self.device, client, valid);
+            if !attempt.as_ref().is_err_and(Error::is_oom) {
+                break;
+            }
+        }
+        log::info!(
+            target: "gpuptr::pool",
+            "device {}: out of memory for {} bytes; returned {} bytes of cache to the driver in {} round(s), then {}",
+            self.device,
+            size,
+            returned,
+            rounds,
+            if attempt.is_ok() { "succeeded" } else { "failed" }
+        );
+        attempt
     }
 
     /// The out-of-memory error for `size` bytes, naming what the pool holds

@@ -100,7 +100,7 @@ impl Pool {
         }
         // 4. The helper is growing this arena: the driver makes one
         // allocation at a time, so wait for it rather than queue behind it.
-        if self.wait_ahead(ask.home) {
+        if crate::sync::blocking(|| self.wait_ahead(ask.home)) {
             if let Some(g) = ask.take(&mut self.arena(ask.home), ask.home, ask.tag) {
                 return Ok(g);
             }
@@ -182,10 +182,8 @@ impl Pool {
         if newest == 0 || self.fencer.capturing() || self.budget_room(ask.size) > 0 {
             return None;
         }
-        if !self
-            .fencer
-            .wait_unless_busy(newest, self.grow_cost(), FENCE_WAIT_MAX)
-        {
+        let cost = self.grow_cost();
+        if !crate::sync::blocking(|| self.fencer.wait_unless_busy(newest, cost, FENCE_WAIT_MAX)) {
             return None;
         }
         let mut a = self.arena(ask.home);
@@ -207,10 +205,12 @@ impl Pool {
     ) -> Option<Grant> {
         let n = self.arenas.len();
         let mut claimed = None;
-        let fenced = self.fence_everything(context, |i, a| {
-            if claimed.is_none() {
-                claimed = a.claim_waiting(ask.want).map(|(p, got)| (i, p, got));
-            }
+        let fenced = crate::sync::blocking(|| {
+            self.fence_everything(context, |i, a| {
+                if claimed.is_none() {
+                    claimed = a.claim_waiting(ask.want).map(|(p, got)| (i, p, got));
+                }
+            })
         });
         if let Some((i, p, got)) = claimed {
             let mut a = self.arena(i);

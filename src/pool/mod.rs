@@ -152,10 +152,11 @@ const GROW_COST_FIRST: Duration = Duration::from_micros(50);
 /// The longest a miss waits for a fence that has not spun long enough to
 /// mean a busy GPU (see [`Fencer::wait_unless_busy`]): its thread waits
 /// for a CPU, or the driver blocks rather than spins while the GPU works.
-/// About a scheduler's wake-up on a loaded host (the simulator on two CPUs
-/// with a process spinning beside them: fences that waited for a CPU
-/// started within a millisecond).
-const FENCE_WAIT_MAX: Duration = Duration::from_millis(1);
+/// Linux's scheduler gives every runnable thread a turn within its latency
+/// period (6 ms by default, fewer runnable threads sooner); on the
+/// simulator with two CPUs and a process spinning beside them, a wait of
+/// 1 ms let a 3 MiB loop grow to 58 MiB in one run of eight.
+const FENCE_WAIT_MAX: Duration = Duration::from_millis(4);
 
 /// The least a growth is taken to cost, whatever the driver's calls
 /// measure: a `cuMemAlloc` took at least 20 µs on an idle H200, and a

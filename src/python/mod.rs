@@ -480,6 +480,33 @@ fn release_contexts() {
     py_context::release_contexts();
 }
 
+/// Run `f`, a wait of the core's ([`crate::sync::blocking`]), with the GIL
+/// let go if the calling thread holds it: a Python thread whose work ends
+/// the wait (a stream callback, a thread that feeds the GPU) runs
+/// meanwhile. The core's waits touch no Python object.
+fn without_the_gil(f: &mut dyn FnMut()) {
+    extern "C" {
+        // In every CPython 3 (pyo3's abi3 bindings leave it out).
+        fn PyGILState_Check() -> std::ffi::c_int;
+    }
+    // SAFETY: it only reads the calling thread's state; the extension is
+    // loaded into a CPython, which exports it.
+    if unsafe { PyGILState_Check() } != 1 {
+        return f();
+    }
+    // SAFETY: this thread holds the GIL (checked above); it is let go for
+    // `f`, which touches no Python object, and taken back with the same
+    // thread state before anything Python runs here again. A panic in `f`
+    // is caught so that the GIL is always taken back.
+    let state = unsafe { pyo3::ffi::PyEval_SaveThread() };
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    // SAFETY: `state` is this thread's, saved just above.
+    unsafe { pyo3::ffi::PyEval_RestoreThread(state) };
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
+}
+
 /// The native core of gpuptr. Use the `gpuptr` package, which re-exports it.
 #[pymodule(gil_used = false)]
 mod _core {
@@ -553,6 +580,7 @@ mod _core {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         super::logging::init();
+        crate::sync::set_blocking(super::without_the_gil);
         super::shutdown::register(m)?;
         super::testing::register(m.py())
     }

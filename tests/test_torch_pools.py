@@ -375,3 +375,43 @@ def test_share_files_of_exited_senders_are_removed(tmp_path):
     assert not gone.exists() and mine.exists() and other.exists()
     ex.close()
     assert not os.path.exists(ex.path)
+
+
+def test_a_pools_listing_never_shows_an_allocation_freed_or_one_too_many():
+    # One thread churns allocations under two pools (every thread's); two
+    # more list them meanwhile. A listing never holds more than the
+    # churning thread holds at once, and none is left once all are freed
+    # (a free's untagging raced the listing, and a free raced the tag of
+    # an allocation another thread had just made).
+    import threading
+
+    pools = [(71, 1), (71, 2)]
+    for p in pools:
+        _core._torch_pool_begin(0, p, True)
+    stop = threading.Event()
+    worst = [0]
+    try:
+        def churn():
+            held = []
+            for i in range(800):
+                held.append(t_alloc(4096 * (1 + i % 5), 0, None))
+                if len(held) > 2:
+                    t_free(held.pop(0), 0, 0, None)
+            for p in held:
+                t_free(p, 0, 0, None)
+            stop.set()
+
+        def look():
+            while not stop.is_set():
+                worst[0] = max(worst[0], sum(len(_core._torch_pool_live(0, p)) for p in pools))
+
+        threads = [threading.Thread(target=churn), threading.Thread(target=look), threading.Thread(target=look)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for p in pools:
+            _core._torch_pool_end(0, p)
+    assert worst[0] <= 3, worst[0]
+    assert [_core._torch_pool_live(0, p) for p in pools] == [[], []]

@@ -70,18 +70,28 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate
         )));
     };
     let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    let (address, block) = allocate(client, Entry::Torch, size, device, ordered, Some(stream))?;
-    if address != 0 {
+    // Counted and tagged before any thread can free it (the live map).
+    let noted = |address, block| {
         super::torch_stats::allocated(device, size, block);
         super::torch_pools::note_alloc(address, size, device);
-    }
+    };
+    let (address, _) = allocate(
+        client,
+        Entry::Torch,
+        size,
+        device,
+        ordered,
+        Some(stream),
+        noted,
+    )?;
     Ok(address)
 }
 
 /// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
 /// kept in the live map until [`take`] for the same `entry` hands them
 /// back; 0 for zero bytes. `seen` is the caller's stream when it is known
-/// live (PyTorch's).
+/// live (PyTorch's). `noted` sees the address and the block's bytes before
+/// the live map does (from then on another thread may free it).
 fn allocate(
     client: Client,
     entry: Entry,
@@ -89,6 +99,7 @@ fn allocate(
     device: usize,
     stream: Option<RawStream>,
     seen: Option<RawStream>,
+    noted: impl FnOnce(u64, usize),
 ) -> crate::Result<(u64, usize)> {
     if size == 0 {
         return Ok((0, 0));
@@ -105,6 +116,7 @@ fn allocate(
     };
     let address = mem.address();
     let block = block_bytes(&mem);
+    noted(address, block);
     live().shard(address).insert(address, (mem, entry));
     Ok((address, block))
 }
@@ -260,12 +272,14 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     if ptr.is_null() {
         return;
     }
+    // Untagged first: a pool's listing never shows an allocation its
+    // tensor has let go (the tags hold only this entry's addresses).
+    super::torch_pools::note_free(ptr as usize as u64);
     // Not ours (or freed twice): never touched.
     let Some(mem) = take(ptr as usize as u64, Entry::Torch) else {
         return;
     };
     super::torch_stats::freed(mem.context().device(), mem.size(), block_bytes(&mem));
-    super::torch_pools::note_free(ptr as usize as u64);
     if STREAM_ORDERED.load(Ordering::Relaxed) {
         mem.release_on(stream);
     }
@@ -331,9 +345,17 @@ pub(crate) fn _cupy_malloc(
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
     let stream = super::args::stream_arg(stream)?;
-    allocate(Client::Cupy, Entry::Cupy, size, device, stream, None)
-        .map(|(address, _)| address)
-        .map_err(cupy_error)
+    allocate(
+        Client::Cupy,
+        Entry::Cupy,
+        size,
+        device,
+        stream,
+        None,
+        |_, _| {},
+    )
+    .map(|(address, _)| address)
+    .map_err(cupy_error)
 }
 
 /// CuPy's allocation hook on its current stream: ``_cupy_malloc`` with the
@@ -413,9 +435,17 @@ pub(crate) fn _rmm_alloc(
         true => super::args::stream_arg(stream)?,
         false => None,
     };
-    allocate(Client::Rmm, Entry::Rmm, size, device, stream, None)
-        .map(|(address, _)| address)
-        .map_err(PyErr::from)
+    allocate(
+        Client::Rmm,
+        Entry::Rmm,
+        size,
+        device,
+        stream,
+        None,
+        |_, _| {},
+    )
+    .map(|(address, _)| address)
+    .map_err(PyErr::from)
 }
 
 /// RMM's deallocation callback: release what ``_rmm_alloc`` returned at

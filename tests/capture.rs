@@ -161,15 +161,17 @@ fn test_a_capture_that_begins_while_a_fence_runs_waits_for_it() {
     let (drv, rt) = pooled(64 << 20);
     let ctx = rt.context(0).unwrap();
     let p = ctx.alloc(4096).unwrap();
+    let at = p.address();
     drv.queue_write(NON_BLOCKING, p.address(), &[1; 8]).unwrap();
-    drop(p);
     let syncs = drv.calls(gpuptr::CallKind::Synchronize);
+    // The first free asks for a fence at once, and the fence thread runs it:
+    // it waits for the queued write. (The fence watched is this one, so no
+    // other thread's request can be held back by the capture instead.)
+    drop(p);
+    while drv.calls(gpuptr::CallKind::Synchronize) == syncs {
+        std::thread::yield_now();
+    }
     std::thread::scope(|s| {
-        // The fence starts, and waits for the queued write.
-        let flushed = s.spawn(|| rt.flush_pool(0));
-        while drv.calls(gpuptr::CallKind::Synchronize) == syncs {
-            std::thread::yield_now();
-        }
         // The capturing thread ends its own capture (an end is taken only
         // from the thread that began it) once told to.
         let (began_tx, began_rx) = std::sync::mpsc::channel();
@@ -188,12 +190,19 @@ fn test_a_capture_that_begins_while_a_fence_runs_waits_for_it() {
         );
         drv.complete(None);
         began_rx.recv().unwrap();
-        assert_eq!(flushed.join().unwrap(), Ok(true));
         assert!(rt.capturing(0).unwrap());
+        // The fence the capture waited for finished: its block is reusable
+        // during the capture, with no fence running in it.
+        let during = drv.calls(gpuptr::CallKind::Synchronize);
+        let q = ctx.alloc(4096).unwrap();
+        assert_eq!(q.address(), at, "the fenced block is reused");
+        assert_eq!(drv.calls(gpuptr::CallKind::Synchronize), during);
+        drop(q);
         end_tx.send(()).unwrap();
         capturing.join().unwrap().unwrap();
     });
     assert!(!rt.capturing(0).unwrap());
+    assert_eq!(rt.flush_pool(0), Ok(true));
 }
 
 #[test]

@@ -85,16 +85,27 @@ impl DeviceState {
         // the old context nor records them after the forget.
         let recovering = lock(&self.recovery);
         let trimmed = self.trim_logged(&ctx, true);
-        // A new epoch first: the pool then refuses blocks of the old one,
-        // and forgets the ones it has under the same locks.
-        self.invalidate();
-        // The history: the live allocations go before their segments.
-        let recording = self.services.watch.on(Watch::HISTORY);
-        self.services.history.forget_device(self.device, recording);
-        self.services.tracker.forget_device(self.device);
-        if let Some(pool) = &self.pool {
-            let held = pool.forget();
-            self.unregister(held);
+        // The new epoch and the pool's forget in one step under the pool's
+        // locks: no allocation straddles them (see `Pool::forget`). The
+        // history: the live allocations go before their segments.
+        let bump = || {
+            self.invalidate();
+            self.counters.forget_live();
+        };
+        let forget_live = || {
+            let recording = self.services.watch.on(Watch::HISTORY);
+            self.services.history.forget_device(self.device, recording);
+            self.services.tracker.forget_device(self.device);
+        };
+        match &self.pool {
+            Some(pool) => {
+                let held = pool.forget(bump, forget_live);
+                self.unregister(held);
+            }
+            None => {
+                bump();
+                forget_live();
+            }
         }
         drop(recovering);
         // After the reset the old CUcontext is dead. Holders of the old
@@ -102,7 +113,6 @@ impl DeviceState {
         // device's own hold goes now, outside the lock.
         let old = std::mem::take(&mut *lock(&self.slot));
         drop(old);
-        self.counters.forget_live();
         log::info!(
             target: "gpuptr::context",
             "device {}: context reset; its live allocations are stale from now on",

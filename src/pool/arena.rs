@@ -464,17 +464,21 @@ impl Arena {
 
     /// A new segment of `size` bytes at `base`, of `kind`, free for anyone.
     pub(crate) fn add_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
-        self.blocks.insert(
-            base,
-            Info {
-                size,
-                prev: 0,
-                next: 0,
-                state: State::Free(ANY),
-                kind,
-            },
-        );
+        self.insert_segment(base, size, kind, State::Free(ANY));
         self.insert_free(kind, ANY, size, base);
+    }
+
+    /// A segment of one block, in `state`.
+    fn insert_segment(&mut self, base: DevicePtr, size: usize, kind: Kind, state: State) {
+        let (prev, next) = (0, 0);
+        let info = Info {
+            size,
+            prev,
+            next,
+            state,
+            kind,
+        };
+        self.blocks.insert(base, info);
     }
 
     /// Take out of the arena each of `segments` (base, size) whose memory
@@ -535,18 +539,8 @@ impl Arena {
     /// A segment whose free failed comes back, waiting for a fence as a
     /// whole (its blocks' queued work may not be done).
     pub(crate) fn add_waiting_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
-        self.blocks.insert(
-            base,
-            Info {
-                size,
-                prev: 0,
-                next: 0,
-                state: State::Waiting,
-                kind,
-            },
-        );
-        self.pending.push(base);
-        self.pending_bytes += size;
+        self.insert_segment(base, size, kind, State::Used);
+        self.wait(base);
     }
 
     /// Drop every block and count (the context was reset and its memory is

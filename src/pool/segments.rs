@@ -351,14 +351,18 @@ impl Pool {
 
     /// Forget every block without freeing it (the context was reset and the
     /// memory is gone), and zero the live counts; the segments it held (the
-    /// host cache's are forgotten too).
-    pub(crate) fn forget(&self) -> Vec<Allocation> {
-        for i in 0..self.arenas.len() {
-            self.arena(i).forget_all();
-        }
-        self.host_forget();
+    /// host cache's are forgotten too). `bump` (the owner's new epoch) runs
+    /// while every arena and the record of segments are locked: no
+    /// allocation validates against the old epoch after it, and none that
+    /// validates against the new one finds a block or segment of the old.
+    /// `then` runs before the segment events (the history hears of the
+    /// live allocations' end before their segments').
+    pub(crate) fn forget(&self, bump: impl FnOnce(), then: impl FnOnce()) -> Vec<Allocation> {
         let gone: Vec<Allocation> = {
+            let mut arenas: Vec<_> = (0..self.arenas.len()).map(|i| self.arena(i)).collect();
             let mut held = lock(&self.held);
+            bump();
+            arenas.iter_mut().for_each(|a| a.forget_all());
             held.bytes = 0;
             held.segments_stats.count.clear();
             held.segments_stats.bytes.clear();
@@ -367,6 +371,8 @@ impl Pool {
                 .map(|(a, _)| a)
                 .collect()
         };
+        self.host_forget();
+        then();
         for a in &gone {
             self.segment_event(false, a);
         }

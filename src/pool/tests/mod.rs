@@ -302,7 +302,7 @@ fn pool_counts_its_segments_by_pool_with_peaks_and_totals() {
     assert_eq!(s.bytes.all.peak, 22 * MIB as u64, "the peak stays");
     pool.reset_peak();
     assert_eq!(pool.held_stats().2.bytes.all.peak, 2 * MIB as u64);
-    pool.forget();
+    pool.forget(|| {}, || {});
     let s = pool.held_stats().2;
     assert_eq!((s.count.all.current, s.bytes.all.current), (0, 0));
     assert_eq!(s.count.small.freed, 1);

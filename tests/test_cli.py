@@ -125,7 +125,7 @@ def test_bench_exits_non_zero_when_it_measured_nothing(monkeypatch, capsys):
 
     skipped = {"row": "r", "baseline": "b", "gpuptr_ns": None, "baseline_ns": None, "ratio": None,
                "skipped": "needs the GPU", "extra": {}}
-    monkeypatch.setattr(bench, "run", lambda quick=False, out=None, only=None: {"meta": {}, "rows": [skipped]})
+    monkeypatch.setattr(bench.runner, "run", lambda quick=False, out=None, only=None: {"meta": {}, "rows": [skipped]})
     assert bench.main(["--quick"]) == 1
     assert "no row could be measured" in capsys.readouterr().err
 
@@ -190,7 +190,7 @@ def test_bench_errors_go_through_the_clis_error_handling(monkeypatch, capsys):
     def fails(quick=False, out=None, only=None):
         raise gpuptr.InvalidArgumentError("the bench could not start")
 
-    monkeypatch.setattr(bench, "run", fails)
+    monkeypatch.setattr(bench.runner, "run", fails)
     assert cli.main(["bench", "--quick"]) == 1
     assert "error: InvalidArgumentError: the bench could not start" in capsys.readouterr().err
 

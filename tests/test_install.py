@@ -470,6 +470,25 @@ def test_install_puts_numba_on_gpuptr_before_its_first_context():
     assert out.split() == ["installed", "gpuptr.numba", "installed"]
 
 
+def test_numba_install_alone_puts_numba_on_gpuptr_and_says_why_when_too_late():
+    pytest.importorskip("numba.cuda")
+    out = run(
+        """
+        import gpuptr.numba
+        from numba.cuda.cudadrv import driver
+        gpuptr.numba.install()
+        gpuptr.numba.install()  # again: a no-op
+        print(driver._memory_manager is gpuptr.numba.MemoryManager)
+        driver._memory_manager = driver.NumbaCUDAMemoryManager
+        try:
+            gpuptr.numba.install()
+        except gpuptr.InstallError as e:
+            print("InstallError", "NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba" in str(e))
+        """
+    )
+    assert out.split() == ["True", "InstallError", "True"]
+
+
 def test_install_after_numba_chose_another_manager_says_why():
     pytest.importorskip("numba.cuda")
     out = run(

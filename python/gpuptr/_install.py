@@ -4,31 +4,16 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-from gpuptr._errors import InstallError
+from gpuptr._needs import NEEDS, flag
 
 __all__ = ["install"]
 
 
 def _numba(stream_ordered: bool) -> None:
-    from gpuptr import numba as plugin
+    # numba frees without a stream: its memory waits for every stream either way.
+    from gpuptr import numba
 
-    # Every numba that imports: numba-cuda and numba-cuda-mlir each pick
-    # their memory manager when they create their first context.
-    for name in plugin._DRIVERS:
-        try:
-            driver = plugin._backend(name).driver
-        except Exception:  # not installed, or no CUDA runtime to import with
-            continue
-        current = getattr(driver, "_memory_manager", None)
-        if current is plugin.MemoryManager or (isinstance(current, type) and issubclass(current, plugin.MemoryManager)):
-            continue
-        if current is not None:
-            raise InstallError(
-                f"{name} already uses the memory manager {current.__module__}.{current.__name__} "
-                "(it picks one when it creates its first CUDA context): call gpuptr.install() "
-                "before numba's first CUDA call, or set NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba"
-            )
-        driver.set_memory_manager(plugin.MemoryManager)
+    numba.install()
 
 
 def _cupy(stream_ordered: bool) -> None:
@@ -52,22 +37,6 @@ def _rmm(stream_ordered: bool) -> None:
 
 
 _PARTS: Dict[str, Callable[[bool], None]] = {"numba": _numba, "cupy": _cupy, "torch": _torch, "rmm": _rmm}
-# The module each part needs, as pip names it in the message.
-_NEEDS = {
-    "numba": ("gpuptr.numba", '"gpuptr[numba]" (numba-cuda) or "gpuptr[numba-mlir]" (numba-cuda-mlir)'),
-    "cupy": ("cupy", "cupy-cuda13x (or cupy-cuda12x)"),
-    "torch": ("torch", "torch"),
-    "rmm": ("rmm", "rmm-cu13 (or rmm-cu12)"),
-}
-
-
-def flag(value: object, name: str) -> bool:
-    """``value`` if it is a bool (numpy's included); ``TypeError`` naming
-    ``name`` otherwise, so that ``stream_ordered="no"`` is not read as
-    true."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
 
 
 def install(
@@ -109,7 +78,7 @@ def install(
         if not wanted[name]:
             report[name] = "not requested"
             continue
-        module, dist = _NEEDS[name]
+        module, dist = NEEDS[name]
         try:
             importlib.import_module(module)
         except ImportError as e:

@@ -87,17 +87,17 @@ def install(*, stream_ordered: bool = True, pinned: bool = True) -> None:
     Raises :class:`~gpuptr.InstallError`, with what to install, where CuPy
     cannot be imported."""
     global _installed, _stream_ordered, _allocator
-    from gpuptr._install import flag
+    from gpuptr._needs import flag
 
     stream_ordered = flag(stream_ordered, "stream_ordered")
     pinned = flag(pinned, "pinned")
     try:
         import cupy
     except ImportError as e:
-        from gpuptr._install import _NEEDS  # the hint gpuptr.install() gives
+        from gpuptr._needs import NEEDS  # the hint gpuptr.install() gives
 
         raise InstallError(
-            f"gpuptr.cupy.install() needs CuPy, which cannot be imported ({e}): pip install {_NEEDS['cupy'][1]}"
+            f"gpuptr.cupy.install() needs CuPy, which cannot be imported ({e}): pip install {NEEDS['cupy'][1]}"
         ) from e
 
     _bind(cupy)

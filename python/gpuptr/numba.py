@@ -45,6 +45,7 @@ __all__ = [
     "backend_of",
     "foreign_args",
     "from_cuda_array_interface_numba",
+    "install",
 ]
 
 # The numbas gpuptr serves, as the distribution names them, with the module
@@ -321,6 +322,30 @@ _numba_memory_manager = MemoryManager
 
 # Fail at import, with the extra to install, when no numba is there.
 _default_backend()
+
+def install() -> None:
+    """Make gpuptr the memory manager of every numba that imports
+    (numba-cuda and numba-cuda-mlir), as ``NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba``
+    does, from Python. Call it before numba's first CUDA call: numba picks
+    its manager when it creates its first context, and raises
+    :class:`~gpuptr.InstallError` if another manager was picked already.
+    Calling it again is a no-op."""
+    for name in _DRIVERS:
+        try:
+            driver = _backend(name).driver
+        except Exception:  # not installed, or no CUDA runtime to import with
+            continue
+        current = getattr(driver, "_memory_manager", None)
+        if current is MemoryManager or (isinstance(current, type) and issubclass(current, MemoryManager)):
+            continue
+        if current is not None:
+            raise _gpuptr.InstallError(
+                f"{name} already uses the memory manager {current.__module__}.{current.__name__} "
+                "(it picks one when it creates its first CUDA context): call gpuptr.install() "
+                "before numba's first CUDA call, or set NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba"
+            )
+        driver.set_memory_manager(MemoryManager)
+
 
 _LAUNCH_NAMES = ("ArgCache", "Launcher", "as_cuda_array", "foreign_args", "from_cuda_array_interface_numba")
 

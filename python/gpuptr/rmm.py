@@ -59,10 +59,10 @@ def _import_rmm() -> Any:
         import rmm
         import rmm.mr
     except ImportError as e:
-        from gpuptr._install import _NEEDS  # the hint gpuptr.install() gives
+        from gpuptr._needs import NEEDS  # the hint gpuptr.install() gives
 
         raise InstallError(
-            f"gpuptr.rmm needs RMM, which cannot be imported ({e}): pip install {_NEEDS['rmm'][1]}"
+            f"gpuptr.rmm needs RMM, which cannot be imported ({e}): pip install {NEEDS['rmm'][1]}"
         ) from e
     return rmm
 
@@ -73,7 +73,7 @@ def memory_resource(device: Optional[int] = None, *, stream_ordered: bool = True
     resource (``rmm.DeviceBuffer(size=n, mr=...)``, ``set_per_device_resource``).
     Its memory is counted under ``"rmm"``; ``stream_ordered`` as in
     :func:`install`."""
-    from gpuptr._install import flag
+    from gpuptr._needs import flag
 
     stream_ordered = flag(stream_ordered, "stream_ordered")
     rmm = _import_rmm()
@@ -117,7 +117,7 @@ def install(*, stream_ordered: bool = True) -> None:
     replace gpuptr's resource. Raises :class:`~gpuptr.InstallError`, with
     what to install, where RMM cannot be imported."""
     global _stream_ordered
-    from gpuptr._install import flag
+    from gpuptr._needs import flag
 
     stream_ordered = flag(stream_ordered, "stream_ordered")
     rmm = _import_rmm()

@@ -80,7 +80,7 @@ def install(*, stream_ordered: bool = True, graph_trees: Optional[bool] = None) 
     cannot be imported (naming what to install).
     """
     global _allocator
-    from gpuptr._install import flag
+    from gpuptr._needs import flag
 
     ordered = flag(stream_ordered, "stream_ordered")
     try:

@@ -21,6 +21,7 @@ The package:
 - ``spin``: the busy GPU (a sleeping kernel on a non-blocking stream) of
   the busy rows and of ``benches/busy_*.py``;
 - ``report``: the report's ``meta``, the table and the plot;
+- ``runner``: :func:`run`, which runs the row groups of ``GROUPS``;
 - ``command``: the options and the command line.
 
 Adding a row group: write ``gpuptr/bench/<area>.py`` with a docstring
@@ -37,16 +38,13 @@ baseline, fn)`` takes a row that times itself: ``fn`` returns a
 
 from __future__ import annotations
 
-import sys
-from importlib import import_module
-from typing import Any, Callable, Dict, Optional, TextIO
-
 from gpuptr.bench._bench import Bench, Measured, Pair, Result, Skipped
 from gpuptr.bench._timing import best_ns, interleaved_runs_ns, runs_ns
 from gpuptr.bench.busy import busy_devarray
 from gpuptr.bench.command import DESCRIPTION, add_arguments, check_arguments, main, run_command
 from gpuptr.bench.library import library_alloc_ns
 from gpuptr.bench.report import format_table, plot
+from gpuptr.bench.runner import GROUPS, run
 
 __all__ = [
     "DESCRIPTION",
@@ -69,46 +67,3 @@ __all__ = [
     "run_command",
     "runs_ns",
 ]
-
-#: The row groups, in the order their rows run and print: modules of this
-#: package, each with a ``rows(b: Bench) -> None``.
-GROUPS = (
-    "context",
-    "cai",
-    "observability",
-    "alloc",
-    "launch",
-    "numba",
-    "library",
-    "busy",
-    "graph",
-    "cuda_core",
-    "mlir",
-    "pinned",
-    "ipc",
-    "footprint",
-    "workloads",
-)
-
-
-def run(quick: bool = False, out: TextIO = sys.stderr, only: Optional[str] = None) -> Dict[str, Any]:
-    """Run every row (or those whose name or baseline contains ``only``,
-    ignoring case); returns ``{"meta": ..., "rows": [...]}``."""
-    import gpuptr
-    from gpuptr.bench.report import meta
-
-    info = gpuptr.driver_info()
-    b = Bench(quick, out, only, on_gpu=info["driver"] == "cuda")
-    print(f"gpuptr bench on {info['driver']} ({'quick' if quick else 'full'})", file=out, flush=True)
-
-    # Held for the whole run: the context rows look up addresses inside it.
-    mem = gpuptr.alloc(1 << 22)
-    addr = mem.device_pointer_value
-    assert addr is not None
-    b.addr = addr
-
-    for group in GROUPS:
-        rows: Callable[[Bench], None] = import_module(f"gpuptr.bench.{group}").rows
-        rows(b)
-    return {"meta": meta(info, quick), "rows": [r.__dict__ for r in b.results]}
-

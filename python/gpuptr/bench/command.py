@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gpuptr.bench import runner
 from gpuptr.bench.report import format_table, plot, plot_formats
 
 __all__ = ["DESCRIPTION", "add_arguments", "check_arguments", "main", "run_command"]
@@ -71,9 +72,8 @@ def _plot_format_problem(path: str) -> Optional[str]:
 def run_command(args: argparse.Namespace) -> int:
     """Run the bench for parsed (and checked) arguments: the table (or the
     JSON) on stdout, the files asked for; the exit status."""
-    from gpuptr import bench  # the package's run, looked up now: a test may replace it
-
-    report = bench.run(quick=args.quick, only=args.only)
+    # Looked up at the call: a test may replace it.
+    report = runner.run(quick=args.quick, only=args.only)
     if args.only and not report["rows"]:
         print(f"error: no row matches {args.only!r} (--only picks the rows whose name or baseline contains it,"
               " in any case; e.g. alloc, launch, context, graph, pinned, ipc)", file=sys.stderr)

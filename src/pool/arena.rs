@@ -19,8 +19,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use super::books::{BlockState, ClassCount};
-use super::class::{FastMap, SMALL_CLASSES};
+use super::class::{ClassCount, FastMap, SMALL_CLASSES};
 use crate::driver::{DevicePtr, RawStream};
 use crate::stats::{Client, ClientStats};
 
@@ -74,6 +73,17 @@ impl Kind {
 #[inline]
 pub(crate) fn round(size: usize) -> usize {
     size.max(1).div_ceil(MIN_BLOCK) * MIN_BLOCK
+}
+
+/// What a block's state looks like to a memory snapshot.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// Handed out.
+    Used,
+    /// Cached, free for reuse now (on its stream, or by anyone).
+    Free,
+    /// Cached, waiting for a fence.
+    Waiting,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -1,28 +1,10 @@
 //! An arena's books: its counts by size class and client, and what a
 //! memory snapshot or a wrap sees of its blocks.
 
-use super::arena::{Arena, State};
-use super::class::{class_index, class_of_index, size_class, FastMap};
+use super::arena::{Arena, BlockState, State};
+use super::class::{class_index, class_of_index, size_class, ClassCount, FastMap};
 use crate::driver::DevicePtr;
 use crate::stats::Client;
-
-/// Blocks handed out of one size class: now, and at most.
-#[derive(Copy, Clone, Debug, Default)]
-pub(crate) struct ClassCount {
-    pub(crate) live: usize,
-    pub(crate) peak: usize,
-}
-
-/// What a block's state looks like to a memory snapshot.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) enum BlockState {
-    /// Handed out.
-    Used,
-    /// Cached, free for reuse now (on its stream, or by anyone).
-    Free,
-    /// Cached, waiting for a fence.
-    Waiting,
-}
 
 impl Arena {
     /// The blocks of the segment at `base` of `size` bytes, in address

@@ -111,3 +111,10 @@ mod tests {
         }
     }
 }
+
+/// Blocks handed out of one size class: now, and at most.
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct ClassCount {
+    pub(crate) live: usize,
+    pub(crate) peak: usize,
+}

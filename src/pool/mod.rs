@@ -80,7 +80,7 @@ use crate::sync::lock;
 use ahead::{Grower, AHEAD_WAIT};
 use arena::Arena;
 pub(crate) use arena::Kind;
-pub(crate) use books::BlockState;
+pub(crate) use arena::BlockState;
 pub use class::size_class;
 pub(crate) use class::FastMap;
 use fence::Fencer;

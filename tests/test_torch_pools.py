@@ -415,3 +415,41 @@ def test_a_pools_listing_never_shows_an_allocation_freed_or_one_too_many():
             _core._torch_pool_end(0, p)
     assert worst[0] <= 3, worst[0]
     assert [_core._torch_pool_live(0, p) for p in pools] == [[], []]
+
+
+def test_reduce_tensor_called_directly_is_gpuptrs_and_torchs_own_for_other_tensors(monkeypatch):
+    """``torch.multiprocessing.reductions.reduce_tensor`` (what weight-sharing
+    code calls itself) is gpuptr's after the install, torch's own stays
+    underneath for tensors not on gpuptr memory, and a second install keeps
+    torch's, not gpuptr's, as that."""
+    from multiprocessing.reduction import ForkingPickler
+
+    monkeypatch.setattr(ForkingPickler, "_extra_reducers", dict(ForkingPickler._extra_reducers))
+    torchs_own = []
+
+    def reduce_tensor(t):
+        torchs_own.append(t)
+        return ("torch's", t)
+
+    reductions = types.ModuleType("torch.multiprocessing.reductions")
+    reductions.reduce_tensor = reduce_tensor
+    mp = types.ModuleType("torch.multiprocessing")
+    mp.reductions = reductions
+    fake = types.ModuleType("torch")
+    fake.multiprocessing = mp
+    fake.strided = object()
+    fake.Tensor = type("Tensor", (), {})
+    fake.nn = types.SimpleNamespace(parameter=types.SimpleNamespace(Parameter=type("Parameter", (fake.Tensor,), {})))
+    for name, m in (("torch", fake), ("torch.multiprocessing", mp), ("torch.multiprocessing.reductions", reductions)):
+        monkeypatch.setitem(sys.modules, name, m)
+
+    _torch_ipc.install_reducers(fake)
+    ours = reductions.reduce_tensor
+    assert ours is not reduce_tensor and getattr(ours, "__gpuptr_ipc__", False)
+    assert ForkingPickler._extra_reducers[fake.Tensor] is ours
+    cpu = types.SimpleNamespace(is_cuda=False)
+    assert ours(cpu) == ("torch's", cpu) and torchs_own == [cpu]
+
+    _torch_ipc.install_reducers(fake)  # again: torch's own stays underneath
+    assert reductions.reduce_tensor(cpu) == ("torch's", cpu) and torchs_own == [cpu, cpu]
+    assert reductions.reduce_tensor.__gpuptr_original__ is reduce_tensor

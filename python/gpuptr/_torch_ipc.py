@@ -2,7 +2,10 @@
 
 PyTorch shares a CUDA tensor through its allocator's ``shareIpcHandle``,
 which a pluggable allocator lacks. ``gpuptr.torch.install()`` registers
-reducers (``ForkingPickler``) for ``torch.Tensor`` and ``Parameter``: a
+reducers (``ForkingPickler``) for ``torch.Tensor`` and ``Parameter``, and
+puts the same reducer in ``torch.multiprocessing.reductions.reduce_tensor``
+(for code that calls it directly; a name imported before ``install()``
+still holds PyTorch's): a
 strided CUDA tensor on gpuptr memory travels as a gpuptr ``IpcHandle`` of
 its storage plus its size, strides, offset and dtype, and the receiver
 rebuilds it over the mapped memory (``torch.as_tensor`` over its
@@ -406,9 +409,14 @@ def install_reducers(torch: Any) -> None:
 
     from torch.multiprocessing import reductions
 
-    original = reductions.reduce_tensor
+    # PyTorch's own, also when installed again (the module attribute is ours then).
+    original = getattr(reductions.reduce_tensor, "__gpuptr_original__", reductions.reduce_tensor)
 
     def reduce_tensor(tensor: Any) -> Any:
+        """``torch.multiprocessing.reductions.reduce_tensor`` for gpuptr
+        memory: ``(rebuild, args)``, where ``rebuild(*args)`` in another
+        process (after pickling) gives the tensor over the same memory;
+        PyTorch's own for every other tensor."""
         if (
             not getattr(tensor, "is_cuda", False)
             or tensor.layout != torch.strided
@@ -453,6 +461,11 @@ def install_reducers(torch: Any) -> None:
         )
 
     reduce_tensor.__gpuptr_ipc__ = True  # type: ignore[attr-defined]
+    reduce_tensor.__gpuptr_original__ = original  # type: ignore[attr-defined]
+    # Code that shares weights itself (an RL trainer sending them to an
+    # inference engine) calls reduce_tensor directly, by the module's name
+    # or imported after this: it gets gpuptr's too.
+    reductions.reduce_tensor = reduce_tensor
     for cls in (torch.Tensor, torch.nn.parameter.Parameter):
         current = getattr(ForkingPickler, "_extra_reducers", {}).get(cls)
         if not getattr(current, "__gpuptr_ipc__", False):

@@ -171,6 +171,55 @@ def test_cuda_tensors_cross_torch_multiprocessing_spawn(tmp_path):
     assert mine == native, f"native {native}\ngpuptr  {mine}"
 
 
+_REDUCE = r"""
+import pickle
+import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import reduce_tensor  # imported after install()
+
+def child(conn):
+    if MODE == "gpuptr":
+        import gpuptr
+        gpuptr.install(numba=False, cupy=False)
+    func, args = pickle.loads(conn.recv_bytes())
+    w = func(*args)  # what an inference engine does with weights sent to it
+    conn.send((float(w.sum()), tuple(w.shape), w.stride(), str(w.dtype), w.device.index))
+    w.mul_(2.0)  # the same memory: the sender sees it
+    torch.cuda.synchronize()
+    conn.send("doubled")
+    assert conn.recv() == "exit"
+    del w
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    p = ctx.Process(target=child, args=(theirs,))
+    p.start()
+    base = torch.arange(4 * 256, dtype=torch.float32, device="cuda").reshape(4, 256)
+    w = base[1:, 128:]  # a view with an offset and strides
+    out = {"by_module": torch.multiprocessing.reductions.reduce_tensor is reduce_tensor}
+    func, args = reduce_tensor(w)
+    mine.send_bytes(pickle.dumps((func, args)))
+    got = mine.recv()
+    out["got"] = [got[0] == float(w.sum()), list(got[1]), list(got[2]), got[3], got[4]]
+    assert mine.recv() == "doubled"
+    out["shared"] = bool((base[1:, 128:] == 2.0 * torch.arange(4 * 256, device="cuda").reshape(4, 256)[1:, 128:]).all())
+    out["untouched"] = bool((base[:1] == torch.arange(256, device="cuda")).all())
+    mine.send("exit")
+    p.join(60)
+    out["child_exit"] = p.exitcode
+    print(json.dumps(out))
+"""
+
+
+def test_reduce_tensor_called_directly_rebuilds_in_a_spawned_process(tmp_path):
+    """Weight sharing as RL trainers do it: ``reduce_tensor(t)`` sent as
+    pickled bytes, ``func(*args)`` in a spawned process, over the same
+    memory (PyTorch's pluggable allocator alone refuses: no shareIpcHandle)."""
+    native, mine = _both(tmp_path, _REDUCE)
+    assert native["got"][0] and native["shared"] and native["untouched"] and native["child_exit"] == 0, native
+    assert mine == native, f"native {native}\ngpuptr  {mine}"
+
+
 _OUTLIVE = r"""
 import torch.multiprocessing as mp
 

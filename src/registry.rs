@@ -17,14 +17,14 @@ use std::sync::{Arc, RwLock, Weak};
 use crate::driver::DevicePtr;
 use crate::sync::{read, write};
 
-struct Entry<T> {
+struct Entry<T: ?Sized> {
     end: DevicePtr,
     owner: Weak<T>,
     token: u64,
     refs: usize,
 }
 
-/// A registration, returned by [`Registry::insert`] and given back to
+/// A registration, returned by [`Registry::insert_weak`] and given back to
 /// [`Registry::remove`]. Removal with an old token never removes a newer entry
 /// at the same address.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -34,12 +34,12 @@ pub(crate) struct Registration {
 }
 
 /// Known address ranges and their owners.
-pub(crate) struct Registry<T> {
+pub(crate) struct Registry<T: ?Sized> {
     ranges: RwLock<BTreeMap<DevicePtr, Entry<T>>>,
     next_token: AtomicU64,
 }
 
-impl<T> Default for Registry<T> {
+impl<T: ?Sized> Default for Registry<T> {
     fn default() -> Self {
         Registry {
             ranges: RwLock::new(BTreeMap::new()),
@@ -48,20 +48,16 @@ impl<T> Default for Registry<T> {
     }
 }
 
-impl<T> Registry<T> {
+impl<T: ?Sized> Registry<T> {
     /// An empty registry.
     pub fn new() -> Self {
         Registry::default()
     }
 
-    /// Record `[start, start+size)` as memory of `owner`. The same range
-    /// registered again (two wraps of one foreign buffer) shares one entry.
-    pub fn insert(&self, start: DevicePtr, size: usize, owner: &Arc<T>) -> Registration {
-        self.insert_weak(start, size, &Arc::downgrade(owner))
-    }
-
-    /// [`Registry::insert`] for an owner held weakly (the pool's growth
-    /// helper, which must not keep a context alive past its last user).
+    /// Record `[start, start+size)` as memory of `owner`, held weakly (an
+    /// entry never keeps a context alive past its last user). The same
+    /// range registered again for the same owner (two wraps of one foreign
+    /// buffer) shares one entry.
     pub fn insert_weak(&self, start: DevicePtr, size: usize, owner: &Weak<T>) -> Registration {
         let end = start + size as u64;
         let mut map = write(&self.ranges);
@@ -117,12 +113,6 @@ impl<T> Registry<T> {
                 }
             }
         }
-    }
-
-    /// The owner of the known range containing `address`, if any.
-    #[inline]
-    pub fn lookup(&self, address: DevicePtr) -> Option<Arc<T>> {
-        self.lookup_range(address).map(|(owner, _, _)| owner)
     }
 
     /// The owner and the range `[start, end)` of the known range containing

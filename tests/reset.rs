@@ -196,3 +196,28 @@ fn test_resets_racing_allocations_reservations_and_frees_leave_nothing_stale() {
     assert_eq!(rt.stats()[0].pool_bytes, 0, "every segment given back");
     assert_eq!(rt.registered_ranges(), 0);
 }
+
+#[test]
+fn test_a_context_kept_across_a_reset_going_last_leaves_the_new_contexts_fence_and_lookup_alone() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let old = rt.context(0).unwrap();
+    let stale = old.alloc(4096).unwrap();
+    rt.reset(0).unwrap();
+    drop(old);
+    // The new context (the simulator's primary context has the same
+    // handle after a reset, as CUDA's may).
+    let ctx = rt.context(0).unwrap();
+    assert_eq!(ctx.raw(), stale.context().raw());
+    // The old context's last holder goes now, after the new one is live.
+    drop(stale);
+    // The device still knows its live context: a free waits for the fence
+    // a flush runs, and the block is reused after it.
+    assert_eq!(rt.current_device().unwrap(), 0);
+    ctx.make_current().unwrap();
+    let p = ctx.alloc(4096).unwrap();
+    let at = p.address();
+    drop(p);
+    assert_eq!(rt.flush_pool(0), Ok(true));
+    assert!(rt.stats()[0].pending_bytes == 0, "the flush ran the fence");
+    assert_eq!(ctx.alloc(4096).unwrap().address(), at);
+}

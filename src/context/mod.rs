@@ -5,7 +5,7 @@ mod alloc;
 
 use std::sync::Arc;
 
-use crate::device::{DeviceState, Services};
+use crate::device::{DeviceState, Handle, Owner, Services};
 use crate::driver::{Driver, RawContext, RawStream};
 use crate::error::Result;
 
@@ -109,6 +109,18 @@ impl Context {
         &self.state
     }
 
+    /// Record `[start, start+size)` as memory of this context in the
+    /// pointer→context registry (see [`Registry::insert_weak`](crate::registry::Registry::insert_weak)).
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        start: crate::driver::DevicePtr,
+        size: usize,
+    ) -> crate::registry::Registration {
+        self.services
+            .registry
+            .insert_weak(start, size, &Handle::owner(self))
+    }
+
     /// The services of this context's device (its driver, the registry,
     /// the leak report).
     #[inline]
@@ -180,6 +192,29 @@ impl crate::graph::Owner for Context {
     }
 }
 
+/// What the device asks of a context (see [`Handle`]): the device never
+/// names the context type; an `Arc` is what owns its memory.
+impl Handle for Arc<Context> {
+    #[inline]
+    fn raw(&self) -> RawContext {
+        self.raw
+    }
+
+    #[inline]
+    fn born(&self) -> u64 {
+        self.born
+    }
+
+    fn owner(&self) -> std::sync::Weak<Owner> {
+        let owner: Arc<Owner> = self.clone();
+        Arc::downgrade(&owner)
+    }
+
+    fn keeper(&self) -> Arc<dyn crate::graph::Owner> {
+        self.clone()
+    }
+}
+
 impl PartialEq for Context {
     fn eq(&self, other: &Self) -> bool {
         self.raw == other.raw && self.device == other.device
@@ -199,7 +234,7 @@ impl Drop for Context {
         if crate::fork::forked() {
             return;
         }
-        self.state.teardown(self, self.born);
+        self.state.teardown(self.raw, self.born);
         // SAFETY: balances the retain in `Context::retain`; this is the last
         // holder, so nothing uses the context through it afterwards.
         let r = unsafe { self.driver().primary_context_release(self.device) };

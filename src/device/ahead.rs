@@ -4,8 +4,7 @@
 
 use std::sync::{Arc, Weak};
 
-use super::DeviceState;
-use crate::context::Context;
+use super::{DeviceState, Handle, Owner};
 use crate::driver::RawContext;
 use crate::error::{Error, Result};
 use crate::pool::{Allocation, Kind, Pool};
@@ -17,9 +16,15 @@ impl DeviceState {
     /// context only weakly: it never keeps a context alive, so dropping the
     /// last user handle still gives the pool back at once, on the caller's
     /// thread.
-    pub(super) fn post_ahead(&self, pool: &Pool, ctx: &Arc<Context>, arena: usize, kind: Kind) {
-        let me = Arc::downgrade(ctx.state());
-        let (weak, raw, epoch) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
+    pub(super) fn post_ahead(
+        self: &Arc<Self>,
+        pool: &Pool,
+        ctx: &impl Handle,
+        arena: usize,
+        kind: Kind,
+    ) {
+        let me = Arc::downgrade(self);
+        let (weak, raw, epoch) = (ctx.owner(), ctx.raw(), ctx.born());
         let asked = std::time::Instant::now();
         pool.post_ahead(Box::new(move || {
             if let Some(me) = me.upgrade() {
@@ -36,7 +41,7 @@ impl DeviceState {
     /// kept across a reset was born in an older one), and one whose handle
     /// is still the device's is not being reset (a reset clears the handle
     /// before it takes the recovery lock).
-    pub(super) fn still_live(&self, weak: &Weak<Context>, raw: RawContext, epoch: u64) -> bool {
+    pub(super) fn still_live(&self, weak: &Weak<Owner>, raw: RawContext, epoch: u64) -> bool {
         weak.strong_count() > 0
             && self.epoch() == epoch
             && self.live_raw() == raw
@@ -52,7 +57,7 @@ impl DeviceState {
     /// and then frees its blocks with the rest.
     fn grow_ahead(
         &self,
-        weak: &Weak<Context>,
+        weak: &Weak<Owner>,
         raw: RawContext,
         epoch: u64,
         arena: usize,
@@ -69,7 +74,7 @@ impl DeviceState {
             return;
         }
         let grown = pool.grow_ahead(raw, arena, kind, |a| {
-            self.register_weak(weak, a);
+            self.register(weak, a);
         });
         if let Some(a) = grown {
             // When it began and ended, from the hand-out that asked: where a
@@ -87,14 +92,15 @@ impl DeviceState {
 
     /// Fill the pool with about `bytes` of ready blocks of `size`'s class;
     /// the bytes reserved (an unpooled device reserves nothing).
-    pub(crate) fn reserve(&self, ctx: &Arc<Context>, size: usize, bytes: usize) -> Result<usize> {
+    pub(crate) fn reserve(&self, ctx: &impl Handle, size: usize, bytes: usize) -> Result<usize> {
         Error::check_request(self.device, size)?;
         let Some(pool) = &self.pool else {
             return Ok(0);
         };
         // More than the device has free would take all of it and still
         // fall short: refused whole, naming what there is.
-        if let Ok((free, total)) = ctx.memory_info() {
+        // SAFETY: `ctx` is retained by its holder, the caller.
+        if let Ok((free, total)) = unsafe { self.driver().mem_get_info(ctx.raw()) } {
             if bytes > free {
                 use crate::error::bytes as human;
                 return Err(Error::OutOfMemory {
@@ -113,8 +119,9 @@ impl DeviceState {
         let _recovering = lock(&self.recovery);
         let epoch = self.epoch();
         let (made, r) = pool.reserve(ctx.raw(), size, bytes, || self.epoch() == epoch);
+        let owner = ctx.owner();
         for a in &made {
-            self.register(ctx, a);
+            self.register(&owner, a);
         }
         let reserved = made.iter().map(Allocation::bytes).sum();
         log::debug!(

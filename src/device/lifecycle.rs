@@ -4,8 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::DeviceState;
-use crate::context::Context;
+use super::{DeviceState, Handle};
 use crate::driver::RawContext;
 use crate::error::Result;
 use crate::pool::Allocation;
@@ -13,23 +12,26 @@ use crate::sync::lock;
 use crate::track::Watch;
 
 impl DeviceState {
-    /// Return the pool's cache to the driver; the bytes freed.
-    pub(crate) fn trim(&self, ctx: &Context) -> Result<usize> {
+    /// Return the pool's cache of the live context `ctx` to the driver;
+    /// the bytes freed.
+    pub(crate) fn trim(&self, ctx: &impl Handle) -> Result<usize> {
         let _recovering = lock(&self.recovery);
-        self.trim_logged(ctx, false)
+        self.trim_logged(ctx.raw(), Some(ctx), false)
     }
 
     /// [`DeviceState::trim`], with the recovery lock held; `everything`
-    /// when the context is ending (see [`Pool::trim`]).
-    fn trim_logged(&self, ctx: &Context, everything: bool) -> Result<usize> {
-        let r = self.trim_locked(ctx, everything);
+    /// when the context is ending (see [`Pool::trim`]), and then no `live`
+    /// context keeps what a failed free leaves.
+    fn trim_logged(
+        &self,
+        raw: RawContext,
+        live: Option<&dyn Handle>,
+        everything: bool,
+    ) -> Result<usize> {
+        let r = self.trim_locked(raw, live, everything);
         // The host cache too (not on the out-of-memory ladder: pinned
         // memory is the host's, not the device's).
-        let r = match self
-            .pool
-            .as_ref()
-            .map(|p| p.host_trim(ctx.raw(), everything))
-        {
+        let r = match self.pool.as_ref().map(|p| p.host_trim(raw, everything)) {
             Some((freed, host)) => r.and_then(|n| host.map(|()| n + freed)),
             None => r,
         };
@@ -49,12 +51,19 @@ impl DeviceState {
         r
     }
 
-    pub(super) fn trim_locked(&self, ctx: &Context, everything: bool) -> Result<usize> {
+    /// [`DeviceState::trim_logged`]'s device memory: what a failed free
+    /// leaves cached is registered again for `live`, if given.
+    pub(super) fn trim_locked(
+        &self,
+        raw: RawContext,
+        live: Option<&dyn Handle>,
+        everything: bool,
+    ) -> Result<usize> {
         let Some(pool) = &self.pool else {
             return Ok(0);
         };
         let (freed, r) = pool.trim(
-            ctx.raw(),
+            raw,
             everything,
             // Before the free: the driver may hand the addresses to another
             // thread's allocation, registered anew, at once after it.
@@ -62,8 +71,8 @@ impl DeviceState {
             // A failed free leaves the allocation cached: known again (unless
             // the context is going away).
             |a| {
-                if let Some(live) = self.existing().filter(|c| std::ptr::eq(&**c, ctx)) {
-                    self.register(&live, a);
+                if let Some(ctx) = live {
+                    self.register(&ctx.owner(), a);
                 }
             },
         );
@@ -71,20 +80,18 @@ impl DeviceState {
         r.map(|()| bytes)
     }
 
-    /// Prepare for the context being reset (numba's `cuda.close()`): the
-    /// cache goes back to the driver, every live allocation turns stale, and
-    /// the next use retains the primary context afresh. Never waits for the
-    /// pool's fence thread.
-    pub(crate) fn reset(&self) -> Result<()> {
-        let Some(ctx) = self.existing() else {
-            return Ok(());
-        };
-        self.forget_raw(ctx.raw());
+    /// Prepare for the live context `raw` being reset (numba's
+    /// `cuda.close()`): the cache goes back to the driver, every live
+    /// allocation turns stale, and the next use retains the primary context
+    /// afresh (the runtime empties its slot after this). Never waits for
+    /// the pool's fence thread.
+    pub(crate) fn reset(&self, raw: RawContext) -> Result<()> {
+        self.forget_raw(raw);
         // One recovery hold for the trim, the new epoch and the forget: the
         // pool's helper grows only under it, so it neither stocks blocks of
         // the old context nor records them after the forget.
         let recovering = lock(&self.recovery);
-        let trimmed = self.trim_logged(&ctx, true);
+        let trimmed = self.trim_logged(raw, None, true);
         // The new epoch and the pool's forget in one step under the pool's
         // locks: no allocation straddles them (see `Pool::forget`). The
         // history: the live allocations go before their segments.
@@ -108,11 +115,10 @@ impl DeviceState {
             }
         }
         drop(recovering);
-        // After the reset the old CUcontext is dead. Holders of the old
-        // Context (stale pointers) release their retain when they go; the
-        // device's own hold goes now, outside the lock.
-        let old = std::mem::take(&mut *lock(&self.slot));
-        drop(old);
+        // After the reset the old CUcontext is dead: the pool is no longer
+        // its. Holders of the old context (stale pointers) release their
+        // retain when they go.
+        *lock(&self.live) = std::sync::Weak::<()>::new();
         log::info!(
             target: "gpuptr::context",
             "device {}: context reset; its live allocations are stale from now on",
@@ -126,12 +132,21 @@ impl DeviceState {
     /// older epoch (detached by a reset) no longer owns the pool while a
     /// newer one lives; if none does, the pool's memory (which a context
     /// kept across the reset may have grown) goes with this retain.
-    pub(crate) fn teardown(&self, ctx: &Context, born: u64) {
+    pub(crate) fn teardown(&self, raw: RawContext, born: u64) {
         // Before the release: the handle may name another context after it.
-        self.forget_raw(ctx.raw());
-        if born == self.epoch() || self.existing().is_none() {
+        // Only while no newer context is live (under the lock its retain
+        // takes): a primary context retained again may have the same handle.
+        let newer = {
+            let live = lock(&self.live);
+            let newer = live.strong_count() > 0;
+            if !newer {
+                self.forget_raw(raw);
+            }
+            newer
+        };
+        if born == self.epoch() || !newer {
             let _recovering = lock(&self.recovery);
-            let _ = self.trim_logged(ctx, true);
+            let _ = self.trim_logged(raw, None, true);
         }
     }
 

@@ -1,8 +1,11 @@
 //! [`DeviceState`]: everything gpuptr keeps about one device, with one
 //! owner. PyTorch's `DeviceCachingAllocator` is the model: one object per
-//! device owns its context slot and hold, its reset epoch, its pool, the
-//! registry entries of the pool's blocks, its counters, and the
-//! out-of-memory ladder. Reset and teardown are its methods.
+//! device owns its reset epoch, its pool, the registry entries of the
+//! pool's blocks, its counters, its graph memory and the out-of-memory
+//! ladder. Reset and teardown are its methods. It knows no context type:
+//! a call names its context through [`Handle`] (the raw handle, the epoch
+//! it was born in, an opaque registry owner), which the context room above
+//! implements; the runtime keeps each device's context slot.
 //!
 //! It holds the [`Services`] it needs (the driver, the registry, the leak
 //! report, the IPC liveness file), never the [`Runtime`](crate::Runtime):
@@ -18,10 +21,10 @@ mod ahead;
 mod lifecycle;
 mod oom;
 
+use std::any::Any;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::context::Context;
 use crate::driver::{DevicePtr, Driver, RawContext, RawStream};
 use crate::error::{Error, Result};
 use crate::graph::GraphMemory;
@@ -33,12 +36,30 @@ use crate::stats::{ClassStats, DeviceCounters, DeviceStats};
 use crate::sync::lock;
 use crate::track::{Tracker, Watch};
 
+/// What owns a registry entry: the context that made the memory, opaque
+/// here (the runtime, above, knows it as its context type).
+pub(crate) type Owner = dyn Any + Send + Sync;
+
+/// What the device asks of the context a call comes from, implemented by
+/// the context room above: the device never names the context type.
+pub(crate) trait Handle {
+    /// The raw `CUcontext`.
+    fn raw(&self) -> RawContext;
+    /// The device's reset epoch when the context was retained.
+    fn born(&self) -> u64;
+    /// The registry's owner of memory made in the context, held weakly.
+    fn owner(&self) -> Weak<Owner>;
+    /// What a CUDA graph that keeps memory of the context holds until it
+    /// is destroyed.
+    fn keeper(&self) -> Arc<dyn crate::graph::Owner>;
+}
+
 /// What every device of a runtime shares: the driver and the books kept
 /// across devices.
 pub(crate) struct Services {
     pub(crate) driver: Arc<dyn Driver>,
     /// The pointer→context registry.
-    pub(crate) registry: Registry<Context>,
+    pub(crate) registry: Registry<Owner>,
     /// What allocations note: the leak report, the history, or both.
     pub(crate) watch: Watch,
     /// The leak report.
@@ -55,7 +76,6 @@ pub(crate) struct Services {
 pub(crate) struct DeviceState {
     device: usize,
     services: Arc<Services>,
-    slot: Mutex<Slot>,
     pool: Option<Pool>,
     counters: DeviceCounters,
     /// Held while the cache goes back to the driver (a trim, or an
@@ -67,6 +87,11 @@ pub(crate) struct DeviceState {
     /// The raw handle of the live context (0: none), so the current
     /// device is found from `cuCtxGetCurrent` alone.
     raw: AtomicUsize,
+    /// The live context, as the runtime's slot holds it (weakly; set when
+    /// the runtime retains one, cleared by a reset): at the last drop of
+    /// a context kept across a reset, whether a newer one owns the pool
+    /// (see [`DeviceState::teardown`]).
+    live: Mutex<Weak<Owner>>,
     /// The reset epoch: bumped when the context is reset (or invalidated);
     /// memory made in an older epoch is gone, and is never freed.
     epoch: AtomicU64,
@@ -75,15 +100,6 @@ pub(crate) struct DeviceState {
     /// Captures begun on this device and not ended, by the thread that
     /// began them: an end is only taken from a thread with one open.
     capture_threads: Mutex<Vec<(std::thread::ThreadId, usize)>>,
-}
-
-/// A device's live context, and the runtime's own hold on it, if taken
-/// ([`DeviceState::context`] with `hold`): while held, `live` always
-/// upgrades to it.
-#[derive(Default)]
-struct Slot {
-    live: Weak<Context>,
-    held: Option<Arc<Context>>,
 }
 
 impl DeviceState {
@@ -99,10 +115,10 @@ impl DeviceState {
                 }))
             }),
             services,
-            slot: Mutex::new(Slot::default()),
             counters: DeviceCounters::default(),
             recovery: Mutex::new(()),
             raw: AtomicUsize::new(0),
+            live: Mutex::new(Weak::<()>::new()),
             epoch: AtomicU64::new(0),
             graphs: GraphMemory::default(),
             capture_threads: Mutex::new(Vec::new()),
@@ -158,40 +174,17 @@ impl DeviceState {
         self.raw.load(Ordering::Acquire)
     }
 
-    /// The live context, if some holder keeps one.
-    pub(crate) fn existing(&self) -> Option<Arc<Context>> {
-        lock(&self.slot).live.upgrade()
+    /// `ctx` is the device's live context now (the runtime retained it,
+    /// under its slot's lock).
+    pub(crate) fn retained(&self, ctx: &impl Handle) {
+        let mut live = lock(&self.live);
+        *live = ctx.owner();
+        self.raw.store(ctx.raw(), Ordering::Release);
     }
 
-    /// The live context, retained if none is; with `hold`, also kept alive
-    /// by the device until a reset or [`DeviceState::release_hold`].
-    pub(crate) fn context(self: &Arc<Self>, hold: bool) -> Result<Arc<Context>> {
-        let mut slot = lock(&self.slot);
-        let ctx = match slot.live.upgrade() {
-            Some(ctx) => ctx,
-            None => {
-                let ctx = Arc::new(Context::retain(self.clone())?);
-                slot.live = Arc::downgrade(&ctx);
-                self.raw.store(ctx.raw(), Ordering::Release);
-                log::debug!(
-                    target: "gpuptr::context",
-                    "device {}: retained the primary context {:#x}",
-                    self.device,
-                    ctx.raw()
-                );
-                ctx
-            }
-        };
-        if hold && slot.held.is_none() {
-            slot.held = Some(ctx.clone());
-        }
-        Ok(ctx)
-    }
-
-    /// Let the device's own hold on its context go (its holders keep it).
-    pub(crate) fn release_hold(&self) {
-        let held = lock(&self.slot).held.take();
-        drop(held);
+    /// Whether some holder keeps the device's live context.
+    fn has_live(&self) -> bool {
+        lock(&self.live).strong_count() > 0
     }
 
     /// Give `block` of the context `raw` back to the pool, freed on
@@ -231,19 +224,14 @@ impl DeviceState {
         }
     }
 
-    /// Register a pool segment's range, so its context resolves by
-    /// address (a wrap inside it is bound-checked against its block by the
-    /// pool, [`DeviceState::pool_block`]). The registry is the one record
-    /// of these entries: they go by address, with the context that made
-    /// them.
-    fn register(&self, ctx: &Arc<Context>, a: &Allocation) -> crate::registry::Registration {
-        self.register_weak(&Arc::downgrade(ctx), a)
-    }
-
-    /// [`DeviceState::register`] for a context held weakly (the pool's
-    /// growth helper).
-    fn register_weak(&self, ctx: &Weak<Context>, a: &Allocation) -> crate::registry::Registration {
-        self.services.registry.insert_weak(a.base, a.bytes(), ctx)
+    /// Register a pool segment's range for `owner` (held weakly: the
+    /// pool's growth helper never keeps a context alive), so its context
+    /// resolves by address (a wrap inside it is bound-checked against its
+    /// block by the pool, [`DeviceState::pool_block`]). The registry is the
+    /// one record of these entries: they go by address, with the context
+    /// that made them.
+    fn register(&self, owner: &Weak<Owner>, a: &Allocation) -> crate::registry::Registration {
+        self.services.registry.insert_weak(a.base, a.bytes(), owner)
     }
 
     /// Forget the registry entries of the blocks of `gone`, whichever
@@ -261,7 +249,7 @@ impl DeviceState {
     /// gives.
     pub(crate) fn host_alloc(
         &self,
-        ctx: &Context,
+        ctx: &impl Handle,
         size: usize,
         flags: u32,
     ) -> Option<Result<HostBlock>> {
@@ -287,8 +275,8 @@ impl DeviceState {
     /// fence, the pool's helper gives back what is past the cap once that
     /// fence is done ([`DeviceState::host_settle`]).
     pub(crate) fn host_release(
-        &self,
-        ctx: &Arc<Context>,
+        self: &Arc<Self>,
+        ctx: &impl Handle,
         epoch: u64,
         block: HostBlock,
         size: usize,
@@ -298,8 +286,8 @@ impl DeviceState {
         };
         if pool.host_release(ctx.raw(), block, size, || self.epoch() == epoch) {
             // Weak, as growth ahead's jobs: the job never keeps a context alive.
-            let me = Arc::downgrade(ctx.state());
-            let (weak, raw, born) = (Arc::downgrade(ctx), ctx.raw(), ctx.born());
+            let me = Arc::downgrade(self);
+            let (weak, raw, born) = (ctx.owner(), ctx.raw(), ctx.born());
             pool.post_ahead(Box::new(move || {
                 if let Some(me) = me.upgrade() {
                     me.host_settle(&weak, raw, born);
@@ -314,7 +302,7 @@ impl DeviceState {
     /// `epoch`) is still the device's live context, as
     /// [`DeviceState::grow_ahead`] checks: a reset or the last drop frees
     /// the cache itself.
-    fn host_settle(&self, weak: &Weak<Context>, raw: RawContext, epoch: u64) {
+    fn host_settle(&self, weak: &Weak<Owner>, raw: RawContext, epoch: u64) {
         let Some(pool) = &self.pool else {
             return;
         };
@@ -339,8 +327,8 @@ impl DeviceState {
     /// Wait for the fence covering every block freed so far (`true` when
     /// there is nothing to wait for); `false` if it failed.
     pub(crate) fn flush(&self) -> bool {
-        match (&self.pool, self.existing()) {
-            (Some(pool), Some(ctx)) => pool.flush(ctx.raw()),
+        match (&self.pool, self.live_raw()) {
+            (Some(pool), raw) if raw != 0 => pool.flush(raw),
             _ => true,
         }
     }
@@ -382,9 +370,10 @@ impl DeviceState {
             pool.end_capture();
         }
         if self.graphs.watching() {
-            if let Some(ctx) = self.existing() {
+            let raw = self.live_raw();
+            if raw != 0 {
                 self.bury();
-                self.graphs.end(ctx.driver(), ctx.raw());
+                self.graphs.end(self.driver(), raw);
             }
         }
         Ok(())
@@ -398,14 +387,14 @@ impl DeviceState {
     /// As [`GraphMemory::start`], for a stream of `ctx`.
     pub(crate) unsafe fn capture_started(
         &self,
-        ctx: &Arc<Context>,
+        ctx: &impl Handle,
         stream: RawStream,
     ) -> Result<()> {
         self.bury();
         // SAFETY: this fn's contract.
         unsafe {
             self.graphs
-                .start(ctx.driver(), ctx.raw(), ctx.clone(), stream)
+                .start(self.driver(), ctx.raw(), ctx.keeper(), stream)
         }
     }
 

@@ -6,8 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::DeviceState;
-use crate::context::Context;
+use super::{DeviceState, Handle};
 use crate::driver::RawStream;
 use crate::error::{Error, Result};
 use crate::pool::Grant;
@@ -29,8 +28,8 @@ impl DeviceState {
     /// New driver allocations are registered, so their context resolves by
     /// address.
     pub(crate) fn pool_alloc(
-        &self,
-        ctx: &Arc<Context>,
+        self: &Arc<Self>,
+        ctx: &impl Handle,
         size: usize,
         stream: Option<RawStream>,
         client: Client,
@@ -58,7 +57,7 @@ impl DeviceState {
             self.post_ahead(pool, ctx, usize::from(block.shard), kind);
         }
         if let Some(new) = block.new_allocation {
-            let reg = self.register(ctx, &new);
+            let reg = self.register(&ctx.owner(), &new);
             if !valid() {
                 // A reset between the hand-out and the registration: its
                 // forget may have run before the registration was there.
@@ -84,7 +83,7 @@ impl DeviceState {
     /// at least once, one thread at a time.
     fn recover(
         &self,
-        ctx: &Arc<Context>,
+        ctx: &impl Handle,
         size: usize,
         stream: Option<RawStream>,
         client: Client,
@@ -100,7 +99,10 @@ impl DeviceState {
             detail: String::new(),
         });
         for round in 0..4 {
-            let freed = self.trim_locked(ctx, false)?;
+            // What a failed free leaves is kept for `ctx` if it is live.
+            let live =
+                (ctx.born() == self.epoch() && self.has_live()).then_some(ctx as &dyn Handle);
+            let freed = self.trim_locked(ctx.raw(), live, false)?;
             returned += freed;
             rounds += 1;
             if freed == 0 && round > 0 {
@@ -127,7 +129,7 @@ impl DeviceState {
     /// (in use, cached, kept by CUDA graphs), its limit if one is set, and
     /// what the device has free, as PyTorch's message does.
     #[cold]
-    fn out_of_memory(&self, ctx: &Context, size: usize) -> Error {
+    fn out_of_memory(&self, ctx: &impl Handle, size: usize) -> Error {
         use crate::error::bytes;
         let mut detail = String::new();
         if let Some(pool) = &self.pool {
@@ -144,7 +146,8 @@ impl DeviceState {
             }
         }
         // cuMemGetInfo is allowed even during a capture.
-        let info = ctx.memory_info().ok();
+        // SAFETY: `ctx` is retained by its holder, the caller.
+        let info = unsafe { self.driver().mem_get_info(ctx.raw()) }.ok();
         if let Some((free, total)) = info {
             detail += &format!("; the device has {} free of {}", bytes(free), bytes(total));
         }
@@ -160,14 +163,15 @@ impl DeviceState {
     /// memory, the typed error, with the history's `oom` entry and the
     /// snapshot (see [`DeviceState::oom_snapshot`]).
     #[cold]
-    pub(crate) fn driver_oom(&self, ctx: &Context, e: Error, size: usize) -> Error {
+    pub(crate) fn driver_oom(&self, ctx: &impl Handle, e: Error, size: usize) -> Error {
         match e.oom_on(self.device, size) {
             Error::OutOfMemory {
                 device,
                 requested,
                 mut detail,
             } => {
-                let free = ctx.memory_info().map_or(0, |i| i.0);
+                // SAFETY: `ctx` is retained by its holder, the caller.
+                let free = unsafe { self.driver().mem_get_info(ctx.raw()) }.map_or(0, |i| i.0);
                 detail += &self.oom_snapshot(size, free);
                 Error::OutOfMemory {
                     device,

@@ -189,8 +189,7 @@ impl DevicePointer {
                     ooms.fetch_add(1, Ordering::Relaxed);
                     context.state().driver_oom(context, e, req.size)
                 })?;
-            let services = context.services();
-            let reg = services.registry.insert(address, req.size, context);
+            let reg = context.register(address, req.size);
             (address, Some(reg))
         };
         let mut p = DevicePointer::base(context.clone(), address, req.size, Origin::Driver);

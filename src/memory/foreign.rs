@@ -58,7 +58,7 @@ impl DevicePointer {
         address: DevicePtr,
         size: usize,
     ) -> Arc<Self> {
-        let reg = context.services().registry.insert(address, size, context);
+        let reg = context.register(address, size);
         let mut p = DevicePointer::base(context.clone(), address, size, Origin::Ipc);
         p.registration = Some(reg);
         Arc::new(p)

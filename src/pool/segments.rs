@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::arena::{round, Kind, SMALL_MAX};
 use super::arena::BlockState;
+use super::arena::{round, Kind, SMALL_MAX};
 use super::Pool;
 use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};

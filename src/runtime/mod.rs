@@ -7,12 +7,13 @@
 //! (for example over a [`SimDriver`](crate::SimDriver)).
 
 mod ipc;
+mod slot;
 mod wrap;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::context::Context;
-use crate::device::{DeviceState, Services};
+use crate::device::{DeviceState, Owner, Services};
 use crate::driver::{self, Driver, DriverChoice, DriverKind, RawStream, SimDriver};
 use crate::error::Result;
 use crate::history::History;
@@ -31,6 +32,8 @@ static GLOBAL: OnceLock<Result<Arc<Runtime>>> = OnceLock::new();
 pub struct Runtime {
     services: Arc<Services>,
     devices: Vec<Arc<DeviceState>>,
+    /// Each device's live context (see `slot`).
+    slots: Vec<Mutex<slot::Slot>>,
     ipc: Ipc,
 }
 
@@ -79,6 +82,7 @@ impl Runtime {
             devices: (0..n)
                 .map(|d| Arc::new(DeviceState::new(d, services.clone(), pool)))
                 .collect(),
+            slots: slot::slots(n),
             services,
             ipc: Ipc::default(),
         }))
@@ -104,9 +108,9 @@ impl Runtime {
     pub fn trim(self: &Arc<Self>) -> Result<usize> {
         crate::fork::check()?;
         let mut freed = 0;
-        for d in &self.devices {
+        for (i, d) in self.devices.iter().enumerate() {
             d.bury();
-            if let Some(ctx) = d.existing() {
+            if let Some(ctx) = self.existing(i) {
                 freed += d.trim(&ctx)?;
             }
         }
@@ -120,7 +124,12 @@ impl Runtime {
     pub fn reset(self: &Arc<Self>, device: usize) -> Result<()> {
         crate::fork::check()?;
         self.check_device(device)?;
-        self.devices[device].reset()
+        let Some(ctx) = self.existing(device) else {
+            return Ok(());
+        };
+        let r = self.devices[device].reset(ctx.raw());
+        self.clear_slot(device);
+        r
     }
 
     /// Tell the pool that a stream capture (a CUDA graph) begins on
@@ -324,8 +333,24 @@ impl Runtime {
 
     /// The pointer→context registry.
     #[inline]
-    pub(crate) fn registry(&self) -> &Registry<Context> {
+    pub(crate) fn registry(&self) -> &Registry<Owner> {
         &self.services.registry
+    }
+
+    /// The context of the known range holding `address`, with the range
+    /// `[start, end)`, from the registry.
+    #[inline]
+    pub(crate) fn lookup_range(
+        &self,
+        address: crate::driver::DevicePtr,
+    ) -> Option<(
+        Arc<Context>,
+        crate::driver::DevicePtr,
+        crate::driver::DevicePtr,
+    )> {
+        let (owner, start, end) = self.registry().lookup_range(address)?;
+        // Every owner gpuptr registers is a context.
+        Some((owner.downcast::<Context>().ok()?, start, end))
     }
 
     #[inline]
@@ -428,7 +453,7 @@ impl Runtime {
     pub fn context(self: &Arc<Self>, device: usize) -> Result<Arc<Context>> {
         crate::fork::check()?;
         self.check_device(device)?;
-        self.devices[device].context(false)
+        self.slot_context(device, false)
     }
 
     /// [`Runtime::context`], and the runtime keeps the context alive from
@@ -440,7 +465,7 @@ impl Runtime {
     pub fn held_context(self: &Arc<Self>, device: usize) -> Result<Arc<Context>> {
         crate::fork::check()?;
         self.check_device(device)?;
-        self.devices[device].context(true)
+        self.slot_context(device, true)
     }
 
     /// The device of the calling thread's current context, or 0 when none
@@ -461,8 +486,8 @@ impl Runtime {
     /// ([`Runtime::held_context`]): each context then ends with its last
     /// other holder, and its pool with it.
     pub fn release_held_contexts(&self) {
-        for d in &self.devices {
-            d.release_hold();
+        for d in 0..self.devices.len() {
+            self.release_hold(d);
         }
     }
 

@@ -17,7 +17,7 @@ impl Runtime {
     /// ranges, then `cuPointerGetAttributes`. Host and unregistered addresses
     /// are [`Error::InvalidPointer`].
     pub fn context_of(self: &Arc<Self>, address: DevicePtr) -> Result<Arc<Context>> {
-        if let Some(ctx) = self.registry().lookup(address) {
+        if let Some((ctx, _, _)) = self.lookup_range(address) {
             return Ok(ctx);
         }
         Ok(self.resolve(address)?.0)
@@ -122,7 +122,7 @@ impl Runtime {
                 "[{address:#x}, {end:#x}) runs past its allocation [{start:#x}, {stop:#x})"
             ))
         };
-        if let Some((ctx, start, stop)) = self.registry().lookup_range(address) {
+        if let Some((ctx, start, stop)) = self.lookup_range(address) {
             // Pool memory: the block handed out, not its whole segment.
             let (start, stop) = match ctx.state().pool_block(address) {
                 None => (start, stop),
@@ -145,7 +145,7 @@ impl Runtime {
         if range != 0 && end > stop {
             return Err(out_of_range(start, stop));
         }
-        let reg = (range != 0).then(|| self.registry().insert(start, range, &ctx));
+        let reg = (range != 0).then(|| ctx.register(start, range));
         Ok(DevicePointer::foreign(
             ctx, address, size, reg, keepalive, readonly,
         ))

@@ -1,7 +1,7 @@
 //! The arena alone: best fit, splits, merges and tags, with no driver.
 
-use super::super::arena::*;
 use super::super::arena::BlockState;
+use super::super::arena::*;
 use crate::driver::DevicePtr;
 
 const MIB: usize = 1 << 20;

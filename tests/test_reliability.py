@@ -299,3 +299,21 @@ def test_an_allocation_waiting_for_a_fence_lets_the_gil_go():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["done", "True"], r.stdout
+
+
+@pytest.mark.sim
+def test_alloc_after_a_reset_comes_from_the_new_context_not_the_cached_one():
+    # gpuptr.alloc takes the device's cached context object when it is
+    # still current: after a reset it must not.
+    gc.collect()
+    old = gpuptr.alloc(4096, device=0)
+    before = old.context
+    gpuptr.reset_context(0)
+    with pytest.raises(gpuptr.InvalidPointerError):
+        old.memset(0)
+    fresh = gpuptr.alloc(4096, device=0)
+    fresh.memset(7)  # live memory of the new context
+    assert fresh.context.handle is not None and fresh.context is not before
+    assert gpuptr.alloc(4096).context is fresh.context  # no device argument: the same
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        gpuptr.alloc(64, device=gpuptr.driver_info()["device_count"])

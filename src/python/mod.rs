@@ -75,9 +75,12 @@ fn alloc_as(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
     let _log = logging::Deliver(py);
-    let ctx = device_context(device)?;
+    let device = match args::optional_device(device)? {
+        Some(d) => d,
+        None => runtime()?.current_device()?,
+    };
     let stream = args::stream_arg(stream)?;
-    let pyctx = py_context(py, &ctx)?;
+    let (ctx, pyctx) = py_context::device_py_context(py, device)?;
     let mem = ctx.alloc_at(size, stream, client, || track::python_site(py))?;
     Ok(PyMemoryPointer::owning(mem, Some(pyctx)))
 }

@@ -226,6 +226,28 @@ fn cached(ctx: &Arc<Context>, py: Python<'_>) -> Option<Py<PyContext>> {
     Arc::ptr_eq(&c.get().inner, ctx).then(|| c.clone_ref(py))
 }
 
+/// `device`'s live context and its Python object: with the Python object
+/// of a context still current cached, one lock and no other lookup (the
+/// allocation's hot path); else through the runtime's slot.
+pub(crate) fn device_py_context(
+    py: Python<'_>,
+    device: usize,
+) -> PyResult<(Arc<Context>, Py<PyContext>)> {
+    {
+        let slots = crate::sync::lock(&PY_CONTEXTS);
+        // The cached object holds its context: while no reset came since,
+        // it is the runtime's live one.
+        if let Some(c) = slots.get(device).and_then(Option::as_ref) {
+            if c.get().inner.is_current() {
+                return Ok((c.get().inner.clone(), c.clone_ref(py)));
+            }
+        }
+    }
+    let ctx = super::args::runtime()?.context(device)?;
+    let pyctx = py_context(py, &ctx)?;
+    Ok((ctx, pyctx))
+}
+
 /// The Python object of a core context.
 pub(crate) fn py_context(py: Python<'_>, ctx: &Arc<Context>) -> PyResult<Py<PyContext>> {
     if let Some(c) = cached(ctx, py) {

@@ -3,7 +3,35 @@
 
 use super::arena::{round, Arena, Kind, Tag, ANY};
 use super::segments::{self, Grant};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use super::{Pool, FENCE_WAIT_MAX};
+
+/// The most fences an allocation out of memory waits for (rung 6), while
+/// other threads free blocks behind each.
+const OOM_FENCE_ROUNDS: usize = 4;
+
+/// How long such an allocation waits, each round, for other threads'
+/// growths to reach their arenas (a driver allocation takes 40-100 µs on
+/// a busy GPU).
+const TRANSIT_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// A growth under way: counted in `in_transit` from before the driver call
+/// until its segment is in its arena (or it failed).
+struct Transit<'a>(&'a AtomicUsize);
+
+impl<'a> Transit<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Transit(count)
+    }
+}
+
+impl Drop for Transit<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 use crate::driver::{RawContext, RawStream};
 use crate::error::Result;
 use crate::stats::Client;
@@ -114,6 +142,7 @@ impl Pool {
             false => fit,
         };
         let kind = Kind::of(ask.want);
+        let transit = Transit::new(&self.in_transit);
         let mut grown = self.grow(context, ask.home, first, kind);
         // A device too full for a whole segment may still fit less.
         let mut tried = first;
@@ -134,6 +163,7 @@ impl Pool {
                     return Err(reset());
                 }
                 a.add_segment(new.base, new.bytes, new.kind);
+                drop(transit);
                 let Some((p, n)) = a.take(ask.tag, ask.want) else {
                     // The new segment fits the request: unreachable, but a
                     // deleter-safe answer all the same.
@@ -146,9 +176,11 @@ impl Pool {
                 Ok(Grant::new(p, n, ask.home, Some(new), ahead))
             }
             // 6. Out of memory: every free block, after a fence.
-            Err(e) if e.is_oom() => self
-                .fence_all_and_take(context, &ask)
-                .ok_or_else(|| e.oom_on(device, size)),
+            Err(e) if e.is_oom() => {
+                drop(transit);
+                self.fence_all_and_take(context, &ask)
+                    .ok_or_else(|| e.oom_on(device, size))
+            }
             Err(e) => Err(e.oom_on(device, size)),
         }
     }
@@ -199,6 +231,38 @@ impl Pool {
     /// that threads churning the cache meanwhile cannot take every block
     /// the fence frees before this thread looks.
     fn fence_all_and_take(
+        &self,
+        context: RawContext,
+        ask: &Ask<impl Fn() -> bool>,
+    ) -> Option<Grant> {
+        // Other threads may take what a fence frees and free more behind it
+        // (for the next fence), or hold memory the driver gave them that
+        // their arena does not show yet: a few rounds while either is so.
+        for _ in 0..OOM_FENCE_ROUNDS {
+            if let Some(g) = self.fence_once_and_take(context, ask) {
+                return Some(g);
+            }
+            if self.fencer.capturing() || !(ask.valid)() {
+                break;
+            }
+            let growing = self.in_transit.load(Ordering::Acquire) > 0;
+            let until = std::time::Instant::now() + TRANSIT_WAIT;
+            while self.in_transit.load(Ordering::Acquire) > 0 && std::time::Instant::now() < until {
+                std::thread::yield_now();
+            }
+            let waiting = (0..self.arenas.len()).any(|i| self.arena(i).waiting_bytes() > 0);
+            if !waiting && !growing {
+                break;
+            }
+        }
+        None
+    }
+
+    /// One round of [`Pool::fence_all_and_take`]: a waiting block that fits
+    /// is claimed while its arena is sealed (no other thread takes it), and
+    /// handed out once the fence covering it is done; else any block free
+    /// after the fence.
+    fn fence_once_and_take(
         &self,
         context: RawContext,
         ask: &Ask<impl Fn() -> bool>,

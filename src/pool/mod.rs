@@ -177,6 +177,10 @@ pub(crate) struct Pool {
     /// moving average): what a growth costs, so what waiting for a fence
     /// may cost at most.
     grow_ns: AtomicU64,
+    /// Inline growths between the driver call and their arena: memory the
+    /// device no longer has and no arena shows yet (an allocation out of
+    /// memory waits for them, [`Pool::fence_all_and_take`]).
+    in_transit: AtomicUsize,
     grower: Grower,
     /// The arena the growth helper is allocating for now; a miss there
     /// waits on `grown` rather than ask the driver too (the driver makes
@@ -243,6 +247,7 @@ impl Pool {
             held: Mutex::new(Held::default()),
             limit: AtomicUsize::new(usize::MAX),
             grow_ns: AtomicU64::new(GROW_COST_FIRST.as_nanos() as u64),
+            in_transit: AtomicUsize::new(0),
             grower: Grower::new(),
             ahead: Mutex::new(None),
             grown: Condvar::new(),

@@ -15,7 +15,7 @@
 //! the pool's fence instead: reused only after all work queued before the
 //! free, on every stream, is done.
 
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -129,18 +129,6 @@ fn block_bytes(mem: &DevicePointer) -> usize {
     }
 }
 
-/// PyTorch's own exception thrower (`c10::detail::torchCheckFail`, the
-/// overload that takes C strings), found in its loaded `libc10` by
-/// [`_hooks_torch_errors`]: a failed allocation raises through it, so
-/// PyTorch gets a C++ exception (a catchable `RuntimeError` in Python)
-/// where a null pointer would make it write through address 0.
-type Thrower = unsafe extern "C-unwind" fn(*const c_char, *const c_char, u32, *const c_char) -> !;
-static THROWER: OnceLock<Thrower> = OnceLock::new();
-
-/// The mangled name of `c10::detail::torchCheckFail(const char*, const
-/// char*, uint32_t, const char*)`, in every PyTorch 2 (Itanium C++ ABI).
-const TORCH_CHECK_FAIL: &CStr = c"_ZN3c106detail14torchCheckFailEPKcS2_jS2_";
-
 thread_local! {
     /// The message of the failure being thrown: kept here so that no value
     /// with a destructor lives in the frame the exception unwinds through.
@@ -149,7 +137,7 @@ thread_local! {
 
 /// A failed PyTorch allocation on `device`: thrown as PyTorch's own
 /// exception when its thrower was found (`c10::OutOfMemoryError` for out of
-/// memory, where [`super::torch_oom`] found what that takes, counted in
+/// memory, where [`super::torch_throw`] found what that takes, counted in
 /// PyTorch's `num_ooms`; else `c10::Error`), else a null pointer (counted).
 fn fail(e: &crate::Error, device: c_int) -> *mut c_void {
     FAILURES.fetch_add(1, Ordering::Relaxed);
@@ -157,8 +145,8 @@ fn fail(e: &crate::Error, device: c_int) -> *mut c_void {
     if let (true, Ok(d)) = (oom, usize::try_from(device)) {
         super::torch_stats::out_of_memory(d);
     }
-    let as_oom = oom && super::torch_oom::available();
-    let thrower = THROWER.get().copied();
+    let as_oom = oom && super::torch_throw::oom_available();
+    let thrower = super::torch_throw::check_fail();
     if !as_oom && thrower.is_none() {
         return std::ptr::null_mut();
     }
@@ -179,7 +167,7 @@ fn fail(e: &crate::Error, device: c_int) -> *mut c_void {
         // interior NUL (built so above), alive until this thread's next
         // failure. The exception unwinds through this frame and the hook's
         // as below.
-        super::torch_oom::throw(unsafe { CStr::from_ptr(ptr) });
+        super::torch_throw::throw_oom(unsafe { CStr::from_ptr(ptr) });
     }
     let Some(throw) = thrower else {
         return std::ptr::null_mut();
@@ -290,7 +278,7 @@ fn free(ptr: *mut c_void, stream: RawStream) {
 
 /// PyTorch's allocation hook: `size` bytes on `device` for `stream`; null
 /// for zero bytes. A failure (out of memory, no driver, a bad device) is
-/// thrown as PyTorch's own exception once [`_hooks_torch_errors`] found
+/// thrown as PyTorch's own exception once `_hooks_torch_errors` found
 /// its thrower (an out-of-memory one says "CUDA out of memory.", as
 /// PyTorch's does), and is a null pointer only before that, or when this
 /// thread's storage is gone; each failure is counted.
@@ -521,39 +509,6 @@ fn cupy_error(e: crate::Error) -> PyErr {
 #[pyfunction]
 pub(crate) fn _cupy_set_oom_error(cls: Bound<'_, PyAny>) {
     *crate::sync::lock(&CUPY_OOM) = Some(cls.unbind());
-}
-
-/// Find PyTorch's exception thrower in its loaded ``libc10`` at ``path``
-/// (never loads the library: it must be loaded already), so a failed
-/// allocation raises in PyTorch instead of returning a null pointer.
-/// Whether it was found.
-#[pyfunction]
-pub(crate) fn _hooks_torch_errors(path: std::path::PathBuf) -> bool {
-    if THROWER.get().is_some() {
-        return true;
-    }
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(cpath) = CString::new(path.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: RTLD_NOLOAD only looks up an already loaded library (no
-    // constructors run); the handle is kept for the process, as the
-    // library stays loaded under PyTorch.
-    let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if handle.is_null() {
-        return false;
-    }
-    // SAFETY: a valid handle and a NUL-terminated name.
-    let sym = unsafe { libc::dlsym(handle, TORCH_CHECK_FAIL.as_ptr()) };
-    if sym.is_null() {
-        return false;
-    }
-    // SAFETY: the symbol is `c10::detail::torchCheckFail(const char*, const
-    // char*, uint32_t, const char*)`, which takes these four arguments and
-    // always throws (`[[noreturn]]`).
-    let f: Thrower = unsafe { std::mem::transmute::<*mut c_void, Thrower>(sym) };
-    let _ = THROWER.set(f);
-    true
 }
 
 /// Set how the C entry points free memory: ordered on the allocating

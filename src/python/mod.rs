@@ -16,10 +16,10 @@ mod py_context;
 mod shutdown;
 mod sizes;
 mod testing;
-mod torch_oom;
 mod torch_pools;
 mod torch_share;
 mod torch_stats;
+mod torch_throw;
 mod track;
 
 use pyo3::prelude::*;
@@ -558,11 +558,11 @@ mod _core {
         hooks::{
             _cupy_free, _cupy_malloc, _cupy_malloc_current, _cupy_set_oom_error,
             _cupy_set_stream_source, _hooks_configure, _hooks_record_stream, _hooks_state,
-            _hooks_torch_errors, _rmm_alloc, _rmm_free,
+            _rmm_alloc, _rmm_free,
         },
         interop::{_dlpack_export, _import_cai, _import_dlpack, _layout},
-        torch_oom::_hooks_torch_oom_missing,
         torch_stats::{_torch_counts, _torch_reset_accumulated, _torch_reset_peak},
+        torch_throw::{_hooks_torch_errors, _hooks_torch_oom_missing},
     };
 
     // PyTorch's memory pools and tensor sharing (gpuptr._torch_pool, _torch_ipc).

@@ -1,5 +1,6 @@
-//! Throwing PyTorch's own out-of-memory exception, `c10::OutOfMemoryError`,
-//! from the allocation hook, so that Python code catches a
+//! Throwing PyTorch's own exceptions from the allocation hook: a failure
+//! through `c10::detail::torchCheckFail` (a `c10::Error`, `RuntimeError`
+//! in Python), and out of memory as `c10::OutOfMemoryError`, built below, so that Python code catches a
 //! `torch.cuda.OutOfMemoryError` (PyTorch's exception translation maps the
 //! C++ type to it) and C++ code in PyTorch sees what its own allocator
 //! throws.
@@ -24,8 +25,10 @@
 //! delete`. If any of these is missing, nothing is thrown this way and the
 //! caller falls back to `c10::detail::torchCheckFail` (a `RuntimeError`).
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::OnceLock;
+
+use pyo3::prelude::*;
 
 /// `c10::SourceLocation`: `{const char* function; const char* file;
 /// uint32_t line;}`, passed by value (in memory, as a C struct of 24 bytes).
@@ -75,7 +78,7 @@ unsafe impl Send for Thrower {}
 // SAFETY: as above; nothing is written through them.
 unsafe impl Sync for Thrower {}
 
-static THROWER: OnceLock<Thrower> = OnceLock::new();
+static OOM_THROWER: OnceLock<Thrower> = OnceLock::new();
 
 /// The complete-object constructor, then the base-object one (the same
 /// code for a class with no virtual base; a library may export either).
@@ -110,7 +113,7 @@ fn symbol(handle: *mut c_void, name: &CStr) -> Option<*mut c_void> {
 /// libraries `libs` (already loaded: never loads one) and the process's
 /// C++ runtime. Whether everything was found.
 fn find(libs: &[std::path::PathBuf]) -> Result<(), &'static str> {
-    if THROWER.get().is_some() {
+    if OOM_THROWER.get().is_some() {
         return Ok(());
     }
     use std::os::unix::ffi::OsStrExt;
@@ -183,7 +186,7 @@ fn find(libs: &[std::path::PathBuf]) -> Result<(), &'static str> {
     })();
     match found {
         Ok(t) => {
-            let _ = THROWER.set(t);
+            let _ = OOM_THROWER.set(t);
             Ok(())
         }
         Err(what) => Err(what),
@@ -220,9 +223,9 @@ unsafe fn oom_vtable(start: *mut c_void) -> Option<(*const c_void, *const c_void
     (name == OOM_NAME).then_some((typeinfo.cast_const(), point.cast_const().cast(), slot0))
 }
 
-/// Whether [`throw`] can throw.
-pub(super) fn available() -> bool {
-    THROWER.get().is_some()
+/// Whether [`throw_oom`] can throw.
+pub(super) fn oom_available() -> bool {
+    OOM_THROWER.get().is_some()
 }
 
 /// Throw `c10::OutOfMemoryError` with `message` (NUL-terminated, with no
@@ -231,8 +234,8 @@ pub(super) fn available() -> bool {
 ///
 /// The frames it unwinds through must hold nothing to drop, and none may
 /// be a `catch_unwind` (a foreign exception there aborts).
-pub(super) fn throw(message: &CStr) {
-    let Some(t) = THROWER.get() else {
+pub(super) fn throw_oom(message: &CStr) {
+    let Some(t) = OOM_THROWER.get() else {
         return;
     };
     let text = message.to_bytes();
@@ -288,4 +291,54 @@ pub(super) fn throw(message: &CStr) {
 #[pyo3::pyfunction]
 pub(crate) fn _hooks_torch_oom_missing(paths: Vec<std::path::PathBuf>) -> Option<&'static str> {
     find(&paths).err()
+}
+
+/// PyTorch's own exception thrower (`c10::detail::torchCheckFail`, the
+/// overload that takes C strings), found in its loaded `libc10` by
+/// [`_hooks_torch_errors`]: a failed allocation raises through it, so
+/// PyTorch gets a C++ exception (a catchable `RuntimeError` in Python)
+/// where a null pointer would make it write through address 0.
+type CheckFail = unsafe extern "C-unwind" fn(*const c_char, *const c_char, u32, *const c_char) -> !;
+static CHECK_FAIL: OnceLock<CheckFail> = OnceLock::new();
+
+/// The mangled name of `c10::detail::torchCheckFail(const char*, const
+/// char*, uint32_t, const char*)`, in every PyTorch 2 (Itanium C++ ABI).
+const TORCH_CHECK_FAIL: &CStr = c"_ZN3c106detail14torchCheckFailEPKcS2_jS2_";
+
+/// PyTorch's `torchCheckFail`, if `_hooks_torch_errors` found it.
+pub(super) fn check_fail() -> Option<CheckFail> {
+    CHECK_FAIL.get().copied()
+}
+
+/// Find PyTorch's exception thrower in its loaded ``libc10`` at ``path``
+/// (never loads the library: it must be loaded already), so a failed
+/// allocation raises in PyTorch instead of returning a null pointer.
+/// Whether it was found.
+#[pyfunction]
+pub(crate) fn _hooks_torch_errors(path: std::path::PathBuf) -> bool {
+    if CHECK_FAIL.get().is_some() {
+        return true;
+    }
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(cpath) = CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: RTLD_NOLOAD only looks up an already loaded library (no
+    // constructors run); the handle is kept for the process, as the
+    // library stays loaded under PyTorch.
+    let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return false;
+    }
+    // SAFETY: a valid handle and a NUL-terminated name.
+    let sym = unsafe { libc::dlsym(handle, TORCH_CHECK_FAIL.as_ptr()) };
+    if sym.is_null() {
+        return false;
+    }
+    // SAFETY: the symbol is `c10::detail::torchCheckFail(const char*, const
+    // char*, uint32_t, const char*)`, which takes these four arguments and
+    // always throws (`[[noreturn]]`).
+    let f: CheckFail = unsafe { std::mem::transmute::<*mut c_void, CheckFail>(sym) };
+    let _ = CHECK_FAIL.set(f);
+    true
 }

@@ -77,7 +77,8 @@ pub use pool::{size_class, PoolConfig};
 pub use runtime::Runtime;
 pub use snapshot::{BlockState, Segment, Snapshot, SnapshotBlock};
 pub use stats::{
-    ByPool, ClassStats, Client, ClientStats, DeviceStats, HostStats, SegmentStats, Stat,
+    ByPool, ClassStats, Client, ClientStats, DeviceStats, HostStats, LibraryStats, SegmentStats,
+    Stat,
 };
 pub use track::{Frame, Outstanding, Site};
 

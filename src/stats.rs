@@ -295,6 +295,56 @@ impl ByPool {
     }
 }
 
+/// What another library holds on a device through its allocator
+/// interface ([`Runtime::hand_out`](crate::Runtime::hand_out)), counted as
+/// PyTorch's `memory_stats()` counts its own allocations: live
+/// allocations, their blocks' bytes and the bytes asked for, each by pool
+/// with exact peaks; the out-of-memory errors it was given; and where its
+/// totals of the pool's segments and retries start (see
+/// [`Runtime::reset_library_accumulated`](crate::Runtime::reset_library_accumulated)).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct LibraryStats {
+    /// Live allocations (PyTorch's `allocation` and `active`).
+    pub allocation: ByPool,
+    /// Their blocks' bytes (`allocated_bytes` and `active_bytes`).
+    pub allocated_bytes: ByPool,
+    /// The bytes asked for (`requested_bytes`).
+    pub requested_bytes: ByPool,
+    /// Out-of-memory errors given to the library (`num_ooms`).
+    pub num_ooms: u64,
+    /// The pool's segment totals at the last reset of the totals, which
+    /// the library's start from.
+    pub segments_base: SegmentStats,
+    /// The pool's retries then.
+    pub retries_base: u64,
+}
+
+impl LibraryStats {
+    /// Make every peak the value now.
+    pub fn reset_peak(&mut self) {
+        self.allocation.reset_peak();
+        self.allocated_bytes.reset_peak();
+        self.requested_bytes.reset_peak();
+    }
+
+    /// Start the totals again from zero, the pool's from `segments` and
+    /// `retries`.
+    pub(crate) fn reset_accumulated(&mut self, segments: SegmentStats, retries: u64) {
+        for b in [
+            &mut self.allocation,
+            &mut self.allocated_bytes,
+            &mut self.requested_bytes,
+        ] {
+            for st in [&mut b.all, &mut b.small, &mut b.large] {
+                (st.allocated, st.freed) = (0, 0);
+            }
+        }
+        self.num_ooms = 0;
+        self.segments_base = segments;
+        self.retries_base = retries;
+    }
+}
+
 /// What a device's pool holds from the driver, as PyTorch counts its
 /// segments: driver allocations (`segment`) and their bytes
 /// (`reserved_bytes`), split by the size of the blocks in them. The

@@ -17,45 +17,11 @@
 
 use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 
-use crate::{Client, DevicePointer, Origin, RawStream, Runtime, Site};
-
-const SHARDS: usize = 64;
-
-/// Which entry points handed an allocation out: only their own free takes
-/// it back, so one library's free (or a stale address it still holds)
-/// never releases memory another library is using.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Entry {
-    /// `gpuptr_torch_alloc` / `gpuptr_torch_free`.
-    Torch,
-    /// `_cupy_malloc` / `_cupy_free`.
-    Cupy,
-    /// `_rmm_alloc` / `_rmm_free`.
-    Rmm,
-}
-
-/// A live map's shard: address to allocation and the entry points that
-/// handed it out.
-type LiveShard = crate::pool::FastMap<u64, (Arc<DevicePointer>, Entry)>;
-
-/// The allocations handed out through the C entry points, by address,
-/// in shards so that threads rarely share a lock.
-struct Live([Mutex<LiveShard>; SHARDS]);
-
-fn live() -> &'static Live {
-    static LIVE: OnceLock<Live> = OnceLock::new();
-    LIVE.get_or_init(|| Live(std::array::from_fn(|_| Mutex::new(LiveShard::default()))))
-}
-
-impl Live {
-    fn shard(&self, address: u64) -> std::sync::MutexGuard<'_, LiveShard> {
-        crate::sync::lock(&self.0[crate::sync::shard_of(address, SHARDS)])
-    }
-}
+use crate::{Client, DevicePointer, RawStream, Runtime, Site};
 
 static STREAM_ORDERED: AtomicBool = AtomicBool::new(true);
 static FAILURES: AtomicU64 = AtomicU64::new(0);
@@ -70,63 +36,40 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate
         )));
     };
     let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    // Counted and tagged before any thread can free it (the live map).
-    let noted = |address, block| {
-        super::torch_stats::allocated(device, size, block);
-        super::torch_pools::note_alloc(address, size, device);
-    };
-    let (address, _) = allocate(
-        client,
-        Entry::Torch,
-        size,
-        device,
-        ordered,
-        Some(stream),
-        noted,
-    )?;
-    Ok(address)
+    // Tagged before any thread can free it (the runtime's record).
+    let noted = |address| super::torch_pools::note_alloc(address, size, device);
+    allocate(client, size, device, ordered, Some(stream), noted)
 }
 
 /// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
-/// kept in the live map until [`take`] for the same `entry` hands them
-/// back; 0 for zero bytes. `seen` is the caller's stream when it is known
-/// live (PyTorch's). `noted` sees the address and the block's bytes before
-/// the live map does (from then on another thread may free it).
+/// handed out (see [`Runtime::hand_out`]) until [`take`] for the same
+/// `client` takes them back; 0 for zero bytes. `seen` is the caller's
+/// stream when it is known live (PyTorch's). `noted` sees the address
+/// before the runtime records it (from then on another thread may free it).
 fn allocate(
     client: Client,
-    entry: Entry,
     size: usize,
     device: usize,
     stream: Option<RawStream>,
     seen: Option<RawStream>,
-    noted: impl FnOnce(u64, usize),
-) -> crate::Result<(u64, usize)> {
+    noted: impl FnOnce(u64),
+) -> crate::Result<u64> {
     if size == 0 {
-        return Ok((0, 0));
+        return Ok(0);
     }
     // Held by the runtime: the hooks keep no context between calls, and
     // without the hold freeing the last tensor would end the context and its
     // pool (every allocation a cuMemAlloc: 100 µs on the H200).
-    let ctx = Runtime::global()?.held_context(device)?;
+    let rt = Runtime::global()?;
+    let ctx = rt.held_context(device)?;
     let mem = match seen {
         // SAFETY: PyTorch passes its current stream of `device`, live while
         // it allocates on it.
         Some(s) => unsafe { ctx.alloc_seen_at(size, stream, s, client, caller_site)? },
         None => ctx.alloc_at(size, stream, client, caller_site)?,
     };
-    let address = mem.address();
-    let block = block_bytes(&mem);
-    noted(address, block);
-    live().shard(address).insert(address, (mem, entry));
-    Ok((address, block))
-}
-
-/// The bytes an allocation takes: its pool block's, or its own.
-fn block_bytes(mem: &DevicePointer) -> usize {
-    match mem.origin() {
-        Origin::Pool(class) => class,
-        _ => mem.size(),
-    }
+    noted(mem.address());
+    Ok(rt.hand_out(mem, client))
 }
 
 thread_local! {
@@ -142,8 +85,8 @@ thread_local! {
 fn fail(e: &crate::Error, device: c_int) -> *mut c_void {
     FAILURES.fetch_add(1, Ordering::Relaxed);
     let oom = e.is_oom();
-    if let (true, Ok(d)) = (oom, usize::try_from(device)) {
-        super::torch_stats::out_of_memory(d);
+    if let (true, Ok(d), Some(rt)) = (oom, usize::try_from(device), Runtime::global_if_open()) {
+        rt.library_out_of_memory(d, Client::Torch);
     }
     let as_oom = oom && super::torch_throw::oom_available();
     let thrower = super::torch_throw::check_fail();
@@ -197,18 +140,12 @@ fn torch_message(e: &crate::Error) -> String {
     }
 }
 
-/// The allocation `entry`'s entry points handed out at `address`, out of
-/// the live map (dropping it releases it); None, counted as a failure, for
-/// an address they did not hand out (another library's is left alone) or
-/// that was freed already.
-fn take(address: u64, entry: Entry) -> Option<Arc<DevicePointer>> {
-    let mem = {
-        let mut shard = live().shard(address);
-        match shard.get(&address) {
-            Some((_, e)) if *e == entry => shard.remove(&address).map(|(m, _)| m),
-            _ => None,
-        }
-    };
+/// The allocation `client`'s entry points handed out at `address`, taken
+/// back (dropping it releases it); None, counted as a failure, for an
+/// address they did not hand out (another library's is left alone) or that
+/// was freed already.
+fn take(address: u64, client: Client) -> Option<Arc<DevicePointer>> {
+    let mem = Runtime::global_if_open().and_then(|rt| rt.take_back(address, client));
     if mem.is_none() {
         FAILURES.fetch_add(1, Ordering::Relaxed);
     }
@@ -217,10 +154,7 @@ fn take(address: u64, entry: Entry) -> Option<Arc<DevicePointer>> {
 
 /// The live allocation [`gpuptr_torch_alloc`] handed out at `address`.
 pub(crate) fn torch_allocation(address: u64) -> Option<Arc<DevicePointer>> {
-    match live().shard(address).get(&address) {
-        Some((mem, Entry::Torch)) => Some(mem.clone()),
-        _ => None,
-    }
+    Runtime::global_if_open()?.handed_out(address, Some(Client::Torch))
 }
 
 /// The Python stack of the thread allocating: if it holds the GIL now, or,
@@ -264,10 +198,9 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     // tensor has let go (the tags hold only this entry's addresses).
     super::torch_pools::note_free(ptr as usize as u64);
     // Not ours (or freed twice): never touched.
-    let Some(mem) = take(ptr as usize as u64, Entry::Torch) else {
+    let Some(mem) = take(ptr as usize as u64, Client::Torch) else {
         return;
     };
-    super::torch_stats::freed(mem.context().device(), mem.size(), block_bytes(&mem));
     if STREAM_ORDERED.load(Ordering::Relaxed) {
         mem.release_on(stream);
     }
@@ -333,17 +266,7 @@ pub(crate) fn _cupy_malloc(
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
     let stream = super::args::stream_arg(stream)?;
-    allocate(
-        Client::Cupy,
-        Entry::Cupy,
-        size,
-        device,
-        stream,
-        None,
-        |_, _| {},
-    )
-    .map(|(address, _)| address)
-    .map_err(cupy_error)
+    allocate(Client::Cupy, size, device, stream, None, |_| {}).map_err(cupy_error)
 }
 
 /// CuPy's allocation hook on its current stream: ``_cupy_malloc`` with the
@@ -388,7 +311,7 @@ pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bo
     let _log = super::logging::Deliver(py);
     match address.extract::<u64>() {
         Ok(0) => {}
-        Ok(a) => drop(take(a, Entry::Cupy)),
+        Ok(a) => drop(take(a, Client::Cupy)),
         Err(_) => {
             FAILURES.fetch_add(1, Ordering::Relaxed);
         }
@@ -423,17 +346,7 @@ pub(crate) fn _rmm_alloc(
         true => super::args::stream_arg(stream)?,
         false => None,
     };
-    allocate(
-        Client::Rmm,
-        Entry::Rmm,
-        size,
-        device,
-        stream,
-        None,
-        |_, _| {},
-    )
-    .map(|(address, _)| address)
-    .map_err(PyErr::from)
+    allocate(Client::Rmm, size, device, stream, None, |_| {}).map_err(PyErr::from)
 }
 
 /// RMM's deallocation callback: release what ``_rmm_alloc`` returned at
@@ -456,7 +369,7 @@ pub(crate) fn _rmm_free(
     let _log = super::logging::Deliver(py);
     let mem = match address.extract::<u64>() {
         Ok(0) => return,
-        Ok(a) => take(a, Entry::Rmm),
+        Ok(a) => take(a, Client::Rmm),
         Err(_) => {
             FAILURES.fetch_add(1, Ordering::Relaxed);
             return;
@@ -524,8 +437,8 @@ pub(crate) fn _hooks_configure(stream_ordered: bool) {
 /// waits for the pool's fence. Whether ``address`` is such an allocation.
 #[pyfunction]
 pub(crate) fn _hooks_record_stream(address: u64, stream: u64) -> bool {
-    match live().shard(address).get(&address) {
-        Some((mem, _)) => {
+    match Runtime::global_if_open().and_then(|rt| rt.handed_out(address, None)) {
+        Some(mem) => {
             mem.record_stream(stream as RawStream);
             true
         }
@@ -538,6 +451,6 @@ pub(crate) fn _hooks_record_stream(address: u64, stream: u64) -> bool {
 /// address they did not hand out.
 #[pyfunction]
 pub(crate) fn _hooks_state() -> (usize, u64) {
-    let n = live().0.iter().map(|m| crate::sync::lock(m).len()).sum();
+    let n = Runtime::global_if_open().map_or(0, |rt| rt.handed_out_count());
     (n, FAILURES.load(Ordering::Relaxed))
 }

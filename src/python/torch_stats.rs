@@ -4,71 +4,14 @@
 //! reads under `gpuptr.torch.install()` (`gpuptr/_torch_stats.py` maps
 //! them, with the pool's segments, onto PyTorch's keys).
 //!
-//! PyTorch's peaks are exact, so these are counted in one place per
-//! process, not per pool shard (a sum of shards' peaks overstates the peak
-//! of a training step whose backward runs on autograd's thread): one
-//! uncontended lock around a few additions per allocation and per free,
-//! in the hooks, which take a lock for their live map anyway.
-
-use std::sync::Mutex;
+//! The counts are the core's ([`Runtime::library_stats`](crate::Runtime::library_stats)
+//! for [`Client::Torch`], kept as the hooks hand allocations out and take
+//! them back): this module reads them and writes PyTorch's layout.
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{ByPool, SegmentStats, Stat};
-
-/// One device's counts for PyTorch.
-#[derive(Copy, Clone, Debug, Default)]
-pub(crate) struct TorchCounts {
-    /// Live allocations (PyTorch's `allocation` and `active`).
-    allocation: ByPool,
-    /// Their blocks' bytes (`allocated_bytes` and `active_bytes`).
-    allocated_bytes: ByPool,
-    /// The bytes PyTorch asked for (`requested_bytes`).
-    requested_bytes: ByPool,
-    /// Out-of-memory errors thrown to PyTorch (`num_ooms`).
-    num_ooms: u64,
-    /// The pool's segment totals and retries at the last
-    /// `reset_accumulated_memory_stats()`, which PyTorch's totals start
-    /// from.
-    segments_base: SegmentStats,
-    retries_base: u64,
-}
-
-static COUNTS: Mutex<Vec<TorchCounts>> = Mutex::new(Vec::new());
-
-fn with_device<R>(device: usize, f: impl FnOnce(&mut TorchCounts) -> R) -> R {
-    let mut all = crate::sync::lock(&COUNTS);
-    if all.len() <= device {
-        all.resize(device + 1, TorchCounts::default());
-    }
-    f(&mut all[device])
-}
-
-/// A block of `block` bytes handed to PyTorch for `requested` bytes.
-#[inline]
-pub(super) fn allocated(device: usize, requested: usize, block: usize) {
-    with_device(device, |c| {
-        c.allocation.add(block, 1);
-        c.allocated_bytes.add(block, block as u64);
-        c.requested_bytes.add(block, requested as u64);
-    });
-}
-
-/// PyTorch freed a block [`allocated`] counted.
-#[inline]
-pub(super) fn freed(device: usize, requested: usize, block: usize) {
-    with_device(device, |c| {
-        c.allocation.sub(block, 1);
-        c.allocated_bytes.sub(block, block as u64);
-        c.requested_bytes.sub(block, requested as u64);
-    });
-}
-
-/// An out of memory thrown to PyTorch on `device`.
-pub(super) fn out_of_memory(device: usize) {
-    with_device(device, |c| c.num_ooms += 1);
-}
+use crate::{ByPool, Client, SegmentStats, Stat};
 
 /// A ``device`` argument naming a device that exists.
 fn checked_device(device: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -121,8 +64,9 @@ pub(crate) fn _torch_counts<'py>(
     device: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let device = checked_device(device)?;
-    let pool = super::args::runtime()?.device_stats(device)?;
-    let c = with_device(device, |c| *c);
+    let rt = super::args::runtime()?;
+    let pool = rt.device_stats(device)?;
+    let c = rt.library_stats(device, Client::Torch)?;
     let d = PyDict::new(py);
     d.set_item("allocation", by_pool_dict(py, &c.allocation)?)?;
     d.set_item("allocated_bytes", by_pool_dict(py, &c.allocated_bytes)?)?;
@@ -141,12 +85,7 @@ pub(crate) fn _torch_counts<'py>(
 #[pyfunction]
 pub(crate) fn _torch_reset_peak(device: &Bound<'_, PyAny>) -> PyResult<()> {
     let device = checked_device(device)?;
-    super::args::runtime()?.reset_device_peak_stats(device)?;
-    with_device(device, |c| {
-        c.allocation.reset_peak();
-        c.allocated_bytes.reset_peak();
-        c.requested_bytes.reset_peak();
-    });
+    super::args::runtime()?.reset_library_peaks(device, Client::Torch)?;
     Ok(())
 }
 
@@ -157,21 +96,6 @@ pub(crate) fn _torch_reset_peak(device: &Bound<'_, PyAny>) -> PyResult<()> {
 #[pyfunction]
 pub(crate) fn _torch_reset_accumulated(device: &Bound<'_, PyAny>) -> PyResult<()> {
     let device = checked_device(device)?;
-    let rt = super::args::runtime()?;
-    let s = rt.device_stats(device)?;
-    with_device(device, |c| {
-        for b in [
-            &mut c.allocation,
-            &mut c.allocated_bytes,
-            &mut c.requested_bytes,
-        ] {
-            for st in [&mut b.all, &mut b.small, &mut b.large] {
-                (st.allocated, st.freed) = (0, 0);
-            }
-        }
-        c.num_ooms = 0;
-        c.segments_base = s.segments;
-        c.retries_base = s.num_alloc_retries;
-    });
+    super::args::runtime()?.reset_library_accumulated(device, Client::Torch)?;
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! Python uses [`Runtime::global`]; Rust code and tests can make their own
 //! (for example over a [`SimDriver`](crate::SimDriver)).
 
+mod handed;
 mod ipc;
 mod slot;
 mod wrap;
@@ -34,6 +35,8 @@ pub struct Runtime {
     devices: Vec<Arc<DeviceState>>,
     /// Each device's live context (see `slot`).
     slots: Vec<Mutex<slot::Slot>>,
+    /// Allocations handed to other libraries' allocator interfaces.
+    handed: handed::HandedOut,
     ipc: Ipc,
 }
 
@@ -83,6 +86,7 @@ impl Runtime {
                 .map(|d| Arc::new(DeviceState::new(d, services.clone(), pool)))
                 .collect(),
             slots: slot::slots(n),
+            handed: handed::HandedOut::new(n),
             services,
             ipc: Ipc::default(),
         }))

@@ -30,7 +30,7 @@ pub struct CudaDriver {
 }
 
 impl CudaDriver {
-    /// Probe libcuda and open the driver, or fail with [`Error::NoDriver`].
+    /// Probe libcuda and open the driver, or fail with [`Error::NoDriver`](crate::Error::NoDriver).
     pub fn new() -> Result<Self> {
         let version = probe()?;
         let count = guard("cuDeviceGetCount", result::device::get_count)?;

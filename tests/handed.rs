@@ -1,0 +1,111 @@
+//! Allocations handed to another library's allocator interface
+//! (`Runtime::hand_out`), on the simulator: kept alive until that client
+//! takes them back, never by another client, and counted as PyTorch counts
+//! its own (exact peaks across threads).
+
+mod common;
+
+use common::sim_pooled;
+use gpuptr::{Client, Error};
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn test_a_handed_out_allocation_lives_until_its_own_client_takes_it_back() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.alloc(3000).unwrap();
+    let at = rt.hand_out(mem, Client::Torch);
+    assert_eq!(rt.handed_out_count(), 1);
+    // Another client's free of the address is refused, and nothing moves.
+    assert!(rt.take_back(at, Client::Cupy).is_none());
+    assert!(rt.handed_out(at, Some(Client::Cupy)).is_none());
+    assert!(rt.handed_out(at, None).is_some());
+    let held = drv.live_bytes();
+    let s = rt.library_stats(0, Client::Torch).unwrap();
+    assert_eq!(
+        (s.allocation.all.current, s.requested_bytes.all.current),
+        (1, 3000)
+    );
+    assert!(
+        s.allocated_bytes.small.current >= 3000,
+        "the block's bytes, in the small pool"
+    );
+    assert_eq!(
+        rt.library_stats(0, Client::Cupy).unwrap(),
+        Default::default()
+    );
+    // Its own client takes it back once; a second time finds nothing.
+    let mem = rt.take_back(at, Client::Torch).expect("handed out");
+    assert!(rt.take_back(at, Client::Torch).is_none());
+    assert_eq!(rt.handed_out_count(), 0);
+    drop(mem);
+    assert!(rt.flush_pool(0).unwrap());
+    assert_eq!(drv.live_bytes(), held, "back in the pool, not the driver");
+    let s = rt.library_stats(0, Client::Torch).unwrap();
+    assert_eq!((s.allocation.all.current, s.allocation.all.peak), (0, 1));
+    assert_eq!((s.allocation.all.allocated, s.allocation.all.freed), (1, 1));
+}
+
+#[test]
+fn test_library_peaks_are_exact_across_threads_and_reset_to_now() {
+    let (_drv, rt) = sim_pooled(1, 256 << 20);
+    let ctx = rt.context(0).unwrap();
+    // Four threads each hold at most two 1 MiB allocations at a time: the
+    // peak can never pass eight, and each thread's own peak is reached.
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let (rt, ctx) = (&rt, &ctx);
+            s.spawn(move || {
+                for _ in 0..500 {
+                    let a = rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Torch);
+                    let b = rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Torch);
+                    drop(rt.take_back(a, Client::Torch).unwrap());
+                    drop(rt.take_back(b, Client::Torch).unwrap());
+                }
+            });
+        }
+    });
+    let s = rt.library_stats(0, Client::Torch).unwrap();
+    assert_eq!(s.allocation.all.current, 0);
+    assert!((2..=8).contains(&s.allocation.all.peak), "{s:?}");
+    assert_eq!(s.allocation.all.allocated, 4000);
+    assert_eq!(s.allocated_bytes.large.current, 0);
+    assert!(s.allocated_bytes.large.peak <= 8 * MIB as u64);
+    // A reset of the peaks makes them the values now; one of the totals
+    // starts the totals again.
+    let kept = rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Torch);
+    rt.reset_library_peaks(0, Client::Torch).unwrap();
+    assert_eq!(
+        rt.library_stats(0, Client::Torch)
+            .unwrap()
+            .allocation
+            .all
+            .peak,
+        1
+    );
+    rt.library_out_of_memory(0, Client::Torch);
+    rt.reset_library_accumulated(0, Client::Torch).unwrap();
+    let s = rt.library_stats(0, Client::Torch).unwrap();
+    assert_eq!(
+        (
+            s.allocation.all.allocated,
+            s.allocation.all.freed,
+            s.num_ooms
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(s.allocation.all.current, 1);
+    assert_eq!(s.segments_base, rt.stats()[0].segments);
+    drop(rt.take_back(kept, Client::Torch));
+}
+
+#[test]
+fn test_library_stats_of_a_device_that_does_not_exist_are_an_error() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    assert!(matches!(
+        rt.library_stats(1, Client::Torch),
+        Err(Error::InvalidArgument(_))
+    ));
+    rt.library_out_of_memory(7, Client::Torch); // ignored, never a panic
+}

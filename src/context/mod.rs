@@ -1,8 +1,6 @@
 //! [`Context`]: a device's primary CUDA context, retained while any holder
 //! (a pointer, a view, a Python object) keeps it.
 
-mod alloc;
-
 use std::sync::Arc;
 
 use crate::device::{DeviceState, Handle, Owner, Services};

@@ -9,6 +9,7 @@
 //! copies.
 
 mod alloc;
+mod context;
 mod foreign;
 mod host;
 mod release;

@@ -1,13 +1,14 @@
 //! What a context allocates: device memory (from the device's pool, or the
-//! driver), managed memory, and pinned host memory.
+//! driver), managed memory, and pinned host memory. These methods of
+//! [`Context`] live with the memory they make: the context itself is a
+//! leaf that knows no memory type.
 
 use std::sync::Arc;
 
-use super::Context;
+use super::{AllocRequest, DevicePointer, HostFlags, HostMemory};
+use crate::context::Context;
 use crate::driver::RawStream;
 use crate::error::Result;
-use crate::memory::{AllocRequest, DevicePointer};
-use crate::memory::{HostFlags, HostMemory};
 use crate::stats::Client;
 use crate::track::Site;
 

@@ -4,14 +4,25 @@
 //! retained primary context (`Arc<Context>`), and a view holds its parent
 //! allocation, so no holder can outlive what it points into.
 //!
-//! The crate has four rooms, and calls flow one way through them:
+//! Calls flow one way, down one line of rooms (`src/README.md` says what
+//! each owns, and a test checks that no room names one above it):
+//! - the binding, `python` (feature `python`): the PyO3 module `gpuptr._core`;
+//!   the Python package `gpuptr` (in `python/`) sits above it, outside this crate;
+//! - [`Runtime`]: the façade, each device's context slot, the pointer→context
+//!   lookups and wraps, IPC, and the allocations other libraries' allocator
+//!   interfaces hold ([`Runtime::hand_out`]);
+//! - memory: [`DevicePointer`], [`View`], [`HostMemory`], and what a context
+//!   allocates ([`Context::alloc`] and its kin);
+//! - [`Context`]: a retained primary context, a thin refcounted handle;
+//! - the device: one owner per device of its pool, reset epoch, counters,
+//!   graph memory and out-of-memory ladder, which knows no context type;
+//! - the per-device caching pool;
 //! - [`driver`]: the only code that calls CUDA, behind the [`Driver`] trait,
 //!   with a real implementation ([`CudaDriver`], cudarc loaded dynamically)
-//!   and a simulator ([`SimDriver`]).
-//! - the core: [`Runtime`], [`Context`], [`DevicePointer`], [`View`], the
-//!   pointer→context registry and the per-device caching pool. No Python here.
-//! - `python` (feature `python`): the PyO3 binding, `gpuptr._core`.
-//! - the Python package `gpuptr` (in `python/`), outside this crate.
+//!   and a simulator ([`SimDriver`]);
+//!
+//! with the shared vocabulary (errors, sizes, statistics, the registry,
+//! the history) under all of them. No Python below the binding.
 //!
 //! ```no_run
 //! use gpuptr::Runtime;
@@ -49,9 +60,10 @@ mod registry;
 mod snapshot;
 mod track;
 
-// One owner per device, its context, and the memory made in it.
-mod context;
+// One owner per device, its context, and the memory made in it (each
+// using only the ones before it).
 mod device;
+mod context;
 mod memory;
 
 // The top: the façade Rust users and the binding call.

@@ -62,8 +62,8 @@ mod track;
 
 // One owner per device, its context, and the memory made in it (each
 // using only the ones before it).
-mod device;
 mod context;
+mod device;
 mod memory;
 
 // The top: the façade Rust users and the binding call.
@@ -86,11 +86,11 @@ pub use memory::{
     ordering_stream, DevicePointer, HostFlags, HostKind, HostMemory, Loan, Origin, View,
 };
 pub use pool::{size_class, PoolConfig};
-pub use runtime::Runtime;
+pub use runtime::{PoolId, Runtime};
 pub use snapshot::{BlockState, Segment, Snapshot, SnapshotBlock};
 pub use stats::{
-    ByPool, ClassStats, Client, ClientStats, DeviceStats, HostStats, LibraryStats, SegmentStats,
-    Stat,
+    ByPool, ClassStats, Client, ClientStats, DeviceStats, HostStats, LibraryStats, MemPoolStats,
+    SegmentStats, Stat,
 };
 pub use track::{Frame, Outstanding, Site};
 

@@ -295,6 +295,27 @@ impl ByPool {
     }
 }
 
+/// One of a library's memory pools (PyTorch's `MemPool`) on one device,
+/// as its tags count it ([`Runtime::begin_pool`](crate::Runtime::begin_pool)):
+/// in bytes asked for.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemPoolStats {
+    /// Live allocations.
+    pub live: u64,
+    /// Their bytes.
+    pub live_bytes: u64,
+    /// The most bytes live at once.
+    pub peak_bytes: u64,
+    /// Allocations made in the pool.
+    pub allocations: u64,
+    /// Their bytes.
+    pub allocated_bytes: u64,
+    /// Allocations of the pool freed.
+    pub frees: u64,
+    /// Their bytes.
+    pub freed_bytes: u64,
+}
+
 /// What another library holds on a device through its allocator
 /// interface ([`Runtime::hand_out`](crate::Runtime::hand_out)), counted as
 /// PyTorch's `memory_stats()` counts its own allocations: live

@@ -109,3 +109,91 @@ fn test_library_stats_of_a_device_that_does_not_exist_are_an_error() {
     ));
     rt.library_out_of_memory(7, Client::Torch); // ignored, never a panic
 }
+
+#[test]
+fn test_a_library_pool_tags_what_this_thread_hands_out_and_forgets_it_when_taken_back() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let pool = (0, 7);
+    let outside = rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Torch);
+    rt.begin_pool(Client::Torch, 0, pool, false);
+    let inside = rt.hand_out(ctx.alloc(2 * MIB).unwrap(), Client::Torch);
+    // Another client, or another thread, is not in the pool.
+    let cupy = rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Cupy);
+    let other = std::thread::scope(|s| {
+        s.spawn(|| rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Torch))
+            .join()
+            .unwrap()
+    });
+    assert!(rt.end_pool(Client::Torch, 0, pool));
+    assert!(!rt.end_pool(Client::Torch, 0, pool), "ended once");
+    let after = rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Torch);
+    assert_eq!(rt.pool_live(0, pool), vec![(inside, 2 * MIB)]);
+    // A wrong client's free neither takes it nor untags it.
+    assert!(rt.take_back(inside, Client::Cupy).is_none());
+    assert_eq!(rt.pool_live(0, pool).len(), 1);
+    drop(rt.take_back(inside, Client::Torch).unwrap());
+    assert_eq!(rt.pool_live(0, pool), vec![]);
+    let s = rt.pool_stats(Client::Torch, 0, pool);
+    assert_eq!((s.live, s.allocations, s.frees), (0, 1, 1));
+    assert_eq!(
+        (s.peak_bytes, s.freed_bytes),
+        (2 * MIB as u64, 2 * MIB as u64)
+    );
+    // Every thread's pool tags the others' allocations too.
+    rt.begin_pool(Client::Torch, 0, pool, true);
+    let theirs = std::thread::scope(|s| {
+        s.spawn(|| rt.hand_out(ctx.alloc(MIB).unwrap(), Client::Torch))
+            .join()
+            .unwrap()
+    });
+    assert!(rt.end_pool(Client::Torch, 0, pool));
+    assert_eq!(rt.pool_live(0, pool), vec![(theirs, MIB)]);
+    for (a, c) in [
+        (outside, Client::Torch),
+        (cupy, Client::Cupy),
+        (other, Client::Torch),
+        (after, Client::Torch),
+        (theirs, Client::Torch),
+    ] {
+        drop(rt.take_back(a, c).unwrap());
+    }
+    assert_eq!(rt.handed_out_count(), 0);
+    assert_eq!(rt.pool_live(0, pool), vec![]);
+}
+
+#[test]
+fn test_a_pool_listing_never_shows_an_allocation_taken_back_while_threads_churn() {
+    let (_drv, rt) = sim_pooled(1, 256 << 20);
+    let ctx = rt.context(0).unwrap();
+    let pool = (1, 1);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let churn = s.spawn(|| {
+            rt.begin_pool(Client::Torch, 0, pool, false);
+            for _ in 0..3000 {
+                let a = rt.hand_out(ctx.alloc(4096).unwrap(), Client::Torch);
+                drop(rt.take_back(a, Client::Torch).unwrap());
+            }
+            rt.end_pool(Client::Torch, 0, pool);
+            stop.store(true, std::sync::atomic::Ordering::Release);
+        });
+        for _ in 0..2 {
+            s.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                    let live = rt.pool_live(0, pool);
+                    assert!(live.len() <= 1, "{live:?}");
+                    for (a, _) in live {
+                        // Listed: still handed out, or being taken back now
+                        // (it is untagged first, under the record's lock).
+                        let _ = rt.handed_out(a, Some(Client::Torch));
+                    }
+                }
+            });
+        }
+        churn.join().unwrap();
+    });
+    assert_eq!(rt.pool_live(0, pool), vec![]);
+    let s = rt.pool_stats(Client::Torch, 0, pool);
+    assert_eq!((s.allocations, s.frees, s.live), (3000, 3000, 0));
+}

@@ -36,23 +36,19 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate
         )));
     };
     let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    // Tagged before any thread can free it (the runtime's record).
-    let noted = |address| super::torch_pools::note_alloc(address, size, device);
-    allocate(client, size, device, ordered, Some(stream), noted)
+    allocate(client, size, device, ordered, Some(stream))
 }
 
 /// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
 /// handed out (see [`Runtime::hand_out`]) until [`take`] for the same
 /// `client` takes them back; 0 for zero bytes. `seen` is the caller's
-/// stream when it is known live (PyTorch's). `noted` sees the address
-/// before the runtime records it (from then on another thread may free it).
+/// stream when it is known live (PyTorch's).
 fn allocate(
     client: Client,
     size: usize,
     device: usize,
     stream: Option<RawStream>,
     seen: Option<RawStream>,
-    noted: impl FnOnce(u64),
 ) -> crate::Result<u64> {
     if size == 0 {
         return Ok(0);
@@ -68,7 +64,6 @@ fn allocate(
         Some(s) => unsafe { ctx.alloc_seen_at(size, stream, s, client, caller_site)? },
         None => ctx.alloc_at(size, stream, client, caller_site)?,
     };
-    noted(mem.address());
     Ok(rt.hand_out(mem, client))
 }
 
@@ -194,9 +189,6 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     if ptr.is_null() {
         return;
     }
-    // Untagged first: a pool's listing never shows an allocation its
-    // tensor has let go (the tags hold only this entry's addresses).
-    super::torch_pools::note_free(ptr as usize as u64);
     // Not ours (or freed twice): never touched.
     let Some(mem) = take(ptr as usize as u64, Client::Torch) else {
         return;
@@ -266,7 +258,7 @@ pub(crate) fn _cupy_malloc(
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
     let stream = super::args::stream_arg(stream)?;
-    allocate(Client::Cupy, size, device, stream, None, |_| {}).map_err(cupy_error)
+    allocate(Client::Cupy, size, device, stream, None).map_err(cupy_error)
 }
 
 /// CuPy's allocation hook on its current stream: ``_cupy_malloc`` with the
@@ -346,7 +338,7 @@ pub(crate) fn _rmm_alloc(
         true => super::args::stream_arg(stream)?,
         false => None,
     };
-    allocate(Client::Rmm, size, device, stream, None, |_| {}).map_err(PyErr::from)
+    allocate(Client::Rmm, size, device, stream, None).map_err(PyErr::from)
 }
 
 /// RMM's deallocation callback: release what ``_rmm_alloc`` returned at

@@ -1,16 +1,28 @@
 //! Allocations handed to another library's allocator interface (PyTorch's
 //! pluggable allocator, CuPy's and RMM's allocation callbacks), by
 //! address: the one record that keeps each alive until that library frees
-//! its address through the same interface, and the library's own counts of
-//! them, as PyTorch's `memory_stats()` reports its allocations.
+//! its address through the same interface, the library's own counts of
+//! them, as PyTorch's `memory_stats()` reports its allocations, and the
+//! library's memory pools over them.
+//!
+//! A library's memory pool (PyTorch's `MemPool`: `torch.cuda.use_mem_pool`,
+//! a CUDA graph tree's pool, `torch.cuda.graph(pool=…)`) is a tag here,
+//! not memory of its own: while a thread (or every thread) allocates to a
+//! pool, what is handed to that library on that device is noted under the
+//! pool's id, and forgotten when it is taken back. The memory itself comes
+//! from, and goes back to, the one pool every library shares; the tags
+//! only answer what a pool holds.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::Runtime;
 use crate::error::Result;
 use crate::memory::{DevicePointer, Origin};
 use crate::pool::FastMap;
-use crate::stats::{Client, LibraryStats};
+use crate::stats::{Client, LibraryStats, MemPoolStats};
 use crate::sync::{lock, shard_of};
 
 const SHARDS: usize = 64;
@@ -19,12 +31,41 @@ const SHARDS: usize = 64;
 /// holds it.
 type Shard = FastMap<u64, (Arc<DevicePointer>, Client)>;
 
+/// A library's memory pool's id (PyTorch's `MempoolId_t`: two integers).
+pub type PoolId = (u64, u64);
+
+/// Where a thread's allocations go: a runtime's record (by address), a
+/// client, a device, and the pool.
+type Begun = (usize, Client, usize, PoolId);
+
+thread_local! {
+    /// The pools this thread allocates to, latest last.
+    static MINE: RefCell<Vec<Begun>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The pools' tags (see the module documentation).
+#[derive(Default)]
+struct Tags {
+    /// Pools begun for every thread, latest last.
+    all_threads: Vec<Begun>,
+    /// Tagged allocations: address to (device, pool, bytes asked for).
+    live: HashMap<u64, (usize, PoolId, usize)>,
+    /// Counts by (client, device, pool).
+    counts: HashMap<(Client, usize, PoolId), MemPoolStats>,
+}
+
 /// The record (see the module documentation): the allocations in shards,
-/// so that threads rarely share a lock, and each device's counts by
-/// client, under one lock per device (exact peaks, as PyTorch's).
+/// so that threads rarely share a lock, each device's counts by client,
+/// under one lock per device (exact peaks, as PyTorch's), and the pools'
+/// tags (one load each way while no pool is begun).
 pub(super) struct HandedOut {
     shards: [Mutex<Shard>; SHARDS],
     counts: Vec<Mutex<[LibraryStats; Client::COUNT]>>,
+    tags: Mutex<Tags>,
+    /// Pools begun on some thread: zero means nothing is tagged now.
+    active: AtomicUsize,
+    /// Live tagged allocations: zero means no take-back looks them up.
+    tagged: AtomicUsize,
 }
 
 impl HandedOut {
@@ -34,6 +75,62 @@ impl HandedOut {
             counts: (0..devices)
                 .map(|_| Mutex::new([LibraryStats::default(); Client::COUNT]))
                 .collect(),
+            tags: Mutex::default(),
+            active: AtomicUsize::new(0),
+            tagged: AtomicUsize::new(0),
+        }
+    }
+
+    /// This record's identity in threads' lists of begun pools.
+    fn id(&self) -> usize {
+        self as *const Self as usize
+    }
+
+    /// The pool an allocation of `client` on `device` by this thread goes
+    /// to now, if any.
+    fn current_pool(&self, client: Client, device: usize) -> Option<PoolId> {
+        let me = (self.id(), client, device);
+        let find = |v: &[Begun]| v.iter().rev().find(|b| (b.0, b.1, b.2) == me).map(|b| b.3);
+        let mine = MINE.try_with(|m| find(&m.borrow())).ok().flatten();
+        mine.or_else(|| find(&lock(&self.tags).all_threads))
+    }
+
+    /// Note `address` (`size` bytes asked for) under the pool this thread
+    /// allocates to for `client` on `device`, if any.
+    fn tag(&self, client: Client, device: usize, address: u64, size: usize) {
+        if self.active.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let Some(pool) = self.current_pool(client, device) else {
+            return;
+        };
+        let mut t = lock(&self.tags);
+        if t.live.insert(address, (device, pool, size)).is_none() {
+            self.tagged.fetch_add(1, Ordering::AcqRel);
+        }
+        let c = t.counts.entry((client, device, pool)).or_default();
+        c.live += 1;
+        c.live_bytes += size as u64;
+        c.peak_bytes = c.peak_bytes.max(c.live_bytes);
+        c.allocations += 1;
+        c.allocated_bytes += size as u64;
+    }
+
+    /// `address` of `client` was taken back: its pool forgets it.
+    fn untag(&self, client: Client, address: u64) {
+        if self.tagged.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut t = lock(&self.tags);
+        let Some((device, pool, size)) = t.live.remove(&address) else {
+            return;
+        };
+        self.tagged.fetch_sub(1, Ordering::AcqRel);
+        if let Some(c) = t.counts.get_mut(&(client, device, pool)) {
+            c.live = c.live.saturating_sub(1);
+            c.live_bytes = c.live_bytes.saturating_sub(size as u64);
+            c.frees += 1;
+            c.freed_bytes += size as u64;
         }
     }
 
@@ -57,12 +154,15 @@ fn block_bytes(mem: &DevicePointer) -> usize {
 }
 
 impl Runtime {
-    /// Record `mem` as handed to `client`'s allocator interface, counted in
-    /// its [`LibraryStats`] first (so a free on another thread, which can
-    /// find it only once recorded, never counts before it); its address.
+    /// Record `mem` as handed to `client`'s allocator interface, tagged to
+    /// the pool this thread allocates to (see [`Runtime::begin_pool`]) and
+    /// counted in its [`LibraryStats`] first (so a free on another thread,
+    /// which can find it only once recorded, never counts or untags before
+    /// it); its address.
     pub fn hand_out(&self, mem: Arc<DevicePointer>, client: Client) -> u64 {
         let (address, device) = (mem.address(), mem.context().device());
         let (requested, block) = (mem.size() as u64, block_bytes(&mem));
+        self.handed.tag(client, device, address, mem.size());
         self.handed.count(device, client, |c| {
             c.allocation.add(block, 1);
             c.allocated_bytes.add(block, block as u64);
@@ -79,7 +179,12 @@ impl Runtime {
         let mem = {
             let mut shard = self.handed.shard(address);
             match shard.get(&address) {
-                Some((_, c)) if *c == client => shard.remove(&address).map(|(m, _)| m),
+                Some((_, c)) if *c == client => {
+                    // Untagged before it goes: a pool's listing never shows
+                    // an allocation its library has let go.
+                    self.handed.untag(client, address);
+                    shard.remove(&address).map(|(m, _)| m)
+                }
                 _ => None,
             }
         }?;
@@ -135,5 +240,64 @@ impl Runtime {
             c.reset_accumulated(s.segments, s.num_alloc_retries)
         });
         Ok(())
+    }
+
+    /// `client`'s allocations on `device` go to `pool` from now: this
+    /// thread's, or every thread's with `all_threads`, until
+    /// [`Runtime::end_pool`].
+    pub fn begin_pool(&self, client: Client, device: usize, pool: PoolId, all_threads: bool) {
+        let begun = (self.handed.id(), client, device, pool);
+        if all_threads {
+            lock(&self.handed.tags).all_threads.push(begun);
+        } else {
+            let _ = MINE.try_with(|m| m.borrow_mut().push(begun));
+        }
+        self.handed.active.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// `client`'s allocations on `device` no longer go to `pool` (the
+    /// latest begin of it on this thread, else for all threads). Whether
+    /// one was under way.
+    pub fn end_pool(&self, client: Client, device: usize, pool: PoolId) -> bool {
+        let begun = (self.handed.id(), client, device, pool);
+        let remove = |v: &mut Vec<Begun>| match v.iter().rposition(|b| *b == begun) {
+            Some(i) => {
+                v.remove(i);
+                true
+            }
+            None => false,
+        };
+        let ended = MINE
+            .try_with(|m| remove(&mut m.borrow_mut()))
+            .unwrap_or(false)
+            || remove(&mut lock(&self.handed.tags).all_threads);
+        if ended {
+            self.handed.active.fetch_sub(1, Ordering::AcqRel);
+        }
+        ended
+    }
+
+    /// The live allocations of `pool` on `device`: `(address, bytes asked
+    /// for)` pairs, by address.
+    pub fn pool_live(&self, device: usize, pool: PoolId) -> Vec<(u64, usize)> {
+        let t = lock(&self.handed.tags);
+        let mut v: Vec<(u64, usize)> = t
+            .live
+            .iter()
+            .filter(|(_, (d, id, _))| *d == device && *id == pool)
+            .map(|(a, (_, _, s))| (*a, *s))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The counts of `client`'s `pool` on `device` (zeros for a pool that
+    /// never allocated).
+    pub fn pool_stats(&self, client: Client, device: usize, pool: PoolId) -> MemPoolStats {
+        let t = lock(&self.handed.tags);
+        t.counts
+            .get(&(client, device, pool))
+            .copied()
+            .unwrap_or_default()
     }
 }

@@ -7,6 +7,7 @@
 //! (for example over a [`SimDriver`](crate::SimDriver)).
 
 mod handed;
+pub use handed::PoolId;
 mod ipc;
 mod slot;
 mod wrap;

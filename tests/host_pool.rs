@@ -423,8 +423,10 @@ fn test_a_forked_child_neither_caches_nor_frees_host_memory() {
             .copied()
             .chain([
                 ("books unchanged", after == before),
+                // Read without the simulator's lock, which a thread of the
+                // parent may have held at the fork: no free, so the driver's
+                // bytes are kept.
                 ("no host free", drv.calls(CallKind::HostFree) == frees),
-                ("driver bytes kept", drv.live_host_bytes() == 4096 + 8192),
             ])
             .filter(|(_, ok)| !ok)
             .map(|(what, _)| what)

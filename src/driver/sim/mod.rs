@@ -7,7 +7,8 @@
 //! and never dereferenced through the fake address.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 use super::{
@@ -190,6 +191,10 @@ struct State {
     retains: Vec<u32>,
     current: HashMap<ThreadId, RawContext>,
     calls: HashMap<CallKind, u64>,
+    /// The same counts, readable without the lock ([`SimDriver::calls`]):
+    /// a forked child reads them although a thread of its parent held the
+    /// lock at the fork.
+    counted: Arc<[AtomicU64; CallKind::ALL.len()]>,
     faults: Vec<Fault>,
     ops: VecDeque<Op>,
     next_op: u64,
@@ -289,6 +294,9 @@ impl State {
         let n = self.calls.entry(kind).or_insert(0);
         *n += 1;
         let n = *n;
+        if let Some(i) = CallKind::ALL.iter().position(|k| *k == kind) {
+            self.counted[i].fetch_add(1, Ordering::Relaxed);
+        }
         if let Some(i) = self.faults.iter().position(|f| f.kind == kind && f.at == n) {
             let code = self.faults.remove(i).code;
             return Err(err(call, code));
@@ -409,6 +417,8 @@ pub struct SimDriver {
     /// Names this simulator in its IPC handles: another simulator (another
     /// process's) cannot open them.
     instance: u64,
+    /// The state's call counts (see `State::counted`).
+    counted: Arc<[AtomicU64; CallKind::ALL.len()]>,
 }
 
 impl std::fmt::Debug for SimDriver {
@@ -433,6 +443,7 @@ impl SimDriver {
             .finish();
         SimDriver {
             config,
+            counted: state.counted.clone(),
             state: Mutex::new(state),
             completed: Condvar::new(),
             instance,
@@ -677,7 +688,10 @@ impl SimDriver {
 
     /// How many calls of `kind` were made.
     pub fn calls(&self, kind: CallKind) -> u64 {
-        self.lock().calls.get(&kind).copied().unwrap_or(0)
+        CallKind::ALL
+            .iter()
+            .position(|k| *k == kind)
+            .map_or(0, |i| self.counted[i].load(Ordering::Relaxed))
     }
 
     /// IPC mappings opened and not closed yet.

@@ -201,8 +201,56 @@ fn test_no_tag_outlives_its_allocation_when_another_thread_takes_it_back_at_once
         }
         taker.join().unwrap();
     });
-    assert_eq!(rt.pool_live(0, pool), vec![], "a tag outlived its allocation");
+    assert_eq!(
+        rt.pool_live(0, pool),
+        vec![],
+        "a tag outlived its allocation"
+    );
     let s = rt.pool_stats(Client::Torch, 0, pool);
     assert_eq!((s.allocations, s.frees, s.live), (3000, 3000, 0));
     assert_eq!(rt.handed_out_count(), 0);
+}
+
+#[test]
+fn test_alloc_for_holds_the_context_and_free_for_releases_on_the_stream_given() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    assert_eq!(
+        rt.alloc_for(Client::Cupy, 0, 0, None, || gpuptr::Site::Described(
+            "test".into()
+        ))
+        .unwrap(),
+        0,
+        "zero bytes: null, as the libraries' own allocators"
+    );
+    let s: gpuptr::RawStream = 0x5000;
+    let a = rt
+        .alloc_for(Client::Cupy, 0, MIB, Some(s), || {
+            gpuptr::Site::Described("test".into())
+        })
+        .unwrap();
+    // No caller holds a context: the runtime does, so the pool stays.
+    assert_eq!(rt.handed_out(a, Some(Client::Cupy)).unwrap().size(), MIB);
+    assert!(
+        !rt.free_for(a, Client::Torch, None),
+        "another client's free"
+    );
+    assert!(rt.free_for(a, Client::Cupy, Some(s)));
+    assert!(!rt.free_for(a, Client::Cupy, Some(s)), "freed once");
+    // Freed on its stream: reused there at once, with no fence and no
+    // driver call.
+    let allocs = drv.calls(gpuptr::CallKind::MemAlloc);
+    let b = rt
+        .alloc_for(Client::Cupy, 0, MIB, Some(s), || {
+            gpuptr::Site::Described("test".into())
+        })
+        .unwrap();
+    assert_eq!(b, a);
+    assert_eq!(drv.calls(gpuptr::CallKind::MemAlloc), allocs);
+    assert!(rt.free_for(b, Client::Cupy, Some(s)));
+    assert!(matches!(
+        rt.alloc_for(Client::Cupy, 3, MIB, None, || gpuptr::Site::Described(
+            "test".into()
+        )),
+        Err(Error::InvalidArgument(_))
+    ));
 }

@@ -36,35 +36,9 @@ fn alloc(client: Client, size: isize, device: c_int, stream: RawStream) -> crate
         )));
     };
     let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    allocate(client, size, device, ordered, Some(stream))
-}
-
-/// `size` bytes from `device`'s pool for `client` (on `stream`, or fenced),
-/// handed out (see [`Runtime::hand_out`]) until [`take`] for the same
-/// `client` takes them back; 0 for zero bytes. `seen` is the caller's
-/// stream when it is known live (PyTorch's).
-fn allocate(
-    client: Client,
-    size: usize,
-    device: usize,
-    stream: Option<RawStream>,
-    seen: Option<RawStream>,
-) -> crate::Result<u64> {
-    if size == 0 {
-        return Ok(0);
-    }
-    // Held by the runtime: the hooks keep no context between calls, and
-    // without the hold freeing the last tensor would end the context and its
-    // pool (every allocation a cuMemAlloc: 100 µs on the H200).
-    let rt = Runtime::global()?;
-    let ctx = rt.held_context(device)?;
-    let mem = match seen {
-        // SAFETY: PyTorch passes its current stream of `device`, live while
-        // it allocates on it.
-        Some(s) => unsafe { ctx.alloc_seen_at(size, stream, s, client, caller_site)? },
-        None => ctx.alloc_at(size, stream, client, caller_site)?,
-    };
-    Ok(rt.hand_out(mem, client))
+    // SAFETY: PyTorch passes its current stream of `device`, live while it
+    // allocates on it.
+    unsafe { Runtime::global()?.alloc_seen_for(client, device, size, ordered, stream, caller_site) }
 }
 
 thread_local! {
@@ -189,16 +163,13 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     if ptr.is_null() {
         return;
     }
-    // Not ours (or freed twice): never touched.
-    let Some(mem) = take(ptr as usize as u64, Client::Torch) else {
-        return;
-    };
-    if STREAM_ORDERED.load(Ordering::Relaxed) {
-        mem.release_on(stream);
+    // Not ours (or freed twice): never touched, counted as a failure.
+    let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
+    let freed = Runtime::global_if_open()
+        .is_some_and(|rt| rt.free_for(ptr as usize as u64, Client::Torch, ordered));
+    if !freed {
+        FAILURES.fetch_add(1, Ordering::Relaxed);
     }
-    // Dropping the last holder releases it (a loan may hold it longer): on
-    // its stream, or through the pool's fence.
-    drop(mem);
 }
 
 /// PyTorch's allocation hook: `size` bytes on `device` for `stream`; null
@@ -258,7 +229,9 @@ pub(crate) fn _cupy_malloc(
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
     let stream = super::args::stream_arg(stream)?;
-    allocate(Client::Cupy, size, device, stream, None).map_err(cupy_error)
+    Runtime::global()?
+        .alloc_for(Client::Cupy, device, size, stream, caller_site)
+        .map_err(cupy_error)
 }
 
 /// CuPy's allocation hook on its current stream: ``_cupy_malloc`` with the
@@ -338,7 +311,9 @@ pub(crate) fn _rmm_alloc(
         true => super::args::stream_arg(stream)?,
         false => None,
     };
-    allocate(Client::Rmm, size, device, stream, None).map_err(PyErr::from)
+    Runtime::global()?
+        .alloc_for(Client::Rmm, device, size, stream, caller_site)
+        .map_err(PyErr::from)
 }
 
 /// RMM's deallocation callback: release what ``_rmm_alloc`` returned at

@@ -172,6 +172,71 @@ impl Runtime {
         address
     }
 
+    /// `size` bytes of `device`'s pool for `client`'s allocator interface,
+    /// made on `stream` (stream-ordered; `None`: freed through the fence)
+    /// and handed out ([`Runtime::hand_out`]) until taken back; 0 for zero
+    /// bytes. The runtime holds the device's context for it
+    /// ([`Runtime::held_context`]): an interface keeps none between calls,
+    /// and without the hold freeing its last allocation would end the
+    /// context and its pool. `site` says where the allocation was made,
+    /// when the leak report or the history asks.
+    pub fn alloc_for(
+        self: &Arc<Self>,
+        client: Client,
+        device: usize,
+        size: usize,
+        stream: Option<crate::RawStream>,
+        site: impl FnOnce() -> crate::Site,
+    ) -> Result<u64> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let mem = self
+            .held_context(device)?
+            .alloc_at(size, stream, client, site)?;
+        Ok(self.hand_out(mem, client))
+    }
+
+    /// [`Runtime::alloc_for`] by a caller whose current stream `seen` is
+    /// known (PyTorch's): a capture under way on it keeps the memory for
+    /// its graph.
+    ///
+    /// # Safety
+    /// `seen` is a live stream of `device`'s context while this runs.
+    pub unsafe fn alloc_seen_for(
+        self: &Arc<Self>,
+        client: Client,
+        device: usize,
+        size: usize,
+        stream: Option<crate::RawStream>,
+        seen: crate::RawStream,
+        site: impl FnOnce() -> crate::Site,
+    ) -> Result<u64> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let ctx = self.held_context(device)?;
+        // SAFETY: this fn's contract.
+        let mem = unsafe { ctx.alloc_seen_at(size, stream, seen, client, site)? };
+        Ok(self.hand_out(mem, client))
+    }
+
+    /// Take back what `client` was handed at `address` and let it go, on
+    /// `stream` where given (reused there at once), else as it was made;
+    /// whether `client` held it (another client's, or one taken back
+    /// already, is left alone).
+    pub fn free_for(&self, address: u64, client: Client, stream: Option<crate::RawStream>) -> bool {
+        let Some(mem) = self.take_back(address, client) else {
+            return false;
+        };
+        if let Some(s) = stream {
+            mem.release_on(s);
+        }
+        // The last holder releases it (a loan may hold it longer).
+        drop(mem);
+        true
+    }
+
     /// Take back what [`Runtime::hand_out`] recorded at `address` for
     /// `client` (dropping it releases it); `None` for an address not handed
     /// to `client` (another client's is left alone) or taken back already.

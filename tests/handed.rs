@@ -254,3 +254,47 @@ fn test_alloc_for_holds_the_context_and_free_for_releases_on_the_stream_given() 
         Err(Error::InvalidArgument(_))
     ));
 }
+
+#[test]
+fn test_a_pool_begun_under_a_dropped_runtime_never_reaches_the_next_one() {
+    let (_d1, rt1) = sim_pooled(1, 64 << 20);
+    rt1.begin_pool(Client::Torch, 0, (9, 1), false);
+    drop(rt1); // never ended: the thread's list still names it
+    for _ in 0..50 {
+        let (_d2, rt2) = sim_pooled(1, 64 << 20);
+        assert!(
+            !rt2.end_pool(Client::Torch, 0, (9, 1)),
+            "another runtime's pool"
+        );
+        rt2.begin_pool(Client::Torch, 0, (9, 2), false);
+        let a = rt2
+            .alloc_for(Client::Torch, 0, 4096, None, || {
+                gpuptr::Site::Described("t".into())
+            })
+            .unwrap();
+        assert!(rt2.end_pool(Client::Torch, 0, (9, 2)));
+        assert_eq!(rt2.pool_live(0, (9, 2)), vec![(a, 4096)]);
+        assert_eq!(rt2.pool_live(0, (9, 1)), vec![]);
+        assert!(rt2.free_for(a, Client::Torch, None));
+    }
+}
+
+#[test]
+fn test_memory_handed_out_twice_is_recorded_and_counted_once() {
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let mem = rt.context(0).unwrap().alloc(4096).unwrap();
+    let a = rt.hand_out(mem.clone(), Client::Torch);
+    assert_eq!(rt.hand_out(mem, Client::Torch), a);
+    assert_eq!(rt.handed_out_count(), 1);
+    assert_eq!(
+        rt.library_stats(0, Client::Torch)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        1
+    );
+    drop(rt.take_back(a, Client::Torch).unwrap());
+    let s = rt.library_stats(0, Client::Torch).unwrap();
+    assert_eq!((s.allocation.all.current, rt.handed_out_count()), (0, 0));
+}

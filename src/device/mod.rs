@@ -324,12 +324,13 @@ impl DeviceState {
         }
     }
 
-    /// Wait for the fence covering every block freed so far (`true` when
-    /// there is nothing to wait for); `false` if it failed.
-    pub(crate) fn flush(&self) -> bool {
-        match (&self.pool, self.live_raw()) {
-            (Some(pool), raw) if raw != 0 => pool.flush(raw),
-            _ => true,
+    /// Wait for the fence covering every block freed so far in the live
+    /// context `raw`, which the caller holds (`true` when there is nothing
+    /// to wait for); `false` if it failed.
+    pub(crate) fn flush(&self, raw: RawContext) -> bool {
+        match &self.pool {
+            Some(pool) => pool.flush(raw),
+            None => true,
         }
     }
 

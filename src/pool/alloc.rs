@@ -248,7 +248,7 @@ impl Pool {
             let growing = self.in_transit.load(Ordering::Acquire) > 0;
             let until = std::time::Instant::now() + TRANSIT_WAIT;
             while self.in_transit.load(Ordering::Acquire) > 0 && std::time::Instant::now() < until {
-                std::thread::yield_now();
+                std::thread::sleep(std::time::Duration::from_micros(50));
             }
             let waiting = (0..self.arenas.len()).any(|i| self.arena(i).waiting_bytes() > 0);
             if !waiting && !growing {

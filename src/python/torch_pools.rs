@@ -10,8 +10,14 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::runtime;
-use crate::{Client, PoolId};
+use crate::{Client, PoolId, Runtime};
+
+/// The runtime, if it opens: these calls sit in PyTorch's context managers
+/// (some in `finally` blocks), so where it does not (no driver, a forked
+/// child) they do nothing rather than raise over PyTorch's own outcome.
+fn runtime() -> Option<&'static std::sync::Arc<Runtime>> {
+    Runtime::global().ok()
+}
 
 /// Allocations on ``device`` go to ``pool`` from now: this thread's
 /// (``all_threads=False``, ``_cuda_beginAllocateCurrentThreadToPool``) or
@@ -19,23 +25,24 @@ use crate::{Client, PoolId};
 /// ``_torch_pool_end``.
 #[pyfunction]
 #[pyo3(signature = (device, pool, all_threads=false))]
-pub(crate) fn _torch_pool_begin(device: usize, pool: PoolId, all_threads: bool) -> PyResult<()> {
-    runtime()?.begin_pool(Client::Torch, device, pool, all_threads);
-    Ok(())
+pub(crate) fn _torch_pool_begin(device: usize, pool: PoolId, all_threads: bool) {
+    if let Some(rt) = runtime() {
+        rt.begin_pool(Client::Torch, device, pool, all_threads);
+    }
 }
 
 /// Allocations on ``device`` no longer go to ``pool`` (the latest begin of
 /// it on this thread, else for all threads). Whether one was under way.
 #[pyfunction]
-pub(crate) fn _torch_pool_end(device: usize, pool: PoolId) -> PyResult<bool> {
-    Ok(runtime()?.end_pool(Client::Torch, device, pool))
+pub(crate) fn _torch_pool_end(device: usize, pool: PoolId) -> bool {
+    runtime().is_some_and(|rt| rt.end_pool(Client::Torch, device, pool))
 }
 
 /// The live allocations of ``pool`` on ``device``: ``(address, bytes)``
 /// pairs, by address.
 #[pyfunction]
-pub(crate) fn _torch_pool_live(device: usize, pool: PoolId) -> PyResult<Vec<(u64, usize)>> {
-    Ok(runtime()?.pool_live(device, pool))
+pub(crate) fn _torch_pool_live(device: usize, pool: PoolId) -> Vec<(u64, usize)> {
+    runtime().map_or_else(Vec::new, |rt| rt.pool_live(device, pool))
 }
 
 /// The counts of ``pool`` on ``device`` (zeros for a pool that never
@@ -47,7 +54,9 @@ pub(crate) fn _torch_pool_counts<'py>(
     device: usize,
     pool: PoolId,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let c = runtime()?.pool_stats(Client::Torch, device, pool);
+    let c = runtime().map_or_else(Default::default, |rt| {
+        rt.pool_stats(Client::Torch, device, pool)
+    });
     let d = PyDict::new(py);
     d.set_item("live", c.live)?;
     d.set_item("live_bytes", c.live_bytes)?;

@@ -62,6 +62,9 @@ pub(super) struct HandedOut {
     shards: [Mutex<Shard>; SHARDS],
     counts: Vec<Mutex<[LibraryStats; Client::COUNT]>>,
     tags: Mutex<Tags>,
+    /// This record's identity in threads' lists of begun pools: unique in
+    /// the process (an address could be a dropped runtime's).
+    id: usize,
     /// Pools begun on some thread: zero means nothing is tagged now.
     active: AtomicUsize,
     /// Live tagged allocations: zero means no take-back looks them up.
@@ -76,6 +79,10 @@ impl HandedOut {
                 .map(|_| Mutex::new([LibraryStats::default(); Client::COUNT]))
                 .collect(),
             tags: Mutex::default(),
+            id: {
+                static NEXT: AtomicUsize = AtomicUsize::new(1);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
             active: AtomicUsize::new(0),
             tagged: AtomicUsize::new(0),
         }
@@ -83,7 +90,7 @@ impl HandedOut {
 
     /// This record's identity in threads' lists of begun pools.
     fn id(&self) -> usize {
-        self as *const Self as usize
+        self.id
     }
 
     /// The pool an allocation of `client` on `device` by this thread goes
@@ -156,19 +163,26 @@ fn block_bytes(mem: &DevicePointer) -> usize {
 impl Runtime {
     /// Record `mem` as handed to `client`'s allocator interface, tagged to
     /// the pool this thread allocates to (see [`Runtime::begin_pool`]) and
-    /// counted in its [`LibraryStats`] first (so a free on another thread,
-    /// which can find it only once recorded, never counts or untags before
-    /// it); its address.
+    /// counted in its [`LibraryStats`] before it is recorded (so a free on
+    /// another thread, which can find it only then, never counts or untags
+    /// before it); its address. Memory already recorded is counted once.
     pub fn hand_out(&self, mem: Arc<DevicePointer>, client: Client) -> u64 {
         let (address, device) = (mem.address(), mem.context().device());
         let (requested, block) = (mem.size() as u64, block_bytes(&mem));
+        let mut shard = self.handed.shard(address);
+        if shard.contains_key(&address) {
+            // Handed out already (its holder keeps the address from reuse):
+            // this is another handle of the same memory, counted once.
+            drop(shard);
+            return address;
+        }
         self.handed.tag(client, device, address, mem.size());
         self.handed.count(device, client, |c| {
             c.allocation.add(block, 1);
             c.allocated_bytes.add(block, block as u64);
             c.requested_bytes.add(block, requested);
         });
-        self.handed.shard(address).insert(address, (mem, client));
+        shard.insert(address, (mem, client));
         address
     }
 

@@ -106,7 +106,11 @@ impl Runtime {
         // A forked child never gives back its parent's memory.
         crate::fork::check()?;
         self.devices[device].bury();
-        Ok(self.devices[device].flush())
+        // The context held through the fence (its last holder may go meanwhile).
+        Ok(match self.existing(device) {
+            Some(ctx) => self.devices[device].flush(ctx.raw()),
+            None => true,
+        })
     }
 
     /// Return every cached block of every device to the driver; the bytes freed.

@@ -8,8 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use super::{Pool, FENCE_WAIT_MAX};
 
 /// The most fences an allocation out of memory waits for (rung 6), while
-/// other threads free blocks behind each.
-const OOM_FENCE_ROUNDS: usize = 4;
+/// other threads free blocks behind each: one more than before, as
+/// PyTorch's allocator retries once after it frees its cache (the device's
+/// ladder above trims and asks again, so each round multiplies there).
+const OOM_FENCE_ROUNDS: usize = 2;
 
 /// How long such an allocation waits, each round, for other threads'
 /// growths to reach their arenas (a driver allocation takes 40-100 µs on
@@ -237,7 +239,7 @@ impl Pool {
     ) -> Option<Grant> {
         // Other threads may take what a fence frees and free more behind it
         // (for the next fence), or hold memory the driver gave them that
-        // their arena does not show yet: a few rounds while either is so.
+        // their arena does not show yet: another round while either is so.
         for _ in 0..OOM_FENCE_ROUNDS {
             if let Some(g) = self.fence_once_and_take(context, ask) {
                 return Some(g);

@@ -298,3 +298,19 @@ fn test_memory_handed_out_twice_is_recorded_and_counted_once() {
     let s = rt.library_stats(0, Client::Torch).unwrap();
     assert_eq!((s.allocation.all.current, rt.handed_out_count()), (0, 0));
 }
+
+#[test]
+fn test_free_for_on_a_stream_leaves_memory_made_with_no_stream_to_the_fence() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let s: gpuptr::RawStream = 0x5000;
+    let site = || gpuptr::Site::Described("t".into());
+    let a = rt.alloc_for(Client::Rmm, 0, MIB, None, site).unwrap();
+    // Work queued on another stream still writes it.
+    drv.queue_write(0x6000, a, &[1; 8]).unwrap();
+    assert!(rt.free_for(a, Client::Rmm, Some(s)));
+    let b = rt.alloc_for(Client::Rmm, 0, MIB, Some(s), site).unwrap();
+    assert_ne!(b, a, "made with no stream: reused only after the fence");
+    drv.complete(None);
+    assert_eq!(drv.lost_writes(), 0);
+    assert!(rt.free_for(b, Client::Rmm, Some(s)));
+}

@@ -109,18 +109,6 @@ fn torch_message(e: &crate::Error) -> String {
     }
 }
 
-/// The allocation `client`'s entry points handed out at `address`, taken
-/// back (dropping it releases it); None, counted as a failure, for an
-/// address they did not hand out (another library's is left alone) or that
-/// was freed already.
-fn take(address: u64, client: Client) -> Option<Arc<DevicePointer>> {
-    let mem = Runtime::global_if_open().and_then(|rt| rt.take_back(address, client));
-    if mem.is_none() {
-        FAILURES.fetch_add(1, Ordering::Relaxed);
-    }
-    mem
-}
-
 /// The live allocation [`gpuptr_torch_alloc`] handed out at `address`.
 pub(crate) fn torch_allocation(address: u64) -> Option<Arc<DevicePointer>> {
     Runtime::global_if_open()?.handed_out(address, Some(Client::Torch))
@@ -274,13 +262,7 @@ pub(crate) fn _cupy_set_stream_source(source: Bound<'_, PyAny>) {
 pub(crate) fn _cupy_free(py: Python<'_>, address: &Bound<'_, PyAny>, device: &Bound<'_, PyAny>) {
     let _ = device;
     let _log = super::logging::Deliver(py);
-    match address.extract::<u64>() {
-        Ok(0) => {}
-        Ok(a) => drop(take(a, Client::Cupy)),
-        Err(_) => {
-            FAILURES.fetch_add(1, Ordering::Relaxed);
-        }
-    }
+    free_py(address, Client::Cupy, None);
 }
 
 /// RMM's allocation callback, for ``rmm.mr.CallbackMemoryResource``
@@ -334,27 +316,28 @@ pub(crate) fn _rmm_free(
 ) {
     let _ = nbytes;
     let _log = super::logging::Deliver(py);
-    let mem = match address.extract::<u64>() {
-        Ok(0) => return,
-        Ok(a) => take(a, Client::Rmm),
-        Err(_) => {
-            FAILURES.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
+    // No stream, or one that cannot be read: the per-thread default stream
+    // orders nothing another thread can rely on, so the fence decides.
+    let on = super::args::stream_arg(stream).ok().flatten();
+    free_py(
+        address,
+        Client::Rmm,
+        Some(on.unwrap_or(crate::STREAM_PER_THREAD)),
+    );
+}
+
+/// `client`'s free of `address` (a Python int; 0 is nothing): released by
+/// the runtime ([`Runtime::free_for`]), or counted as a failure where
+/// `client` was not handed it (or it is no int).
+fn free_py(address: &Bound<'_, PyAny>, client: Client, stream: Option<RawStream>) {
+    let freed = match address.extract::<u64>() {
+        Ok(0) => true,
+        Ok(a) => Runtime::global_if_open().is_some_and(|rt| rt.free_for(a, client, stream)),
+        Err(_) => false,
     };
-    let Some(mem) = mem else { return };
-    if mem.stream().is_some() {
-        match super::args::stream_arg(stream) {
-            Ok(Some(s)) => mem.release_on(s),
-            // No stream, or one that cannot be read: the per-thread
-            // default stream orders nothing another thread can rely on, so
-            // the fence decides.
-            _ => mem.release_on(crate::STREAM_PER_THREAD),
-        }
+    if !freed {
+        FAILURES.fetch_add(1, Ordering::Relaxed);
     }
-    // The last holder (a loan may hold it longer) releases it: on its
-    // stream, or through the pool's fence.
-    drop(mem);
 }
 
 /// The exception class CuPy's hook raises for out of memory (set by

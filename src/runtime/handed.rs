@@ -235,15 +235,16 @@ impl Runtime {
         Ok(self.hand_out(mem, client))
     }
 
-    /// Take back what `client` was handed at `address` and let it go, on
-    /// `stream` where given (reused there at once), else as it was made;
-    /// whether `client` held it (another client's, or one taken back
-    /// already, is left alone).
+    /// Take back what `client` was handed at `address` and let it go: an
+    /// allocation made stream-ordered on `stream` where given (reused there
+    /// at once), else as it was made (one made with no stream, through the
+    /// fence); whether `client` held it (another client's, or one taken
+    /// back already, is left alone).
     pub fn free_for(&self, address: u64, client: Client, stream: Option<crate::RawStream>) -> bool {
         let Some(mem) = self.take_back(address, client) else {
             return false;
         };
-        if let Some(s) = stream {
+        if let (Some(s), Some(_)) = (stream, mem.stream()) {
             mem.release_on(s);
         }
         // The last holder releases it (a loan may hold it longer).

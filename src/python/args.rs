@@ -14,16 +14,19 @@ pub(crate) fn runtime() -> PyResult<&'static Arc<Runtime>> {
     Ok(Runtime::global()?)
 }
 
+/// The ordinal a ``device`` argument names, or the current device's when
+/// it is absent or ``None``.
+pub(crate) fn device_ordinal(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    match optional_device(device)? {
+        Some(d) => Ok(d),
+        None => Ok(runtime()?.current_device()?),
+    }
+}
+
 /// The context of a ``device`` argument, or of the current device when it
 /// is absent or ``None``.
 pub(crate) fn device_context(device: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<crate::Context>> {
-    let device = optional_device(device)?;
-    let rt = runtime()?;
-    let d = match device {
-        Some(d) => d,
-        None => rt.current_device()?,
-    };
-    Ok(rt.context(d)?)
+    Ok(runtime()?.context(device_ordinal(device)?)?)
 }
 
 /// [`device_context`], held by the runtime until a reset or exit (see
@@ -34,13 +37,7 @@ pub(crate) fn device_context(device: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<
 pub(crate) fn held_device_context(
     device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Arc<crate::Context>> {
-    let device = optional_device(device)?;
-    let rt = runtime()?;
-    let d = match device {
-        Some(d) => d,
-        None => rt.current_device()?,
-    };
-    Ok(rt.held_context(d)?)
+    Ok(runtime()?.held_context(device_ordinal(device)?)?)
 }
 
 /// An optional device ordinal (`None` or Python's ``None``: the current

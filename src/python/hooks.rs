@@ -151,11 +151,15 @@ fn free(ptr: *mut c_void, stream: RawStream) {
     if ptr.is_null() {
         return;
     }
-    // Not ours (or freed twice): never touched, counted as a failure.
     let ordered = STREAM_ORDERED.load(Ordering::Relaxed).then_some(stream);
-    let freed = Runtime::global_if_open()
-        .is_some_and(|rt| rt.free_for(ptr as usize as u64, Client::Torch, ordered));
-    if !freed {
+    give_back(ptr as usize as u64, Client::Torch, ordered);
+}
+
+/// `client`'s free of `address`, released by the runtime
+/// ([`Runtime::free_for`]); one it did not hand to `client` (another
+/// library's, or freed twice) is never touched, and counted as a failure.
+fn give_back(address: u64, client: Client, stream: Option<RawStream>) {
+    if !Runtime::global_if_open().is_some_and(|rt| rt.free_for(address, client, stream)) {
         FAILURES.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -326,17 +330,15 @@ pub(crate) fn _rmm_free(
     );
 }
 
-/// `client`'s free of `address` (a Python int; 0 is nothing): released by
-/// the runtime ([`Runtime::free_for`]), or counted as a failure where
-/// `client` was not handed it (or it is no int).
+/// `client`'s free of `address`, a Python int ([`give_back`]; 0 is
+/// nothing, and what is no int is counted as a failure).
 fn free_py(address: &Bound<'_, PyAny>, client: Client, stream: Option<RawStream>) {
-    let freed = match address.extract::<u64>() {
-        Ok(0) => true,
-        Ok(a) => Runtime::global_if_open().is_some_and(|rt| rt.free_for(a, client, stream)),
-        Err(_) => false,
-    };
-    if !freed {
-        FAILURES.fetch_add(1, Ordering::Relaxed);
+    match address.extract::<u64>() {
+        Ok(0) => {}
+        Ok(a) => give_back(a, client, stream),
+        Err(_) => {
+            FAILURES.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 

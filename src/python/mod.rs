@@ -75,10 +75,7 @@ fn alloc_as(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyMemoryPointer> {
     let _log = logging::Deliver(py);
-    let device = match args::optional_device(device)? {
-        Some(d) => d,
-        None => runtime()?.current_device()?,
-    };
+    let device = args::device_ordinal(device)?;
     let stream = args::stream_arg(stream)?;
     let (ctx, pyctx) = py_context::device_py_context(py, device)?;
     let mem = ctx.alloc_at(size, stream, client, || track::python_site(py))?;

@@ -15,7 +15,7 @@ use crate::{Client, PoolId, Runtime};
 /// The runtime, if it opens: these calls sit in PyTorch's context managers
 /// (some in `finally` blocks), so where it does not (no driver, a forked
 /// child) they do nothing rather than raise over PyTorch's own outcome.
-fn runtime() -> Option<&'static std::sync::Arc<Runtime>> {
+fn opened() -> Option<&'static std::sync::Arc<Runtime>> {
     Runtime::global().ok()
 }
 
@@ -26,7 +26,7 @@ fn runtime() -> Option<&'static std::sync::Arc<Runtime>> {
 #[pyfunction]
 #[pyo3(signature = (device, pool, all_threads=false))]
 pub(crate) fn _torch_pool_begin(device: usize, pool: PoolId, all_threads: bool) {
-    if let Some(rt) = runtime() {
+    if let Some(rt) = opened() {
         rt.begin_pool(Client::Torch, device, pool, all_threads);
     }
 }
@@ -35,14 +35,14 @@ pub(crate) fn _torch_pool_begin(device: usize, pool: PoolId, all_threads: bool) 
 /// it on this thread, else for all threads). Whether one was under way.
 #[pyfunction]
 pub(crate) fn _torch_pool_end(device: usize, pool: PoolId) -> bool {
-    runtime().is_some_and(|rt| rt.end_pool(Client::Torch, device, pool))
+    opened().is_some_and(|rt| rt.end_pool(Client::Torch, device, pool))
 }
 
 /// The live allocations of ``pool`` on ``device``: ``(address, bytes)``
 /// pairs, by address.
 #[pyfunction]
 pub(crate) fn _torch_pool_live(device: usize, pool: PoolId) -> Vec<(u64, usize)> {
-    runtime().map_or_else(Vec::new, |rt| rt.pool_live(device, pool))
+    opened().map_or_else(Vec::new, |rt| rt.pool_live(device, pool))
 }
 
 /// The counts of ``pool`` on ``device`` (zeros for a pool that never
@@ -54,7 +54,7 @@ pub(crate) fn _torch_pool_counts<'py>(
     device: usize,
     pool: PoolId,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let c = runtime().map_or_else(Default::default, |rt| {
+    let c = opened().map_or_else(Default::default, |rt| {
         rt.pool_stats(Client::Torch, device, pool)
     });
     let d = PyDict::new(py);

@@ -88,15 +88,10 @@ impl HandedOut {
         }
     }
 
-    /// This record's identity in threads' lists of begun pools.
-    fn id(&self) -> usize {
-        self.id
-    }
-
     /// The pool an allocation of `client` on `device` by this thread goes
     /// to now, if any.
     fn current_pool(&self, client: Client, device: usize) -> Option<PoolId> {
-        let me = (self.id(), client, device);
+        let me = (self.id, client, device);
         let find = |v: &[Begun]| v.iter().rev().find(|b| (b.0, b.1, b.2) == me).map(|b| b.3);
         let mine = MINE.try_with(|m| find(&m.borrow())).ok().flatten();
         mine.or_else(|| find(&lock(&self.tags).all_threads))
@@ -202,13 +197,9 @@ impl Runtime {
         stream: Option<crate::RawStream>,
         site: impl FnOnce() -> crate::Site,
     ) -> Result<u64> {
-        if size == 0 {
-            return Ok(0);
-        }
-        let mem = self
-            .held_context(device)?
-            .alloc_at(size, stream, client, site)?;
-        Ok(self.hand_out(mem, client))
+        self.hand_out_new(client, device, size, |ctx| {
+            ctx.alloc_at(size, stream, client, site)
+        })
     }
 
     /// [`Runtime::alloc_for`] by a caller whose current stream `seen` is
@@ -226,12 +217,26 @@ impl Runtime {
         seen: crate::RawStream,
         site: impl FnOnce() -> crate::Site,
     ) -> Result<u64> {
+        self.hand_out_new(client, device, size, |ctx| {
+            // SAFETY: this fn's contract.
+            unsafe { ctx.alloc_seen_at(size, stream, seen, client, site) }
+        })
+    }
+
+    /// What [`Runtime::alloc_for`] and [`Runtime::alloc_seen_for`] share:
+    /// null for zero bytes, else `make` in `device`'s held context, handed
+    /// out.
+    fn hand_out_new(
+        self: &Arc<Self>,
+        client: Client,
+        device: usize,
+        size: usize,
+        make: impl FnOnce(&Arc<crate::Context>) -> Result<Arc<DevicePointer>>,
+    ) -> Result<u64> {
         if size == 0 {
             return Ok(0);
         }
-        let ctx = self.held_context(device)?;
-        // SAFETY: this fn's contract.
-        let mem = unsafe { ctx.alloc_seen_at(size, stream, seen, client, site)? };
+        let mem = make(&self.held_context(device)?)?;
         Ok(self.hand_out(mem, client))
     }
 
@@ -326,7 +331,7 @@ impl Runtime {
     /// thread's, or every thread's with `all_threads`, until
     /// [`Runtime::end_pool`].
     pub fn begin_pool(&self, client: Client, device: usize, pool: PoolId, all_threads: bool) {
-        let begun = (self.handed.id(), client, device, pool);
+        let begun = (self.handed.id, client, device, pool);
         if all_threads {
             lock(&self.handed.tags).all_threads.push(begun);
         } else {
@@ -339,7 +344,7 @@ impl Runtime {
     /// latest begin of it on this thread, else for all threads). Whether
     /// one was under way.
     pub fn end_pool(&self, client: Client, device: usize, pool: PoolId) -> bool {
-        let begun = (self.handed.id(), client, device, pool);
+        let begun = (self.handed.id, client, device, pool);
         let remove = |v: &mut Vec<Begun>| match v.iter().rposition(|b| *b == begun) {
             Some(i) => {
                 v.remove(i);

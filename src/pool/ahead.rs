@@ -178,7 +178,7 @@ impl Pool {
         register(&a);
         self.arena(arena).add_segment(a.base, a.bytes, a.kind);
         self.ahead_over(arena);
-        Some(a)
+        Some(*a)
     }
 
     /// [`Pool::grow_ahead`]'s checks and allocation.
@@ -187,7 +187,7 @@ impl Pool {
         context: RawContext,
         arena: usize,
         kind: Kind,
-    ) -> Result<Allocation, &'static str> {
+    ) -> Result<super::segments::Landing<'_>, &'static str> {
         let bytes = self.config.ahead_bytes;
         {
             let mut a = self.arena(arena);

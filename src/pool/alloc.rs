@@ -1,11 +1,14 @@
 //! The miss ladder: [`Pool::alloc`], top to bottom in one function, and
 //! its rungs (see the module documentation of `pool`).
 
+use std::sync::atomic::Ordering;
+
 use super::arena::{round, Arena, Kind, Tag, ANY};
 use super::segments::{self, Grant};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use super::{Pool, FENCE_WAIT_MAX};
+use crate::driver::{RawContext, RawStream};
+use crate::error::Result;
+use crate::stats::Client;
 
 /// The most fences an allocation out of memory waits for (rung 6), while
 /// other threads free blocks behind each: one more than before, as
@@ -13,30 +16,10 @@ use super::{Pool, FENCE_WAIT_MAX};
 /// ladder above trims and asks again, so each round multiplies there).
 const OOM_FENCE_ROUNDS: usize = 2;
 
-/// How long such an allocation waits, each round, for other threads'
-/// growths to reach their arenas (a driver allocation takes 40-100 µs on
-/// a busy GPU).
+/// How long such an allocation waits, each round, for growths to reach
+/// their arenas (see [`Landing`](super::segments::Landing); a driver
+/// allocation takes 40-100 µs on a busy GPU).
 const TRANSIT_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
-
-/// A growth under way: counted in `in_transit` from before the driver call
-/// until its segment is in its arena (or it failed).
-struct Transit<'a>(&'a AtomicUsize);
-
-impl<'a> Transit<'a> {
-    fn new(count: &'a AtomicUsize) -> Self {
-        count.fetch_add(1, Ordering::AcqRel);
-        Transit(count)
-    }
-}
-
-impl Drop for Transit<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-use crate::driver::{RawContext, RawStream};
-use crate::error::Result;
-use crate::stats::Client;
 
 /// One request on its way down the miss ladder ([`Pool::alloc`]).
 struct Ask<V> {
@@ -144,7 +127,6 @@ impl Pool {
             false => fit,
         };
         let kind = Kind::of(ask.want);
-        let transit = Transit::new(&self.in_transit);
         let mut grown = self.grow(context, ask.home, first, kind);
         // A device too full for a whole segment may still fit less.
         let mut tried = first;
@@ -165,7 +147,6 @@ impl Pool {
                     return Err(reset());
                 }
                 a.add_segment(new.base, new.bytes, new.kind);
-                drop(transit);
                 let Some((p, n)) = a.take(ask.tag, ask.want) else {
                     // The new segment fits the request: unreachable, but a
                     // deleter-safe answer all the same.
@@ -175,14 +156,12 @@ impl Pool {
                 };
                 a.handed_out(size, client, false);
                 let ahead = busy && self.wants_ahead(&mut a);
-                Ok(Grant::new(p, n, ask.home, Some(new), ahead))
+                Ok(Grant::new(p, n, ask.home, Some(*new), ahead))
             }
             // 6. Out of memory: every free block, after a fence.
-            Err(e) if e.is_oom() => {
-                drop(transit);
-                self.fence_all_and_take(context, &ask)
-                    .ok_or_else(|| e.oom_on(device, size))
-            }
+            Err(e) if e.is_oom() => self
+                .fence_all_and_take(context, &ask)
+                .ok_or_else(|| e.oom_on(device, size)),
             Err(e) => Err(e.oom_on(device, size)),
         }
     }

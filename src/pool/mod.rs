@@ -177,9 +177,10 @@ pub(crate) struct Pool {
     /// moving average): what a growth costs, so what waiting for a fence
     /// may cost at most.
     grow_ns: AtomicU64,
-    /// Inline growths between the driver call and their arena: memory the
-    /// device no longer has and no arena shows yet (an allocation out of
-    /// memory waits for them, [`Pool::fence_all_and_take`]).
+    /// Growths between the driver call and their arena (inline, ahead or
+    /// reserving; see [`segments::Landing`]): memory the device no longer
+    /// has and no arena shows yet (an allocation out of memory waits for
+    /// them, [`Pool::fence_all_and_take`]).
     in_transit: AtomicUsize,
     grower: Grower,
     /// The arena the growth helper is allocating for now; a miss there

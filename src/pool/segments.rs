@@ -3,7 +3,7 @@
 //! forgetting it after a reset).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use super::arena::BlockState;
@@ -159,13 +159,60 @@ impl Held {
     }
 }
 
+/// A segment the driver gave a growth, on its way to its arena: counted
+/// in the pool's `in_transit` from before the driver call until this is
+/// dropped (its grower adds it to the arena, or forgets it, first), so an
+/// allocation out of memory knows the device's memory is not all in view
+/// yet ([`Pool::fence_all_and_take`]).
+pub(super) struct Landing<'a> {
+    segment: Allocation,
+    count: &'a AtomicUsize,
+}
+
+impl std::ops::Deref for Landing<'_> {
+    type Target = Allocation;
+    fn deref(&self) -> &Allocation {
+        &self.segment
+    }
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl Pool {
     /// One segment of `bytes` for arena `arena`, of `kind`, from the
     /// driver, recorded: the pool limit is checked and the bytes counted
     /// as held before the call, so that two growths at once never both
     /// pass it. The call's time feeds the pool's measure of what a growth
-    /// costs.
+    /// costs. The caller adds the segment to its arena before it drops the
+    /// [`Landing`].
     pub(super) fn grow(
+        &self,
+        context: RawContext,
+        arena: usize,
+        bytes: usize,
+        kind: Kind,
+    ) -> Result<Landing<'_>> {
+        self.in_transit.fetch_add(1, Ordering::AcqRel);
+        let r = self.grow_counted(context, arena, bytes, kind);
+        let landing = |segment| Landing {
+            segment,
+            count: &self.in_transit,
+        };
+        match r {
+            Ok(segment) => Ok(landing(segment)),
+            Err(e) => {
+                self.in_transit.fetch_sub(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Pool::grow`] once counted in transit.
+    fn grow_counted(
         &self,
         context: RawContext,
         arena: usize,
@@ -262,7 +309,7 @@ impl Pool {
                     }
                     ar.add_segment(a.base, a.bytes, kind);
                     drop(ar);
-                    made.push(a);
+                    made.push(*a);
                     left = left.saturating_sub(n);
                     arena = (arena + 1) % self.arenas.len();
                 }

@@ -184,7 +184,8 @@ fn a_miss_waits_for_the_helpers_growth_of_its_arena_then_takes_from_it() {
     pool.ahead_wait = Duration::from_secs(30);
     *lock(&pool.ahead) = Some(0);
     let calls = || sim.calls(CallKind::MemAlloc);
-    let seg = pool.grow(ctx, 0, 8 * MIB, Kind::Small).unwrap();
+    // Out of transit at once: the thread below stands in for the helper.
+    let seg = *pool.grow(ctx, 0, 8 * MIB, Kind::Small).unwrap();
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(1));

@@ -72,7 +72,7 @@ def test_the_child_and_the_parent_agree_on_the_names():
     c = _child_module()
     assert tuple(c.WORKLOADS) == wl.WORKLOADS and tuple(c.ALLOCATORS) == wl.ALLOCATORS
     assert set(c.DEFAULT_STEPS) == set(wl.WORKLOADS)
-    assert c.DEFAULT_STEPS["gpt2"] == (5, 20) and c.DEFAULT_STEPS["resnet"] == (5, 30)
+    assert c.DEFAULT_STEPS["gpt2"] == (8, 30) and c.DEFAULT_STEPS["resnet"] == (15, 40)
     assert (c.CUPY_ARRAYS, c.CUPY_KEEP, c.NUMBA_ROUNDS) == (3000, 20, 2000)
     # The keys a child reads from gpuptr.stats() are DeviceStats's.
     keys = set(gpuptr.DeviceStats.__annotations__)
@@ -82,7 +82,7 @@ def test_the_child_and_the_parent_agree_on_the_names():
 def test_the_child_parses_its_arguments_with_each_workloads_defaults():
     c = _child_module()
     a = c.parse(["gpt2", "own"])
-    assert (a.warmup, a.steps) == (5, 20)
+    assert (a.warmup, a.steps) == (8, 30)
     a = c.parse(["cupy", "strict", "--steps", "4", "--warmup", "0"])
     assert (a.workload, a.allocator, a.warmup, a.steps) == ("cupy", "strict", 0, 4)
     for bad in (["gpt3", "own"], ["gpt2", "tlsf"], ["numba", "own", "--steps", "0"]):

@@ -9,13 +9,13 @@ each memory number is):
           12 heads, vocabulary 50257; nothing downloaded), batch 8,
           sequence lengths drawn per step from 64..1024 by a seeded
           generator (the same for every allocator), bf16 autocast, AdamW;
-          5 warm-up and 20 timed steps
+          8 warm-up and 30 timed steps
   resnet  ResNet-18 training (timm, else torchvision), batch 64 of
           3x224x224, channels_last, bf16 autocast, SGD with momentum;
-          5 warm-up and 30 timed steps
+          15 warm-up and 40 timed steps
   cupy    3,000 ``b = a * 2 + 1`` on a fresh ``cupy.empty`` of log-uniform
           1 KiB-64 MiB (seeded), the last 20 results kept; a step is the
-          whole pass (1 warm-up pass, 2 timed)
+          whole pass (1 warm-up pass, 4 timed)
   numba   2,000 rounds of three ``cuda.device_array`` of log-uniform
           256 B-64 MiB (seeded), each filled by a kernel, then dropped; a
           step is the whole pass (1 warm-up pass, 2 timed)

@@ -43,6 +43,7 @@ mod config;
 pub mod driver;
 mod error;
 mod fork;
+pub mod log_queue;
 mod sync;
 
 // The vocabulary shared by every room above.

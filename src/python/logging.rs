@@ -1,92 +1,27 @@
 //! The core's `log` records, delivered to Python's `logging.getLogger("gpuptr")`.
 //!
 //! A record is never handed to Python where it is made: the core logs from
-//! threads that may not hold the GIL (the fence helper, PyTorch's allocator
-//! threads), and while it holds its own locks, where a Python handler that
-//! called back into gpuptr would deadlock. So [`PyLogger::log`] only queues
-//! the record (a leaf lock, never held across anything else), and the
-//! binding delivers the queue at its safe points: the entry points Python
-//! calls, which hold the GIL and no gpuptr lock. Each record keeps the time
-//! it was made.
+//! threads that may not hold the GIL, and while it holds its own locks,
+//! where a Python handler that called back into gpuptr would deadlock. The
+//! core's logger only queues it ([`crate::log_queue`]), and the binding
+//! delivers the queue at its safe points: the entry points Python calls,
+//! which hold the GIL and no gpuptr lock.
 //!
 //! The level comes from Python: `gpuptr/_log.py` pushes the `gpuptr`
 //! logger's effective level here whenever Python's logging levels change,
 //! and `log::max_level` follows it, so with DEBUG off a `debug!` in the core
 //! costs one relaxed load.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use log::{Level, LevelFilter, Log, Metadata, Record};
+use log::{Level, LevelFilter};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
-/// Records waiting for a safe point; beyond this many, new ones are
-/// dropped and counted.
-const QUEUE_MAX: usize = 4096;
+use crate::log_queue::{self, Queued, QUEUE_MAX};
 
-struct Queued {
-    level: Level,
-    target: String,
-    message: String,
-    file: Option<String>,
-    line: u32,
-    /// Seconds since the epoch, as `LogRecord.created`.
-    created: f64,
-    /// The Rust thread's name (the fence helper's); None on threads Python
-    /// made, whose name Python knows.
-    thread: Option<String>,
-}
-
-static QUEUE: Mutex<VecDeque<Queued>> = Mutex::new(VecDeque::new());
-static PENDING: AtomicBool = AtomicBool::new(false);
-static DROPPED: AtomicU64 = AtomicU64::new(0);
-
-struct PyLogger;
-
-impl Log for PyLogger {
-    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
-        metadata.level() <= log::max_level()
-    }
-
-    fn log(&self, record: &Record<'_>) {
-        if !self.enabled(record.metadata()) {
-            return;
-        }
-        let created = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
-        let q = Queued {
-            level: record.level(),
-            target: record.target().to_owned(),
-            message: record.args().to_string(),
-            file: record.file().map(str::to_owned),
-            line: record.line().unwrap_or(0),
-            created,
-            thread: std::thread::current().name().map(str::to_owned),
-        };
-        let mut queue = crate::sync::lock(&QUEUE);
-        if queue.len() >= QUEUE_MAX {
-            DROPPED.fetch_add(1, Ordering::Relaxed);
-        } else {
-            queue.push_back(q);
-        }
-        PENDING.store(true, Ordering::Release);
-    }
-
-    fn flush(&self) {}
-}
-
-static LOGGER: PyLogger = PyLogger;
-
-/// Install the logger (once per process; the level starts off until Python
-/// sets it).
+/// Install the core's queueing logger (once per process; the level starts
+/// off until Python sets it).
 pub(crate) fn init() {
-    if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(LevelFilter::Off);
-    }
+    log_queue::install();
 }
 
 fn python_level(level: Level) -> i32 {
@@ -114,7 +49,7 @@ impl Drop for Deliver<'_> {
 /// no gpuptr lock held).
 #[inline]
 pub(crate) fn flush(py: Python<'_>) {
-    if PENDING.load(Ordering::Acquire) {
+    if log_queue::pending() {
         deliver(py);
     }
 }
@@ -126,12 +61,7 @@ fn deliver(py: Python<'_>) {
     let Some(_region) = super::shutdown::Region::enter() else {
         return;
     };
-    let records: Vec<Queued> = {
-        let mut queue = crate::sync::lock(&QUEUE);
-        PENDING.store(false, Ordering::Release);
-        queue.drain(..).collect()
-    };
-    let dropped = DROPPED.swap(0, Ordering::Relaxed);
+    let (records, dropped) = log_queue::take();
     // A handler's error must not surface in an unrelated gpuptr call: each
     // is reported as unraisable, and the records after it are still
     // delivered.

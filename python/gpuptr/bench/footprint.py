@@ -9,6 +9,11 @@ its own process:
   c  a recorded torch training step's allocations (an MLP with AdamW:
      the model, three steps), replayed as allocations and frees
 
+Each trace also has a row of gpuptr's stream-ordered replay (``gpuptr.alloc``
+on stream 0, a free reused at once on its stream: the rule PyTorch and CuPy
+follow under ``gpuptr.install()``) against PyTorch's caching allocator; the
+first rows replay without a stream (numba's rule: a free waits for a fence).
+
 Held bytes are the allocator's own count (gpuptr's ``peak_pool_bytes``,
 torch's ``max_memory_reserved``, CuPy's ``total_bytes``, RMM's
 ``pool_size``), read after every allocation. A row's two columns are the
@@ -112,3 +117,6 @@ def rows(b: Bench) -> None:
             continue
         for peer, label in wanted:
             b.record(row, label, partial(_row, ours, peer, ops))
+        ordered = f"footprint {name}, gpuptr stream-ordered: peak held / peak live"
+        if b.wants(ordered, PEERS[0][1], "footprint"):
+            b.record(ordered, PEERS[0][1], lambda ops=ops: _row(replay("gpuptr-ordered", ops), "torch", ops))

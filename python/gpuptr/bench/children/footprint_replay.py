@@ -1,6 +1,7 @@
 """One footprint row's replay: ``footprint_replay.py ALLOCATOR TRACE.json``
 allocates and frees the trace's blocks under ``gpuptr``, ``torch`` (its
-caching allocator), ``cupy`` (its default pool) or ``rmm`` (a
+caching allocator), ``gpuptr-ordered`` (``gpuptr.alloc`` on stream 0,
+stream-ordered as PyTorch and CuPy are under ``gpuptr.install()``), ``cupy`` (its default pool) or ``rmm`` (a
 ``PoolMemoryResource`` with an initial size of 0: its default, half the
 GPU, would say nothing of the trace), reading the bytes the allocator
 holds from the device after every allocation; prints ``{"peak_held": ...,
@@ -17,10 +18,11 @@ Held = Callable[[], int]
 def allocator(which: str) -> Tuple[Alloc, Held, Optional[Held]]:
     """The allocation call, the bytes held now, and the peak held where the
     allocator keeps one (else the replay's own reads are the peak)."""
-    if which == "gpuptr":
+    if which in ("gpuptr", "gpuptr-ordered"):
         import gpuptr
 
-        return gpuptr.alloc, lambda: int(gpuptr.stats()[0]["pool_bytes"]), lambda: int(
+        stream = 0 if which == "gpuptr-ordered" else None
+        return lambda n: gpuptr.alloc(n, stream=stream), lambda: int(gpuptr.stats()[0]["pool_bytes"]), lambda: int(
             gpuptr.stats()[0]["peak_pool_bytes"]
         )
     if which == "torch":

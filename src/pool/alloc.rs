@@ -138,6 +138,11 @@ impl Pool {
         }
         match grown {
             Ok(new) => {
+                if ask.tag == ANY && self.config.ahead_bytes > 0 {
+                    // Memory freed without a stream may need growth ahead
+                    // later: its helper starts now, on a miss.
+                    self.grower.prestart();
+                }
                 let mut a = self.arena(ask.home);
                 if !valid() {
                     // Its context went while the driver allocated: so did

@@ -60,7 +60,10 @@ fn the_growth_helper_starts_on_the_first_growth_without_a_stream() {
     let (_sim, ctx, pool) = pool(64 << 20);
     assert!(!pool.grower.started());
     let _ordered = alloc(&pool, ctx, 4096, Some(0x77));
-    assert!(!pool.grower.started(), "stream-ordered memory needs no helper");
+    assert!(
+        !pool.grower.started(),
+        "stream-ordered memory needs no helper"
+    );
     let a = alloc(&pool, ctx, 4 << 20, None);
     assert!(a.new_allocation.is_some() && pool.grower.started());
     let config = PoolConfig {

@@ -100,6 +100,11 @@ def _row(ours: Dict[str, Any], peer: str, ops: List[Op]) -> Measured:
     return Measured(mine, other, extra={"footprint": {"gpuptr": ours, "baseline": theirs}})
 
 
+def _ordered_row(ops: List[Op]) -> Measured:
+    """gpuptr's stream-ordered replay of ``ops`` against PyTorch's."""
+    return _row(replay("gpuptr-ordered", ops), "torch", ops)
+
+
 def rows(b: Bench) -> None:
     for name, make in TRACES:
         row = f"footprint {name}: peak held / peak live"
@@ -119,4 +124,4 @@ def rows(b: Bench) -> None:
             b.record(row, label, partial(_row, ours, peer, ops))
         ordered = f"footprint {name}, gpuptr stream-ordered: peak held / peak live"
         if b.wants(ordered, PEERS[0][1], "footprint"):
-            b.record(ordered, PEERS[0][1], lambda ops=ops: _row(replay("gpuptr-ordered", ops), "torch", ops))
+            b.record(ordered, PEERS[0][1], partial(_ordered_row, ops))

@@ -358,6 +358,11 @@ def test_the_summary_is_the_median_of_the_rounds_medians_and_the_most_memory():
     g = s[("gpt2", "gpuptr")]
     assert (g["rounds"], g["median_ms"], g["min_ms"], g["max_ms"]) == (3, 44.0, 43.0, 45.0)
     assert g["round_medians_ms"] == [44.0, 45.0, 43.0]
+    assert g["by_round"] == {1: 44.0, 2: 45.0, 3: 43.0}
+    # Round by round: 44/40, 45/42, 43/41, whose median is 45/42 (the
+    # ratio of the medians is 44/41).
+    assert wl.paired_ratio(g, s[("gpt2", "own")]) == pytest.approx(45 / 42)
+    assert wl.paired_ratio(g, {"by_round": {4: 40.0}}) is None
     assert g["peak_lib_bytes"] == (9 << 30) - 1 and g["gpuptr"]["pool_misses"] == 10
     assert g["stream_ordered"] is False and s[("gpt2", "ordered")]["stream_ordered"] is True
     assert s[("gpt2", "rmm")]["peak_lib_bytes"] is None
@@ -375,11 +380,15 @@ def test_the_table_gives_ratios_to_own_and_flags_gpuptr_only():
     assert "41.00 ms" in own and "40.00-42.00" in own and "1.00x " in own and "8.00 GiB" in own
     # rmm: 44/41 = 1.07 and a 70 GiB device peak (7.78x), not flagged: it is not gpuptr.
     assert "1.07x " in rmm and "7.78x" in rmm and "!" not in rmm and "70.00 GiB" in rmm
+    # rmm by round: 43/40, 44/42, 45/41, median 43/40 = 1.075.
+    assert rmm.split()[7] in ("1.07x", "1.08x"), rmm
     # gpuptr: 44/41 = 1.07 (over 1.05) and 9/8 = 1.12 of the library's count (over 1.10): flagged.
     assert "(all streams)" in mine and "1.07x!" in mine and "1.12x!" in mine and "1.00x " in mine
+    assert mine.split()[8] == "1.07x!", mine  # by round: 45/42
     assert "1000 / 10 / 40" in mine
     assert "! a gpuptr allocator over 1.05x own's median step or 1.10x own's peak" in table
     assert "0.98x" in lines[("gpt2", "ordered")] and "(stream-ordered)" in lines[("gpt2", "ordered")]
+    assert lines[("gpt2", "ordered")].split()[8] == "1.00x"  # 40/40, 40/42, 42/41
     assert "!" not in lines[("gpt2", "ordered")]
     # cupy: gpuptr 290/300 and half the memory; rmm skipped; ordered failed.
     assert "0.97x" in lines[("cupy", "gpuptr")] and "0.50x" in lines[("cupy", "gpuptr")]

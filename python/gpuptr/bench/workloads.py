@@ -391,6 +391,7 @@ def summarize(records: Sequence[Record]) -> Dict[Tuple[str, str], Record]:
                 min_ms=min(medians),
                 max_ms=max(medians),
                 round_medians_ms=medians,
+                by_round={int(r["round"]): float(r["median_ms"]) for r in ok if r.get("round") is not None},
                 peak_lib_bytes=_most([r.get("peak_lib_bytes") for r in ok]),
                 peak_live_bytes=_most([r.get("peak_live_bytes") for r in ok]),
                 device_lost_bytes=_most([r.get("device_lost_bytes") for r in ok]),
@@ -401,6 +402,15 @@ def summarize(records: Sequence[Record]) -> Dict[Tuple[str, str], Record]:
             )
         out[key] = s
     return out
+
+
+def paired_ratio(mine: Record, own: Record) -> Optional[float]:
+    """The median over rounds of ``mine``'s median step over ``own``'s in
+    the same round (the two ran one after the other, so a host that drifts
+    between rounds moves both); None without a round measured by both."""
+    a, b = mine.get("by_round") or {}, own.get("by_round") or {}
+    xs = [a[r] / b[r] for r in a if b.get(r)]
+    return statistics.median(xs) if xs else None
 
 
 def ratio(value: Any, own: Any) -> Optional[float]:
@@ -517,7 +527,7 @@ def format_table(
     own's step, or 1.10x either of own's peaks, is flagged ``!``), and
     gpuptr's allocations, misses and fences. A workload skipped under every
     allocator for one reason is one line; reasons follow the table."""
-    header = ("workload", "allocator", "rounds", "median step", "min-max ms", "x own",
+    header = ("workload", "allocator", "rounds", "median step", "min-max ms", "x own", "by round",
               "peak (library)", "x own", "peak (device)", "x own", "at end (device)",
               "gpuptr allocs / misses / fences")
     cells: List[Tuple[str, ...]] = []
@@ -540,9 +550,10 @@ def format_table(
                 continue
             mine = a in GPUPTR_SIDES
             step_x = ratio(s["median_ms"], own.get("median_ms")) if own_ok else None
+            round_x = paired_ratio(s, own) if own_ok else None
             lib_x = ratio(s["peak_lib_bytes"], own.get("peak_lib_bytes")) if own_ok else None
             dev_x = ratio(s["peak_device_lost_bytes"], own.get("peak_device_lost_bytes")) if own_ok else None
-            for value, limit in ((step_x, STEP_FLAG), (lib_x, PEAK_FLAG), (dev_x, PEAK_FLAG)):
+            for value, limit in ((step_x, STEP_FLAG), (round_x, STEP_FLAG), (lib_x, PEAK_FLAG), (dev_x, PEAK_FLAG)):
                 flagged = flagged or bool(mine and value is not None and value > limit)
             name = a
             if mine and s.get("stream_ordered") is not None:
@@ -554,6 +565,7 @@ def format_table(
                 f"{s['median_ms']:.2f} ms",
                 f"{s['min_ms']:.2f}-{s['max_ms']:.2f}",
                 _x(step_x, STEP_FLAG if mine else None),
+                _x(round_x, STEP_FLAG if mine else None),
                 _bytes(s["peak_lib_bytes"]),
                 _x(lib_x, PEAK_FLAG if mine else None),
                 _bytes(s["peak_device_lost_bytes"]),
@@ -569,7 +581,7 @@ def format_table(
     n = len(header)
     full = [c for c in cells if len(c) == n]
     w_ = [max(len(c[i]) for c in [header, *full]) for i in range(n)]
-    right = {2, 3, 4, 5, 6, 7, 8, 9, 10}
+    right = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
 
     def line(c: Tuple[str, ...]) -> str:
         if len(c) != n:  # a skipped or failed pair: its reason after the rounds
@@ -582,7 +594,8 @@ def format_table(
     lines.append("")
     lines.append(
         "median step: the median over rounds of each child's median step (min-max: of those medians); "
-        "x own: over the library's own allocator"
+        "x own: over the library's own allocator; by round: the median over rounds of the ratio "
+        "to own's step in the same round"
     )
     lines.append(
         "peak (library): the allocator's own count (torch max_memory_reserved, CuPy pool total_bytes, "

@@ -76,6 +76,28 @@ fn the_growth_helper_starts_on_the_first_growth_without_a_stream() {
     assert!(!off.grower.started(), "growth ahead is off");
 }
 
+/// A driver that allocates faster than an idle GPU's `cuMemAlloc` (the
+/// simulator's takes a few microseconds) never makes a growth look cheaper
+/// than 20 µs, the least an idle H200's took: a busy GPU is a fence that
+/// has spun longer than a growth, so a cheaper growth would make every
+/// idle fence read as busy, and a miss grow rather than wait for it.
+#[test]
+fn a_growth_is_taken_to_cost_at_least_an_idle_gpus_driver_allocation() {
+    let (sim, ctx, pool) = pool(256 << 20);
+    for _ in 0..40 {
+        let seg = *pool.grow(ctx, 0, 2 * MIB, Kind::Small).unwrap();
+        pool.arena(0).add_segment(seg.base, seg.bytes, seg.kind);
+    }
+    let measured = Duration::from_nanos(pool.grow_ns.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!(pool.grow_cost(), measured.max(Duration::from_micros(20)));
+    assert!(
+        pool.grow_cost() >= Duration::from_micros(20),
+        "{measured:?} measured"
+    );
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    assert_eq!(sim.live_bytes(), 0);
+}
+
 /// Memory freed without a stream is reused only after its fence.
 #[test]
 fn pool_reuses_only_after_its_fence_without_a_runtime() {

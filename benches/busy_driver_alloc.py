@@ -1,11 +1,15 @@
 """What a driver allocation costs while the GPU is busy: each of 40
 ``cuMemAlloc(8 MiB)`` calls timed in order, on an idle GPU and while a
 1.5 s kernel runs on a non-blocking stream (the pool's growth on a busy
-device is one such call per 8 MiB). Usage: python benches/busy_driver_alloc.py
+device is one such call per 8 MiB), and then, with the kernel still running,
+while a second thread waits in ``cuCtxSynchronize`` as gpuptr's fence thread
+does (whether that wait slows the driver's allocations).
+Usage: python benches/busy_driver_alloc.py
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import cupy as cp
@@ -46,6 +50,24 @@ def main() -> None:
     for mib in (32, 64, 128):
         bigger[mib], more = timed_allocs(8, mib << 20)
         ptrs += more
+    # A thread in cuCtxSynchronize beside the allocations, as the fence
+    # thread is while the GPU is busy.
+    _, ctx = cu.cuCtxGetCurrent()
+    waiting = threading.Event()
+
+    def fence() -> None:
+        cu.cuCtxSetCurrent(ctx)
+        waiting.set()
+        cu.cuCtxSynchronize()
+
+    t = threading.Thread(target=fence, daemon=True)
+    t.start()
+    waiting.wait()
+    time.sleep(0.001)  # into the driver's wait
+    synced, more = timed_allocs(40, 8 << 20)
+    ptrs += more
+    synced64, more = timed_allocs(8, 64 << 20)
+    ptrs += more
     still = not cs.done
     s.synchronize()
     for p in ptrs:
@@ -55,6 +77,9 @@ def main() -> None:
     print(f"busy (kernel still running: {still}): {fmt(busy)}")
     for mib, ts in bigger.items():
         print(f"busy, cuMemAlloc({mib} MiB): {fmt(ts)}")
+    print(f"busy, a thread in cuCtxSynchronize: {fmt(synced)}")
+    print(f"busy, a thread in cuCtxSynchronize, cuMemAlloc(64 MiB): {fmt(synced64)}")
+    t.join()
 
 
 if __name__ == "__main__":

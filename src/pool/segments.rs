@@ -166,7 +166,7 @@ impl Held {
 /// yet ([`Pool::fence_all_and_take`]).
 pub(super) struct Landing<'a> {
     segment: Allocation,
-    count: &'a AtomicUsize,
+    _transit: InTransit<'a>,
 }
 
 impl std::ops::Deref for Landing<'_> {
@@ -176,9 +176,19 @@ impl std::ops::Deref for Landing<'_> {
     }
 }
 
-impl Drop for Landing<'_> {
+/// One growth counted in the pool's `in_transit` while this lives.
+struct InTransit<'a>(&'a AtomicUsize);
+
+impl<'a> InTransit<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        InTransit(count)
+    }
+}
+
+impl Drop for InTransit<'_> {
     fn drop(&mut self) {
-        self.count.fetch_sub(1, Ordering::AcqRel);
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -196,29 +206,7 @@ impl Pool {
         bytes: usize,
         kind: Kind,
     ) -> Result<Landing<'_>> {
-        self.in_transit.fetch_add(1, Ordering::AcqRel);
-        let r = self.grow_counted(context, arena, bytes, kind);
-        let landing = |segment| Landing {
-            segment,
-            count: &self.in_transit,
-        };
-        match r {
-            Ok(segment) => Ok(landing(segment)),
-            Err(e) => {
-                self.in_transit.fetch_sub(1, Ordering::AcqRel);
-                Err(e)
-            }
-        }
-    }
-
-    /// [`Pool::grow`] once counted in transit.
-    fn grow_counted(
-        &self,
-        context: RawContext,
-        arena: usize,
-        bytes: usize,
-        kind: Kind,
-    ) -> Result<Allocation> {
+        let transit = InTransit::enter(&self.in_transit);
         {
             let mut held = lock(&self.held);
             let limit = self.limit.load(Ordering::Relaxed);
@@ -261,7 +249,10 @@ impl Pool {
         held.record(a, arena);
         drop(held);
         self.segment_event(true, &a);
-        Ok(a)
+        Ok(Landing {
+            segment: a,
+            _transit: transit,
+        })
     }
 
     /// Forget the segment at `base` without freeing it: its context was

@@ -166,9 +166,23 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn mem_alloc(&self, context: RawContext, size: usize) -> Result<DevicePtr> {
+        // Where a slow growth's time goes, when asked for: the context check
+        // apart from the allocation (an atomic load when the log is off).
+        let timed = log::log_enabled!(target: "gpuptr::driver", log::Level::Debug)
+            .then(std::time::Instant::now);
         self.enter(context)?;
+        let entered = timed.map(|t| t.elapsed());
         // SAFETY: `context` is current; cuMemAlloc only writes its out-pointer.
-        guard("cuMemAlloc", || unsafe { result::malloc_sync(size) })
+        let r = guard("cuMemAlloc", || unsafe { result::malloc_sync(size) });
+        if let (Some(t), Some(entered)) = (timed, entered) {
+            log::debug!(
+                target: "gpuptr::driver",
+                "cuMemAlloc({size}): {} us, after {} us making the context current",
+                (t.elapsed() - entered).as_micros(),
+                entered.as_micros()
+            );
+        }
+        r
     }
 
     unsafe fn mem_free(&self, context: RawContext, ptr: DevicePtr) -> Result<()> {

@@ -9,6 +9,8 @@ import ast
 import io
 import pkgutil
 import re
+import subprocess
+import sys
 from importlib import import_module, resources
 from pathlib import Path
 
@@ -145,3 +147,19 @@ def test_the_old_module_level_names_stay_importable():
                  "run_command"):
         assert hasattr(bench, name), name
     assert gpuptr.bench is bench
+
+
+def test_cupy_why_folds_py_spys_raw_stacks_into_shares(tmp_path):
+    # py-spy's raw format: frames joined by ";", then the sample count.
+    (tmp_path / "gpuptr.txt").write_text(
+        "main (python);hook (_core.abi3.so);Arena::take (_core.abi3.so) 30\n"
+        "main (python);launch (libcuda.so) 10\n"
+    )
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "cupy_why.py"), "--fold", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = [ln.split() for ln in r.stdout.splitlines()]
+    assert ["==", "gpuptr:", "40", "samples;"] == lines[0][:4]
+    shares = {ln[-1]: float(ln[0]) for ln in lines[1:] if ln and ln[0][0].isdigit()}
+    assert shares["_core.abi3.so"] == 75.0 and shares["libcuda.so"] == 25.0 and shares["python"] == 100.0
+    assert "own" not in r.stdout  # no file for it: nothing said

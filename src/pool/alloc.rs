@@ -17,9 +17,11 @@ use crate::stats::Client;
 const OOM_FENCE_ROUNDS: usize = 2;
 
 /// How long such an allocation waits, each round, for growths to reach
-/// their arenas (see [`Landing`](super::segments::Landing); a driver
-/// allocation takes 40-100 µs on a busy GPU).
-const TRANSIT_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
+/// their arenas (see [`Landing`](super::segments::Landing)): ten times
+/// the slowest driver allocation measured (490 µs on a busy H100, just
+/// after a kernel started), so a growth under way lands within it, and
+/// short enough that out of memory is still answered at once to a user.
+pub(super) const TRANSIT_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// One request on its way down the miss ladder ([`Pool::alloc`]).
 struct Ask<V> {
@@ -232,7 +234,7 @@ impl Pool {
                 break;
             }
             let growing = self.in_transit.load(Ordering::Acquire) > 0;
-            let until = std::time::Instant::now() + TRANSIT_WAIT;
+            let until = std::time::Instant::now() + self.transit_wait;
             while self.in_transit.load(Ordering::Acquire) > 0 && std::time::Instant::now() < until {
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }

@@ -191,6 +191,10 @@ pub(crate) struct Pool {
     /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests on slow
     /// hosts lengthen it).
     ahead_wait: Duration,
+    /// How long an allocation out of memory waits, each round, for growths
+    /// in transit to reach their arenas ([`alloc::TRANSIT_WAIT`]; tests on
+    /// slow hosts lengthen it).
+    transit_wait: Duration,
     /// Told of each driver allocation the pool records (`true`) or gives up
     /// (`false`), before any of its blocks is handed out and before the
     /// driver may hand its addresses to someone else ([`Pool::on_segments`]).
@@ -253,6 +257,7 @@ impl Pool {
             ahead: Mutex::new(None),
             grown: Condvar::new(),
             ahead_wait: AHEAD_WAIT,
+            transit_wait: alloc::TRANSIT_WAIT,
             segments: None,
             host: HostCache::new(config.host_cache_bytes),
         }

@@ -274,6 +274,71 @@ fn a_miss_waits_for_the_helpers_growth_of_its_arena_then_takes_from_it() {
     assert_eq!(sim.live_bytes(), 0);
 }
 
+/// The bound of that wait is ten times the slowest driver allocation
+/// measured (490 µs on a busy H100, just after a kernel started), and still
+/// a few milliseconds: out of memory is answered before a user notices.
+#[test]
+fn out_of_memory_waits_for_growths_in_transit_ten_slow_driver_allocations() {
+    let slowest = Duration::from_micros(490);
+    let (_sim, _ctx, pool) = pool(64 << 20);
+    assert_eq!(pool.transit_wait, super::alloc::TRANSIT_WAIT);
+    assert!(pool.transit_wait >= 10 * slowest, "{:?}", pool.transit_wait);
+    assert!(pool.transit_wait <= Duration::from_millis(10));
+}
+
+/// An allocation out of memory waits for a growth in transit (allocated by
+/// the driver, not yet in its arena) to land, and takes from it, rather
+/// than fail while the memory it needs is on its way; with nothing landing
+/// it fails after [`TRANSIT_WAIT`](super::alloc::TRANSIT_WAIT) a round.
+#[test]
+fn out_of_memory_waits_for_a_growth_in_transit_then_takes_from_it() {
+    const MEMORY: usize = 64 << 20;
+    let (sim, ctx, mut pool) = pool(MEMORY);
+    // Landing 2 ms into the wait must come within the bound however slowly
+    // the host schedules (valgrind in CI).
+    pool.transit_wait = Duration::from_secs(30);
+    let calls = || sim.calls(CallKind::MemAlloc);
+    // In transit until dropped: the thread below stands in for its grower.
+    let landing = pool.grow(ctx, 0, 8 * MIB, Kind::Small).unwrap();
+    let seg = *landing;
+    // SAFETY: a live context of the simulator; freed below.
+    let filler = unsafe { sim.mem_alloc(ctx, MEMORY - 8 * MIB) }.unwrap();
+    let before = calls();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // The request's own growths have failed: it is in the wait.
+            while calls() < before + 2 {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            pool.arena(0).add_segment(seg.base, seg.bytes, seg.kind);
+            drop(landing);
+        });
+        let a = alloc(&pool, ctx, MIB, None);
+        assert_eq!(a.address, seg.base, "from the growth that landed");
+        assert!(a.new_allocation.is_none());
+        pool.release(ctx, back(a, MIB), None, || true);
+    });
+    // Nothing lands: out of memory after the bound, each round.
+    pool.transit_wait = Duration::from_millis(20);
+    // SAFETY: allocated above, no longer used.
+    unsafe { sim.mem_free(ctx, filler) }.unwrap();
+    let held = pool.grow(ctx, 0, 2 * MIB, Kind::Large).unwrap();
+    // SAFETY: as above; freed below.
+    let filler = unsafe { sim.mem_alloc(ctx, MEMORY - 10 * MIB) }.unwrap();
+    let t = Instant::now();
+    let r = pool.alloc(ctx, 16 * MIB, None, 0, Client::Direct, || true);
+    assert!(r.is_err_and(|e| e.is_oom()));
+    assert!(t.elapsed() >= pool.transit_wait, "{:?}", t.elapsed());
+    pool.arena(0).add_segment(held.base, held.bytes, held.kind);
+    drop(held);
+    // SAFETY: allocated above, no longer used.
+    unsafe { sim.mem_free(ctx, filler) }.unwrap();
+    assert!(pool.flush(ctx));
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    assert_eq!(sim.live_bytes(), 0, "nothing lost");
+}
+
 /// A miss waits for a fence under way while it has run less than a growth
 /// costs (an idle GPU's fence) and reuses what it frees, so a small set
 /// churned without a stream stays in a few segments.

@@ -32,20 +32,21 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, random, statistics, sys, time
+import json, statistics, sys, time
 from collections import deque
 import cupy
+from gpuptr.bench.children.workload import CUPY_ARRAYS, CUPY_KEEP, CUPY_LOG2, log_uniform
 
 mode, passes = sys.argv[1], int(sys.argv[2])
 if mode == "gpuptr":
     import gpuptr
     gpuptr.install(numba=False, torch=False, rmm=False, cupy=True)
-rng = random.Random(0)  # the workload's sizes (gpuptr.bench.children.workload)
-counts = [max(1, int(2 ** rng.uniform(10.0, 26.0)) // 4) for _ in range(3000)]
+# The workload's sizes, as its run_cupy draws them.
+counts = [max(1, size // 4) for size in log_uniform(0, CUPY_ARRAYS, *CUPY_LOG2)]
 f32 = cupy.float32
 
 def one_pass():
-    keep = deque(maxlen=20)
+    keep = deque(maxlen=CUPY_KEEP)
     for c in counts:
         a = cupy.empty(c, dtype=f32)
         keep.append(a * 2 + 1)
@@ -60,7 +61,7 @@ def kernels():
         cupy.add(t[:c], 1, out=b[:c])
 
 def alloc():
-    keep = deque(maxlen=20)
+    keep = deque(maxlen=CUPY_KEEP)
     for c in counts:
         a = cupy.empty(c, dtype=f32)
         t = cupy.empty(c, dtype=f32)
@@ -71,12 +72,12 @@ def alloc():
 def hook():
     from gpuptr import _core
     m, fr = _core._cupy_malloc_current, _core._cupy_free
-    keep = deque(maxlen=20)
+    keep = deque()
     for c in counts:
         n = c * 4
         a = m(n, 0); t = m(n, 0); fr(t, 0)
         keep.append(m(n, 0)); fr(a, 0)
-        if len(keep) == 20:
+        if len(keep) == CUPY_KEEP:
             fr(keep.popleft(), 0)
     for p in keep:
         fr(p, 0)

@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::stats::Client;
 
 /// The most fences an allocation out of memory waits for (rung 6), while
-/// other threads free blocks behind each: one more than before, as
+/// other threads free blocks behind each: the first and one retry, as
 /// PyTorch's allocator retries once after it frees its cache (the device's
 /// ladder above trims and asks again, so each round multiplies there).
 const OOM_FENCE_ROUNDS: usize = 2;

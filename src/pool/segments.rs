@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::arena::BlockState;
 use super::arena::{round, Kind, SMALL_MAX};
@@ -220,15 +220,11 @@ impl Pool {
             held.pending += bytes;
         }
         let started = Instant::now();
-        let mut call = Duration::ZERO;
         // Relaxed: a capture under way on some thread neither refuses this
         // allocation nor is invalidated by it.
-        let r = relaxed(self.driver.as_ref(), || {
-            let t = Instant::now();
-            // SAFETY: the pool's owner passes its live, retained context.
-            let r = unsafe { self.driver.mem_alloc(context, bytes) };
-            call = t.elapsed();
-            r
+        // SAFETY: the pool's owner passes its live, retained context.
+        let r = relaxed(self.driver.as_ref(), || unsafe {
+            self.driver.mem_alloc(context, bytes)
         });
         let took = started.elapsed();
         if r.is_ok() {
@@ -240,9 +236,8 @@ impl Pool {
         }
         log::debug!(
             target: "gpuptr::pool",
-            "cuMemAlloc of {bytes} bytes took {} us ({} us in the driver's call) on thread {:?}",
+            "cuMemAlloc of {bytes} bytes took {} us on thread {:?}",
             took.as_micros(),
-            call.as_micros(),
             std::thread::current().name().unwrap_or("?")
         );
         let mut held = lock(&self.held);

@@ -14,6 +14,7 @@
 //! only answer what a pool holds.
 
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -165,19 +166,18 @@ impl Runtime {
         let (address, device) = (mem.address(), mem.context().device());
         let (requested, block) = (mem.size() as u64, block_bytes(&mem));
         let mut shard = self.handed.shard(address);
-        if shard.contains_key(&address) {
-            // Handed out already (its holder keeps the address from reuse):
-            // this is another handle of the same memory, counted once.
-            drop(shard);
+        // Handed out already (its holder keeps the address from reuse):
+        // this is another handle of the same memory, counted once.
+        let Entry::Vacant(slot) = shard.entry(address) else {
             return address;
-        }
+        };
         self.handed.tag(client, device, address, mem.size());
         self.handed.count(device, client, |c| {
             c.allocation.add(block, 1);
             c.allocated_bytes.add(block, block as u64);
             c.requested_bytes.add(block, requested);
         });
-        shard.insert(address, (mem, client));
+        slot.insert((mem, client));
         address
     }
 
@@ -263,16 +263,16 @@ impl Runtime {
     pub fn take_back(&self, address: u64, client: Client) -> Option<Arc<DevicePointer>> {
         let mem = {
             let mut shard = self.handed.shard(address);
-            match shard.get(&address) {
-                Some((_, c)) if *c == client => {
+            match shard.entry(address) {
+                Entry::Occupied(e) if e.get().1 == client => {
                     // Untagged before it goes: a pool's listing never shows
                     // an allocation its library has let go.
                     self.handed.untag(client, address);
-                    shard.remove(&address).map(|(m, _)| m)
+                    e.remove().0
                 }
-                _ => None,
+                _ => return None,
             }
-        }?;
+        };
         let (requested, block) = (mem.size() as u64, block_bytes(&mem));
         self.handed.count(mem.context().device(), client, |c| {
             c.allocation.sub(block, 1);

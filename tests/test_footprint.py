@@ -60,7 +60,17 @@ def test_three_one_mib_blocks_churned_beside_a_busy_cpu_stay_within_a_few_segmen
     as a busy GPU by its length alone, some runs grew to the whole 1 GiB
     device (64 MiB segments and growth ahead at every wait); so did one run
     in about sixty, with three such processes, while a fence that had spent
-    21 µs of CPU before its thread lost the CPU read as a busy GPU's."""
+    21 µs of CPU before its thread lost the CPU read as a busy GPU's.
+
+    A fence that did spend more CPU than a growth costs reads as a busy
+    GPU's, as it should. The host's own noise makes one such now and then:
+    on a 2-CPU VM, about five fences in each run of some 15,000 spent 13 to
+    110 µs of CPU on the simulator's idle device, against a 20 µs growth.
+    A miss that looks then grows once by a busy GPU's 64 MiB and asks for
+    64 MiB ahead (one run in about 200 here). So: most runs stay within
+    the 32 MiB headroom and a few 2 MiB segments, and no run grows past
+    one such reading (176 MiB; the runaway this guards against took the
+    whole 1 GiB)."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         peaks = []
@@ -71,7 +81,8 @@ def test_three_one_mib_blocks_churned_beside_a_busy_cpu_stay_within_a_few_segmen
     finally:
         hog.kill()
         hog.wait()
-    assert max(peaks) <= 48, f"peaks {peaks} MiB for a 3 MiB working set"
+    assert sum(p > 48 for p in peaks) <= 1, f"peaks {peaks} MiB for a 3 MiB working set"
+    assert max(peaks) <= 48 + 128, f"peaks {peaks} MiB for a 3 MiB working set"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")

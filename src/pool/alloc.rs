@@ -194,12 +194,16 @@ impl Pool {
         })
     }
 
-    /// Rung 3: if the asker's arena holds blocks sealed for a fence, wait
-    /// for it unless it turns out a busy GPU's (see
+    /// Rung 3: if the asker's arena holds blocks sealed for a fence, and
+    /// the request is large or the pool past its budget, wait for the
+    /// fence unless it turns out a busy GPU's (see
     /// [`Fencer::wait_unless_busy`]), and take the best fit.
     fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let newest = self.arena(ask.home).newest_sealed();
-        if newest == 0 || self.fencer.capturing() || self.budget_room(ask.size) > 0 {
+        if newest == 0 || self.fencer.capturing() {
+            return None;
+        }
+        if Kind::of(ask.want) == Kind::Small && self.budget_room(ask.size) > 0 {
             return None;
         }
         let cost = self.grow_cost();

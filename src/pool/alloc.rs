@@ -195,7 +195,8 @@ impl Pool {
     }
 
     /// Rung 3: if the asker's arena holds blocks sealed for a fence, and
-    /// the request is large or the pool past its budget, wait for the
+    /// the request is large without a stream or the pool past its budget,
+    /// wait for the
     /// fence unless it turns out a busy GPU's (see
     /// [`Fencer::wait_unless_busy`]), and take the best fit.
     fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
@@ -203,7 +204,10 @@ impl Pool {
         if newest == 0 || self.fencer.capturing() {
             return None;
         }
-        if Kind::of(ask.want) == Kind::Small && self.budget_room(ask.size) > 0 {
+        // Within the budget, a small request grows at once, and so does a
+        // stream's (as its library's own pool would).
+        let large_fenced = ask.tag == ANY && Kind::of(ask.want) == Kind::Large;
+        if !large_fenced && self.budget_room(ask.size) > 0 {
             return None;
         }
         let cost = self.grow_cost();

@@ -30,15 +30,18 @@
 //! **A miss, top to bottom** ([`Pool::alloc`]):
 //! 1. the best fit in the caller's arena;
 //! 2. (no stream) memory anyone may use in another arena;
-//! 3. for a large request (over 1 MiB), or past the pool's budget
-//!    (`max(1.5 x live, 32 MiB)`), a fence under way: wait for it and
-//!    reuse what it frees (an idle GPU's fence takes microseconds), unless
-//!    it has spun longer than a growth costs (the pool's own `cuMemAlloc`
-//!    time, measured) on its thread's CPU: a busy GPU. Within the budget a
-//!    small request's miss grows at once (a 2 MiB segment): a tight loop
-//!    gets the stock that covers its fences. A large segment would stay
-//!    held as long as the pool: on the seeded mixed trace (b), growing
-//!    within the budget held 2.03x the live peak, waiting 1.90x;
+//! 3. for a large request (over 1 MiB) without a stream, or past the
+//!    pool's budget (`max(1.5 x live, 32 MiB)`), a fence under way: wait
+//!    for it and reuse what it frees (an idle GPU's fence takes
+//!    microseconds), unless it has spun longer than a growth costs (the
+//!    pool's own `cuMemAlloc` time, measured) on its thread's CPU: a busy
+//!    GPU. Within the budget a small request's miss grows at once (a 2 MiB
+//!    segment): a tight loop gets the stock that covers its fences; so
+//!    does a stream's, as its library's own pool grows. A large segment
+//!    would stay held as long as the pool: on the seeded mixed trace (b)
+//!    replayed without a stream on the simulator, growing within the
+//!    budget held a median 2.03x the live peak in five runs, waiting
+//!    2.01x (1.90x at best);
 //! 4. the growth helper allocating for this arena: wait for it;
 //! 5. grow by one segment. While a fence has spun longer than a growth costs
 //!    (a busy GPU holds every fenced free back), memory freed without a
@@ -115,9 +118,9 @@ pub struct PoolConfig {
     /// size on a helper thread, so that an allocation finds a block rather
     /// than wait for the driver. Zero: off.
     pub ahead_bytes: usize,
-    /// The most bytes the pool holds, at least, before a small request's
-    /// miss (1 MiB or less) of memory freed without a stream waits for its
-    /// fence rather than grow (a larger one always waits): its
+    /// The most bytes the pool holds, at least, before a miss of memory
+    /// freed without a stream waits for its fence rather than grow (a
+    /// request over 1 MiB without a stream always waits): its
     /// budget is `max(1.5 x live, headroom_bytes)`, `live` being what its
     /// users hold. Within it a tight loop's misses cost no wait; past it
     /// an idle GPU's pool stays close to what is live.

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod arena;
+mod fence;
 
 use super::ahead::AHEAD_WAIT;
 use super::arena::Kind;

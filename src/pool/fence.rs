@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::helper::{Helper, Shared};
+use super::spin::{own_cpu_clock, thread_cpu_ns, Probe, NO_CLOCK};
 use crate::driver::{Driver, RawContext};
 use crate::sync::{lock, wait, wait_timeout};
 
@@ -25,55 +26,6 @@ fn wait_turn(since: Instant) {
     } else {
         std::thread::sleep(Duration::from_micros(50));
     }
-}
-
-/// No thread CPU clock ([`FenceExt::cpu_clock`]).
-const NO_CLOCK: i64 = i64::MIN;
-
-/// The calling thread's CPU-time clock, for other threads to read.
-fn own_cpu_clock() -> i64 {
-    #[cfg(target_os = "linux")]
-    {
-        let mut id: libc::clockid_t = 0;
-        // SAFETY: pthread_self() is the calling thread, alive for the call;
-        // `id` is a valid place for the result.
-        if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut id) } == 0 {
-            return i64::from(id);
-        }
-    }
-    NO_CLOCK
-}
-
-/// The CPU time of the thread whose clock is `clock` ([`own_cpu_clock`]),
-/// in nanoseconds; `None` if it cannot be read (no clock, or the thread
-/// ended).
-fn thread_cpu_ns(clock: i64) -> Option<u64> {
-    if clock == NO_CLOCK {
-        return None;
-    }
-    #[cfg(target_os = "linux")]
-    {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid place for the result; an id of a thread
-        // that ended makes the call fail (EINVAL), never touch memory.
-        if unsafe { libc::clock_gettime(clock as libc::clockid_t, &mut ts) } == 0 {
-            return Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
-        }
-    }
-    None
-}
-
-/// Whether a fence that ran `ran` (wall time) and spent `cpu` ns of its
-/// thread's CPU spins ([`Fencer::spun`]): at least `cost` of CPU, and on a
-/// CPU for at least a quarter of its run. A spinning fence thread that
-/// shares its CPU with up to three others still reads as spinning (under
-/// valgrind, which runs one thread at a time, it gets about half); one
-/// that spent 21 µs and then waited 2 ms for a CPU does not.
-pub(super) fn spins(cpu: u64, ran: Duration, cost: Duration) -> bool {
-    cpu >= cost.as_nanos() as u64 && u128::from(cpu) * 4 >= ran.as_nanos()
 }
 
 /// Nanoseconds since the first call (0 is never returned: it means "not
@@ -138,6 +90,8 @@ pub(crate) struct FenceExt {
     started_cpu: AtomicU64,
     /// The fence thread's CPU-time clock ([`NO_CLOCK`] until it starts).
     cpu_clock: std::sync::atomic::AtomicI64,
+    /// The last look at the running fence's CPU ([`Fencer::spun`]).
+    probe: Probe,
 }
 
 #[derive(Default)]
@@ -176,6 +130,7 @@ impl Fencer {
             started_ns: Line(AtomicU64::new(0)),
             started_cpu: AtomicU64::new(0),
             cpu_clock: std::sync::atomic::AtomicI64::new(NO_CLOCK),
+            probe: Probe::default(),
         };
         Fencer {
             helper: Helper::new("gpuptr-fence", FenceState::default(), ext),
@@ -198,33 +153,22 @@ impl Fencer {
         self.ext().started.load(Ordering::SeqCst)
     }
 
-    /// How long the fence running now has run (`None`: none runs). A
-    /// fence of an idle GPU takes a few microseconds; one that runs longer
-    /// waits for work queued on the GPU, or for a CPU.
-    #[inline]
-    pub(crate) fn running_for(&self) -> Option<Duration> {
-        let t = self.ext().started_ns.load(Ordering::Relaxed);
-        (t != 0).then(|| Duration::from_nanos(now_ns().saturating_sub(t)))
-    }
-
-    /// Whether the fence running now spins: it has spent `cost` in the
-    /// driver on its thread's CPU, and was on a CPU for at least a quarter
-    /// of the time it ran ([`spins`]). The GPU is then busy (`cuCtxSynchronize` spins while
-    /// queued work runs). A fence thread that waits for a CPU (a loaded
-    /// host) spends none while it waits, and is not a busy GPU: on the
-    /// simulator beside spinning processes, fences that had spent 21 µs
-    /// before their thread lost its CPU read as spun for milliseconds by
-    /// CPU time alone, and a 3 MiB loop grew to the whole 1 GiB device.
-    /// Without a thread CPU clock, the wall time it ran. One clock read
-    /// once the fence has run `cost`; nothing before.
+    /// Whether the fence running now spins (see [`Probe::spins`]): the
+    /// GPU is then busy (`cuCtxSynchronize` spins while queued work runs).
+    /// A fence thread that waits for a CPU (a loaded host) spends none
+    /// while it waits, and is not a busy GPU. Without a thread CPU clock,
+    /// the wall time it ran. One clock read once the fence has run `cost`;
+    /// nothing before.
     pub(crate) fn spun(&self, cost: Duration) -> bool {
-        let Some(ran) = self.running_for().filter(|t| *t >= cost) else {
-            return false;
-        };
         let ext = self.ext();
-        let start = ext.started_cpu.load(Ordering::Acquire);
+        let started = ext.started_ns.load(Ordering::Relaxed);
+        let now = now_ns();
+        if started == 0 || now.saturating_sub(started) < cost.as_nanos() as u64 {
+            return false;
+        }
+        let start_cpu = ext.started_cpu.load(Ordering::Acquire);
         match thread_cpu_ns(ext.cpu_clock.load(Ordering::Relaxed)) {
-            Some(now) => spins(now.saturating_sub(start), ran, cost),
+            Some(cpu) => ext.probe.spins((started, start_cpu), (now, cpu), cost),
             None => true,
         }
     }

@@ -71,6 +71,7 @@ mod fence;
 mod helper;
 mod host;
 mod segments;
+mod spin;
 #[cfg(test)]
 mod tests;
 

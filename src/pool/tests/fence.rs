@@ -1,26 +1,39 @@
-//! The fence's reading of a busy GPU.
+//! The fence's reading of a busy GPU ([`Probe::spins`]).
 
 use std::time::Duration;
 
-use super::super::fence::spins;
+use super::super::spin::Probe;
 
-/// A fence spins ([`Fencer::spun`](crate::pool::fence::Fencer::spun)) when it has spent a growth's cost
-/// of CPU and ran on a CPU for at least a quarter of its time: the
-/// fence of a busy GPU, alone on a CPU or sharing one; not one that
+const US: u64 = 1_000;
+
+/// A fence spins when it has spent a growth's cost of CPU and keeps
+/// spending: on a CPU for a quarter of its run, or, sharing one more
+/// thinly (valgrind runs one thread at a time: a sixth to an eighth), its
+/// CPU grew by a sixteenth of the time between two looks. Not one that
 /// lost its CPU after a little work (measured on the simulator beside
-/// spinning processes: 20.8 µs of CPU, then 2 ms without), nor one
-/// that has not yet spent the cost.
+/// spinning processes: 20.8 µs of CPU, then 2 ms without), however often
+/// it is looked at; nor one that has not yet spent the cost.
 #[test]
 fn a_fence_spins_only_while_it_spends_its_cpu_not_while_it_waits_for_one() {
-    let us = Duration::from_micros;
-    let cost = us(20);
-    // Alone on a CPU, and sharing one with two or three other threads.
-    assert!(spins(2_000_000, us(2_050), cost));
-    assert!(spins(1_000_000, us(3_000), cost));
-    assert!(spins(500_000, us(2_000), cost));
-    // Waiting for a CPU since it spent 20.8 µs: not from 84 µs on.
-    assert!(!spins(20_800, us(2_000), cost));
-    assert!(!spins(20_800, us(84), cost));
+    let cost = Duration::from_micros(20);
+    let p = Probe::default();
+    // Alone on a CPU, and sharing one with three other threads.
+    assert!(p.spins((1, 0), (1 + 2_050 * US, 2_000 * US), cost));
+    assert!(p.spins((1, 0), (1 + 2_000 * US, 500 * US), cost));
     // Under the cost, however long it ran on a CPU.
-    assert!(!spins(19_000, us(19), cost));
+    assert!(!p.spins((1, 0), (1 + 19 * US, 19 * US), cost));
+    // Waiting for a CPU since it spent 20.8 µs: never, look after look.
+    let frozen = (2, 0);
+    for ms in 1..5 {
+        assert!(
+            !p.spins(frozen, (2 + ms * 1_000 * US, 20_800), cost),
+            "{ms} ms"
+        );
+    }
+    // A seventh of a CPU: not at the first look; at a look 1 ms later,
+    // not one 10 µs later.
+    let thin = (3, 0);
+    assert!(!p.spins(thin, (3 + 1_000 * US, 143 * US), cost));
+    assert!(!p.spins(thin, (3 + 1_010 * US, 144 * US), cost));
+    assert!(p.spins(thin, (3 + 2_000 * US, 286 * US), cost));
 }

@@ -47,6 +47,13 @@ pub(super) fn thread_cpu_ns(clock: i64) -> Option<u64> {
     None
 }
 
+/// CPU that a fence spends only by spinning: ten times the most an idle
+/// fence spent on a noisy 2-CPU VM (110 µs, on the simulator). A fence
+/// that has spent this much was a busy GPU's when its thread last ran,
+/// even if a CPU-starved host (or valgrind, which runs one thread at a
+/// time) has not let it run since.
+const SURELY_SPUN: u64 = 1_100_000;
+
 /// One look at a running fence: when it started (wall ns, its id), and
 /// the wall and CPU clocks at the look.
 #[derive(Copy, Clone, Default)]
@@ -68,16 +75,17 @@ impl Probe {
     /// threads), or its CPU grew by at least a sixteenth of the wall time
     /// since an earlier look at it, `cost` or more ago (under valgrind,
     /// which runs one thread at a time, a busy GPU's fence got a sixth to
-    /// an eighth beside a growth). A fence thread that spent 21 µs and then
-    /// waited 2 ms for a CPU (the simulator beside spinning processes) does
-    /// neither: its CPU stands still.
+    /// an eighth beside a growth); or it has spent [`SURELY_SPUN`]. A fence
+    /// thread that spent 21 µs and then waited 2 ms for a CPU (the
+    /// simulator beside spinning processes) does none of these: its CPU
+    /// stands still.
     pub(super) fn spins(&self, start: (u64, u64), now: (u64, u64), cost: Duration) -> bool {
         let cost = cost.as_nanos() as u64;
         let cpu = now.1.saturating_sub(start.1);
         if cpu < cost {
             return false;
         }
-        if u128::from(cpu) * 4 >= u128::from(now.0.saturating_sub(start.0)) {
+        if cpu >= SURELY_SPUN || u128::from(cpu) * 4 >= u128::from(now.0.saturating_sub(start.0)) {
             return true;
         }
         let mut last = lock(&self.0);

@@ -12,7 +12,8 @@ const US: u64 = 1_000;
 /// CPU grew by a sixteenth of the time between two looks. Not one that
 /// lost its CPU after a little work (measured on the simulator beside
 /// spinning processes: 20.8 µs of CPU, then 2 ms without), however often
-/// it is looked at; nor one that has not yet spent the cost.
+/// it is looked at; nor one that has not yet spent the cost. One that spent
+/// milliseconds spinning and then lost its CPU still does.
 #[test]
 fn a_fence_spins_only_while_it_spends_its_cpu_not_while_it_waits_for_one() {
     let cost = Duration::from_micros(20);
@@ -29,6 +30,12 @@ fn a_fence_spins_only_while_it_spends_its_cpu_not_while_it_waits_for_one() {
             !p.spins(frozen, (2 + ms * 1_000 * US, 20_800), cost),
             "{ms} ms"
         );
+    }
+    // Starved after 19 ms of CPU (valgrind beside an allocating loop):
+    // a busy GPU's, look after look.
+    let starved = (4, 0);
+    for ms in [30, 90, 100] {
+        assert!(p.spins(starved, (4 + ms * 1_000 * US, 18_971 * US), cost));
     }
     // A seventh of a CPU: not at the first look; at a look 1 ms later,
     // not one 10 µs later.

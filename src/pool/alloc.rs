@@ -196,8 +196,7 @@ impl Pool {
 
     /// Rung 3: if the asker's arena holds blocks sealed for a fence, and
     /// the request is large without a stream or the pool past its budget,
-    /// wait for the
-    /// fence unless it turns out a busy GPU's (see
+    /// wait for the fence unless it turns out a busy GPU's (see
     /// [`Fencer::wait_unless_busy`]), and take the best fit.
     fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let newest = self.arena(ask.home).newest_sealed();

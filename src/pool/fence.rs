@@ -162,8 +162,11 @@ impl Fencer {
     pub(crate) fn spun(&self, cost: Duration) -> bool {
         let ext = self.ext();
         let started = ext.started_ns.load(Ordering::Relaxed);
+        if started == 0 {
+            return false;
+        }
         let now = now_ns();
-        if started == 0 || now.saturating_sub(started) < cost.as_nanos() as u64 {
+        if now.saturating_sub(started) < cost.as_nanos() as u64 {
             return false;
         }
         let start_cpu = ext.started_cpu.load(Ordering::Acquire);

@@ -186,7 +186,7 @@ def test_clients_count_their_own_allocations():
 class FakeCupy(types.ModuleType):
     """What gpuptr.cupy uses of CuPy, recording what it is handed."""
 
-    def __init__(self, stream=0x4242, device=0):
+    def __init__(self, stream=0x4242, device=0, c_errors=True):
         super().__init__("cupy")
         self.__version__ = "0-fake"
         self.allocator = self.pinned_allocator = None
@@ -224,6 +224,41 @@ class FakeCupy(types.ModuleType):
                 mem = PythonFunctionAllocatorMemory(size, self._malloc_func, self._free_func, device)
                 return MemoryPointer(mem, 0)
 
+        # CuPy's CFunctionAllocator: its Cython calls the C hooks holding
+        # the GIL (ctypes.PYFUNCTYPE does too, and raises what the hook set,
+        # as Cython 3's `except? -1` does). With c_errors False, a CuPy whose
+        # Cython would take the -1 for an address.
+        c_malloc = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        c_free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+        self.c_calls = 0
+
+        def call_malloc(param, func, size, device_id):
+            self.c_calls += 1
+            try:
+                return c_malloc(func)(param, size, device_id)
+            except Exception:
+                if c_errors:
+                    raise
+                return -1
+
+        class CFunctionAllocatorMemory:
+            def __init__(self, size, param, malloc_func, free_func, device_id):
+                self._param, self._free_func, self.device_id, self.size = param, free_func, device_id, size
+                self.ptr = 0
+                self.ptr = call_malloc(param, malloc_func, size, device_id) if size > 0 else 0
+
+            def __del__(self):
+                if self.ptr:
+                    c_free(self._free_func)(self._param, self.ptr, self.device_id)
+
+        class CFunctionAllocator:
+            def __init__(self, param, malloc_func, free_func, owner):
+                self._args, self._owner = (param, malloc_func, free_func), owner
+
+            def malloc(self, size):
+                p, m, f = self._args
+                return MemoryPointer(CFunctionAllocatorMemory(size, p, m, f, device), 0)
+
         class OutOfMemoryError(MemoryError):
             # As CuPy's: made from (size, total, limit).
             def __init__(self, size, total, limit=0):
@@ -237,6 +272,7 @@ class FakeCupy(types.ModuleType):
             MemoryPointer=MemoryPointer,
             PinnedMemoryPointer=PinnedMemoryPointer,
             PythonFunctionAllocator=PythonFunctionAllocator,
+            CFunctionAllocator=CFunctionAllocator,
             set_allocator=lambda f: setattr(self, "allocator", f),
             set_pinned_memory_allocator=lambda f: setattr(self, "pinned_allocator", f),
             get_current_stream=lambda: types.SimpleNamespace(ptr=stream),
@@ -369,6 +405,68 @@ def test_cupy_hooks_refuse_bad_input_with_typed_errors(fake_cupy):
     _core._cupy_free(p, 0)
     _core._cupy_free(p, 0)  # a second free is ignored, never a double free
     assert _core._hooks_state() == (live0, failures0 + 3)
+
+
+def test_cupy_allocator_calls_the_c_hooks_where_cupy_passes_their_errors_on(fake_cupy):
+    # CuPy's CFunctionAllocator calls gpuptr's C hooks: no Python call per
+    # allocation. A failure there is CuPy's (and gpuptr's) typed exception.
+    import gpuptr.cupy
+
+    gpuptr.cupy.install(pinned=False)
+    assert type(gpuptr.cupy._allocator).__name__ == "CFunctionAllocator"
+    live0, failures0 = _core._hooks_state()
+    calls = fake_cupy.c_calls
+    mp = fake_cupy.allocator(1 << 20)
+    assert fake_cupy.c_calls == calls + 1 and gpuptr.context_of(mp.ptr) is gpuptr.context(0)
+    assert client("cupy")["live_bytes"] >= 1 << 20 and _core._hooks_state() == (live0 + 1, failures0)
+    with pytest.raises(fake_cupy.cuda.memory.OutOfMemoryError) as ei:
+        fake_cupy.allocator(1 << 62)
+    assert isinstance(ei.value, gpuptr.OutOfMemoryError) and ei.value.requested == 1 << 62
+    del mp
+    assert _core._hooks_state() == (live0, failures0)
+    s0 = gpuptr.stats()[0]
+    again = fake_cupy.allocator(1 << 20)
+    s1 = gpuptr.stats()[0]
+    assert (s1["pool_hits"], s1["pool_misses"]) == (s0["pool_hits"] + 1, s0["pool_misses"]), "reused at once"
+    del again
+    malloc, free, fenced, _, probe, message = _core._cupy_c_hooks()
+    c_malloc = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(malloc)
+    c_free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(free)
+    for device in (99, -1):
+        with pytest.raises(gpuptr.InvalidArgumentError, match="device"):
+            c_malloc(fenced, 1024, device)
+    with pytest.raises(gpuptr.InvalidArgumentError, match="probe"):
+        c_malloc(probe, 1024, 0)
+    m = gpuptr.alloc(4096)
+    c_free(fenced, m.device_pointer_value, 0)  # not the hooks': untouched
+    assert not m.freed
+    q = c_malloc(fenced, 4096, 0)
+    c_free(probe, q, 0)  # the probe's free frees nothing
+    assert _core._hooks_state() == (live0 + 1, failures0 + 1)
+    c_free(fenced, q, 0)
+    c_free(fenced, q, 0)  # a second free is ignored, never a double free
+    assert _core._hooks_state() == (live0, failures0 + 2)
+
+
+def test_cupy_allocator_keeps_the_python_hooks_where_cupy_would_take_an_error_for_an_address(monkeypatch):
+    # A CuPy whose Cython does not check for an exception after its C
+    # malloc would hand out address -1: the install-time probe finds that,
+    # costs nothing, and gpuptr keeps PythonFunctionAllocator there.
+    import gpuptr.cupy as gc_mod
+
+    fake = FakeCupy(c_errors=False)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for name in ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr"):
+        monkeypatch.setattr(gc_mod, name, getattr(gc_mod, name))
+    state = _core._hooks_state()
+    gc_mod.install(pinned=False)
+    assert type(gc_mod._allocator).__name__ == "PythonFunctionAllocator"
+    assert fake.c_calls == 1, "probed once"
+    assert _core._hooks_state() == state, "the probe allocated and freed nothing"
+    mp = fake.allocator(4096)
+    assert gpuptr.context_of(mp.ptr) is gpuptr.context(0) and fake.c_calls == 1
+    del mp
+    assert _core._hooks_state() == state
 
 
 # ----------------------------------------------------------------- torch

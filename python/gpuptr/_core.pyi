@@ -68,6 +68,7 @@ __all__ = [
     "_hooks_configure",
     "_hooks_record_stream",
     "_hooks_state",
+    "_cupy_c_hooks",
     "_cupy_malloc",
     "_cupy_malloc_current",
     "_cupy_set_stream_source",
@@ -723,6 +724,11 @@ def _hooks_record_stream(address: int, stream: int) -> bool:
     """Note that the allocation the C entry points handed out at ``address``
     is also used on ``stream`` (``Tensor.record_stream``): its free then
     waits for the pool's fence. Whether ``address`` is such an allocation.
+    """
+def _cupy_c_hooks() -> tuple[int, int, int, int, int, str]:
+    """``(malloc, free, fenced, ordered, probe, probe message)``: the C hooks
+    for ``cupy.cuda.memory.CFunctionAllocator`` (addresses), the `param`
+    values that pick each stream rule or the probe, and what the probe raises.
     """
 def _cupy_malloc(nbytes: int, device: int, stream: _Stream = None) -> int:
     """CuPy's allocation hook, for ``cupy.cuda.PythonFunctionAllocator``:

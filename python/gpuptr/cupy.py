@@ -24,14 +24,41 @@ __all__ = ["OutOfMemoryError", "install", "installed", "malloc", "malloc_pinned"
 
 _stream_ordered = True
 _installed = False
-_allocator: Any = None  # a cupy.cuda.PythonFunctionAllocator over gpuptr's hooks
+_allocator: Any = None  # CuPy's CFunctionAllocator (or PythonFunctionAllocator) over gpuptr's hooks
+_c_hooks_pass_errors: dict[Any, bool] = {}  # per CFunctionAllocator class: what the probe found
 
 
-def _make_allocator(cupy: Any, stream_ordered: bool) -> Any:
-    # CuPy's own Cython allocator class builds the memory objects and calls
-    # gpuptr's hooks (compiled functions) directly: no Python frame, and no
-    # UnownedMemory or MemoryPointer built in Python, per allocation.
-    cls = getattr(cupy.cuda, "PythonFunctionAllocator", None) or cupy.cuda.memory.PythonFunctionAllocator
+def _c_hooks_usable(cls: Any) -> bool:
+    """Whether CuPy's ``CFunctionAllocator`` passes on an exception that
+    gpuptr's C hook sets. Its ``_call_malloc`` is Cython returning an
+    ``intptr_t``: built with Cython 3's defaults it checks for an exception
+    after a -1, built otherwise it would take -1 for an address. The probe
+    hook fails at once and frees nothing, so asking costs no memory."""
+    if cls not in _c_hooks_pass_errors:
+        malloc, free, _, _, probe, message = _core._cupy_c_hooks()
+        ok = False
+        try:
+            cls(probe, malloc, free, _core).malloc(1)
+        except ValueError as e:
+            ok = message in str(e)
+        except Exception:  # e.g. SystemError: a result with an exception set
+            ok = False
+        _c_hooks_pass_errors[cls] = ok
+    return _c_hooks_pass_errors[cls]
+
+
+def _make_allocator(cupy: Any, stream_ordered: bool, c_hooks: bool = True) -> Any:
+    # CuPy's own Cython allocator classes build the memory objects. With
+    # CFunctionAllocator it calls gpuptr's C hooks directly: no Python call
+    # per allocation or free. Where the probe finds that it would not pass
+    # on the hook's errors, PythonFunctionAllocator calls gpuptr's compiled
+    # Python functions instead: no Python frame, but a call each way.
+    mem: Any = getattr(cupy.cuda, "memory", None)
+    c_cls = getattr(cupy.cuda, "CFunctionAllocator", None) or getattr(mem, "CFunctionAllocator", None)
+    if c_hooks and c_cls is not None and _c_hooks_usable(c_cls):
+        malloc, free, fenced, ordered, _, _ = _core._cupy_c_hooks()
+        return c_cls(ordered if stream_ordered else fenced, malloc, free, _core)
+    cls = getattr(cupy.cuda, "PythonFunctionAllocator", None) or mem.PythonFunctionAllocator
     malloc_func = _core._cupy_malloc_current if stream_ordered else _core._cupy_malloc
     return cls(malloc_func, _core._cupy_free)
 

@@ -217,10 +217,20 @@ pub(crate) fn _cupy_malloc(
     device: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
-    let _log = super::logging::Deliver(py);
     let size = super::args::size_arg(nbytes, "nbytes")?;
     let device = super::args::device_arg(device)?;
-    let stream = super::args::stream_arg(stream)?;
+    cupy_alloc(py, device, size, super::args::stream_arg(stream)?)
+}
+
+/// `size` bytes on `device` for CuPy, freed on `stream` (none: through
+/// the fence).
+fn cupy_alloc(
+    py: Python<'_>,
+    device: usize,
+    size: usize,
+    stream: Option<RawStream>,
+) -> PyResult<u64> {
+    let _log = super::logging::Deliver(py);
     Runtime::global()?
         .alloc_for(Client::Cupy, device, size, stream, caller_site)
         .map_err(cupy_error)
@@ -236,14 +246,97 @@ pub(crate) fn _cupy_malloc_current(
     nbytes: &Bound<'_, PyAny>,
     device: &Bound<'_, PyAny>,
 ) -> PyResult<u64> {
+    let size = super::args::size_arg(nbytes, "nbytes")?;
+    let device = super::args::device_arg(device)?;
+    cupy_alloc(py, device, size, cupy_stream(py)?)
+}
+
+/// CuPy's current stream, from the callable ``_cupy_set_stream_source``
+/// set (none set: no stream, so the free goes through the fence).
+fn cupy_stream(py: Python<'_>) -> PyResult<Option<RawStream>> {
     let source = crate::sync::lock(&CUPY_STREAM)
         .as_ref()
         .map(|s| s.clone_ref(py));
-    let stream = match source {
-        Some(s) => Some(s.bind(py).call0()?),
-        None => None,
+    let Some(source) = source else {
+        return Ok(None);
     };
-    _cupy_malloc(py, nbytes, device, stream.as_ref())
+    let handle = source.bind(py).call0()?;
+    match handle.extract::<usize>() {
+        Ok(h) => Ok(Some(h)),
+        Err(_) => super::args::stream_arg(Some(&handle)),
+    }
+}
+
+/// `param` of the C hooks handed to CuPy's `CFunctionAllocator` (which
+/// stream rule, or the install-time probe: fails at once, frees nothing),
+/// and what the probe raises, for ``gpuptr.cupy`` to recognise.
+const CUPY_C_FENCED: usize = 0;
+const CUPY_C_ORDERED: usize = 1;
+const CUPY_C_PROBE: usize = 2;
+const CUPY_C_PROBE_MESSAGE: &str = "gpuptr's probe of CuPy's CFunctionAllocator";
+
+/// CuPy's `CFunctionAllocator` malloc, `void* malloc(void* param, size_t
+/// size, int device)`: `_cupy_malloc_current` (or `_cupy_malloc`, by
+/// `param`) without a Python call into gpuptr. CuPy calls it holding the
+/// GIL, from its memory object's constructor. A failure sets the Python
+/// exception and returns `(void*)-1`: CuPy's `_call_malloc` returns an
+/// `intptr_t`, so Cython 3 checks for an exception after a -1
+/// (`except? -1`, its default). Whether this CuPy was built so is what
+/// ``gpuptr.cupy`` probes before it installs these hooks.
+extern "C" fn cupy_c_malloc(param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
+    let alloc = |py: Python<'_>| -> PyResult<u64> {
+        let stream = match param as usize {
+            CUPY_C_FENCED => None,
+            CUPY_C_ORDERED => cupy_stream(py)?,
+            _ => return Err(crate::Error::InvalidArgument(CUPY_C_PROBE_MESSAGE.into()).into()),
+        };
+        let device = usize::try_from(device)
+            .map_err(|_| crate::Error::InvalidArgument(format!("device {device} out of range")))?;
+        cupy_alloc(py, device, size, stream)
+    };
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Python::attach(|py| {
+            let e = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| alloc(py))) {
+                Ok(Ok(address)) => return address as usize as *mut c_void,
+                Ok(Err(e)) => e,
+                Err(_) => crate::Error::Panic("in gpuptr's CuPy allocation hook".into()).into(),
+            };
+            e.restore(py);
+            usize::MAX as *mut c_void
+        })
+    }));
+    // Only if attaching itself failed: a null pointer, with nothing set
+    // that could be read as an address.
+    r.unwrap_or(std::ptr::null_mut())
+}
+
+/// CuPy's `CFunctionAllocator` free, `void free(void* param, void* ptr, int
+/// device)`: `_cupy_free`. Never raises (CuPy calls it from a destructor).
+extern "C" fn cupy_c_free(param: *mut c_void, ptr: *mut c_void, _device: c_int) {
+    if param as usize == CUPY_C_PROBE || ptr.is_null() {
+        return;
+    }
+    let _ = std::panic::catch_unwind(|| give_back(ptr as usize as u64, Client::Cupy, None));
+    // What the free logged reaches Python now, as from `_cupy_free`: the
+    // GIL is only asked for then (CuPy holds it; at exit it may not be had).
+    if crate::log_queue::pending() {
+        let _ = std::panic::catch_unwind(|| Python::try_attach(super::logging::flush));
+    }
+}
+
+/// ``(malloc, free, fenced, ordered, probe, probe message)``: the C hooks
+/// for ``cupy.cuda.memory.CFunctionAllocator`` (addresses), the `param`
+/// values that pick each stream rule or the probe, and what the probe raises.
+#[pyfunction]
+pub(crate) fn _cupy_c_hooks() -> (usize, usize, usize, usize, usize, &'static str) {
+    (
+        cupy_c_malloc as *const () as usize,
+        cupy_c_free as *const () as usize,
+        CUPY_C_FENCED,
+        CUPY_C_ORDERED,
+        CUPY_C_PROBE,
+        CUPY_C_PROBE_MESSAGE,
+    )
 }
 
 /// The callable ``_cupy_malloc_current`` asks for CuPy's current stream

@@ -553,7 +553,7 @@ mod _core {
         _alloc_for, _cuda_core_buffer,
         dlpack::{_dlpack_consume, _dtype_info},
         hooks::{
-            _cupy_free, _cupy_malloc, _cupy_malloc_current, _cupy_set_oom_error,
+            _cupy_c_hooks, _cupy_free, _cupy_malloc, _cupy_malloc_current, _cupy_set_oom_error,
             _cupy_set_stream_source, _hooks_configure, _hooks_record_stream, _hooks_state,
             _rmm_alloc, _rmm_free,
         },

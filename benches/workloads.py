@@ -12,7 +12,7 @@ CuPy, numba-cuda, RMM and cuda-bindings; what is missing is skipped):
 
     python benches/workloads.py [--rounds N] [--only gpt2,resnet,cupy,numba]
         [--allocators own,rmm,gpuptr,strict] [--steps N] [--warmup N]
-        [--timeout S] [--json FILE]
+        [--timeout S] [--cpus LIST] [--json FILE]
 
 The default allocators are own, rmm, gpuptr (``gpuptr.install()``'s
 defaults) and whichever of strict (``stream_ordered=False``) and ordered

@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import io
 import json
+import os
 import subprocess
 import sys
 from importlib import resources
@@ -285,9 +286,23 @@ def test_the_scripts_lists_and_numbers(tmp_path):
                                                                              4, 0, 12.5)
 
 
+def test_the_script_pins_its_children_to_the_cpus_asked_for(monkeypatch, capsys):
+    mine = sorted(os.sched_getaffinity(0))
+    assert wl.parse_args(["--cpus", f"{mine[0]}"]).cpus == [mine[0]]
+    assert wl.parse_args(["--cpus", f"{mine[0]}-{mine[0]},{mine[0]}"]).cpus == [mine[0]]
+    assert wl.parse_args([]).cpus is None
+    pinned = []
+    monkeypatch.setattr(wl.os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, list(cpus))))
+    monkeypatch.setattr(wl, "gpu_problem", lambda: "no GPU here")
+    wl.main(["--rounds", "1", "--only", "cupy", "--allocators", "own", "--cpus", str(mine[-1])])
+    assert pinned == [(0, [mine[-1]])], "set once, in the parent, before any child"
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("argv", [
     ["--only", "gpt3"], ["--only", ""], ["--allocators", "own,tlsf"], ["--rounds", "0"], ["--steps", "x"],
     ["--warmup", "-1"], ["--timeout", "0"], ["--json", "/no/such/dir/out.json"],
+    ["--cpus", "x"], ["--cpus", ""], ["--cpus", "3-1"], ["--cpus", "-2"], ["--cpus", "100000"],
 ])
 def test_the_script_refuses_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -624,6 +624,28 @@ def _names(allowed: Sequence[str], what: str) -> Callable[[str], List[str]]:
     return parse
 
 
+def _cpus(text: str) -> List[int]:
+    """``--cpus``: CPU numbers and ranges (``3``, ``2,3``, ``2-5``), each
+    one this process may run on."""
+    cpus: List[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus += range(first, last + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not CPU numbers or ranges (such as 3 or 2-5): {text!r}") from None
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    outside = sorted(set(cpus) - allowed)
+    if not cpus or outside:
+        raise argparse.ArgumentTypeError(
+            f"CPUs {outside or text!r} are not among those this process may run on ({sorted(allowed)})"
+        )
+    return sorted(set(cpus))
+
+
 def _positive(kind: Callable[[str], Any], least: float) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -658,6 +680,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="warm-up steps (cupy, numba: passes) for every workload (default: each workload's)")
     ap.add_argument("--timeout", type=_positive(float, 1), default=DEFAULT_TIMEOUT_S,
                     help="seconds a child may run (default %(default)g)")
+    ap.add_argument("--cpus", type=_cpus, default=None, metavar="LIST",
+                    help="run every child on these CPUs only (such as 3 or 2-5): a host-bound loop such as "
+                    "cupy's then varies less from process to process (default: any CPU)")
     ap.add_argument("--json", metavar="FILE", help="also write every child's JSON and the summary to FILE")
     args = ap.parse_args(argv)
     if args.allocators is None:
@@ -677,6 +702,8 @@ def main(argv: Optional[Sequence[str]] = None, run: RunChild = run_child) -> int
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)  # the children inherit it
     gpu = gpu_problem()
     say(f"workloads {','.join(args.only)} under {','.join(args.allocators)}, {args.rounds} round(s)"
         f"{'' if gpu is None else ' - ' + gpu}")
@@ -719,6 +746,7 @@ def _meta(args: argparse.Namespace, gpu: Optional[str], wall_s: float) -> Record
         "steps": args.steps,
         "warmup": args.warmup,
         "timeout_s": args.timeout,
+        "cpus": args.cpus,
         "gpuptr": gpuptr.__version__,
         "gpuptr_default_stream_ordered": default_stream_ordered(),
         "python": platform.python_version(),

@@ -39,10 +39,8 @@ def _c_hooks_usable(cls: Any) -> bool:
         ok = False
         try:
             cls(probe, malloc, free, _core).malloc(1)
-        except ValueError as e:
-            ok = message in str(e)
-        except Exception:  # e.g. SystemError: a result with an exception set
-            ok = False
+        except Exception as e:  # not ours (e.g. SystemError: a result with an exception set): unusable
+            ok = isinstance(e, ValueError) and message in str(e)
         _c_hooks_pass_errors[cls] = ok
     return _c_hooks_pass_errors[cls]
 

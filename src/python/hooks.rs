@@ -260,11 +260,7 @@ fn cupy_stream(py: Python<'_>) -> PyResult<Option<RawStream>> {
     let Some(source) = source else {
         return Ok(None);
     };
-    let handle = source.bind(py).call0()?;
-    match handle.extract::<usize>() {
-        Ok(h) => Ok(Some(h)),
-        Err(_) => super::args::stream_arg(Some(&handle)),
-    }
+    super::args::stream_arg(Some(&source.bind(py).call0()?))
 }
 
 /// `param` of the C hooks handed to CuPy's `CFunctionAllocator` (which

@@ -70,6 +70,7 @@ mod class;
 mod fence;
 mod helper;
 mod host;
+mod quick;
 mod segments;
 mod spin;
 #[cfg(test)]

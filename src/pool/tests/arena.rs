@@ -2,6 +2,7 @@
 
 use super::super::arena::BlockState;
 use super::super::arena::*;
+use super::super::quick::QUICK_MAX;
 use crate::driver::DevicePtr;
 
 const MIB: usize = 1 << 20;
@@ -13,7 +14,7 @@ fn arena_with(base: DevicePtr, size: usize) -> Arena {
 }
 
 /// Every block of the segment at `base`: sizes tile it, links agree.
-fn check_tiles(a: &Arena, base: DevicePtr, size: usize) {
+fn check_tiles(a: &mut Arena, base: DevicePtr, size: usize) {
     let blocks = a.segment_blocks(base, size);
     let total: usize = blocks.iter().map(|b| b.1).sum();
     assert_eq!(total, size, "blocks tile the segment: {blocks:?}");
@@ -37,10 +38,10 @@ fn a_small_request_splits_and_the_free_merges_the_segment_back() {
     assert_eq!((p, n), (1 << 32, 4096));
     let (q, _) = a.take(ANY, 8192).unwrap();
     assert_eq!(q, (1 << 32) + 4096, "the rest of the split serves the next");
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     a.free(p, ANY);
     a.free(q, ANY);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(
         a.segment_blocks(1 << 32, 2 * MIB).len(),
         1,
@@ -61,7 +62,7 @@ fn best_fit_takes_the_smallest_block_that_fits() {
     a.free(blocks[3], ANY);
     let (p, _) = a.take(ANY, 3000 / 512 * 512 + 512).unwrap();
     assert_eq!(p, blocks[1], "the 4096-byte hole, not the 8192 one");
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
 }
 
 #[test]
@@ -122,7 +123,7 @@ fn memory_anyone_may_use_merges_into_a_streams_block() {
     // The rest of the segment is fresh memory, free for anyone.
     assert_eq!(a.free_any_bytes(), 2 * MIB - 4096);
     a.free(p, s);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
     assert_eq!(
         a.free_any_bytes(),
@@ -141,13 +142,13 @@ fn two_streams_blocks_never_merge() {
     let (q, _) = a.take(t, MIB).unwrap();
     a.free(p, s);
     a.free(q, t);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 2);
     a.wait_all_tagged();
     a.seal(1);
     assert_eq!(a.take(s, 4096), None, "both wait for the fence");
     a.promote(1);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(
         a.segment_blocks(1 << 32, 2 * MIB).len(),
         1,
@@ -213,12 +214,13 @@ fn used_block_at_finds_only_blocks_handed_out() {
     assert_eq!(a.used_block_at(1 << 32, p), None);
 }
 
-/// Random takes and frees on three tags keep the segment tiled, the
-/// byte counts exact, and end as one free block.
+/// Random takes and frees on three tags, in sizes that repeat (so the
+/// quick list serves some) and sizes that do not, keep the segment tiled,
+/// the byte counts exact between looks, and end as one free block.
 #[test]
 fn random_churn_keeps_the_books() {
     let mut a = arena_with(1 << 32, 2 * MIB);
-    let mut used: Vec<(DevicePtr, Tag)> = Vec::new();
+    let mut used: Vec<(DevicePtr, Tag, usize)> = Vec::new();
     let mut x: u64 = 0x9e3779b97f4a7c15;
     let mut next = || {
         x ^= x << 13;
@@ -226,29 +228,43 @@ fn random_churn_keeps_the_books() {
         x ^= x << 17;
         x
     };
-    for _ in 0..20_000 {
+    let (mut quick_hits, mut lent) = (0, 0);
+    for step in 0..20_000 {
         let r = next();
         let tag = [ANY, 0x1000, 0x2000][(r % 3) as usize];
         if r & 8 == 0 || used.is_empty() {
-            let size = round(((r >> 8) % 65536) as usize + 1);
-            if let Some((p, _)) = a.take(tag, size) {
-                used.push((p, tag));
+            let size = match r & 16 {
+                0 => round(((r >> 8) % 65536) as usize + 1),
+                _ => [512, 4096, 8192, 65536][((r >> 8) % 4) as usize],
+            };
+            let listed = a.quick.len();
+            if let Some((p, n)) = a.take(tag, size) {
+                quick_hits += usize::from(a.quick.len() + 1 == listed);
+                used.push((p, tag, n));
+                lent += n;
             }
         } else {
             let i = (r >> 8) as usize % used.len();
-            let (p, t) = used.swap_remove(i);
+            let (p, t, n) = used.swap_remove(i);
             a.free(p, t);
+            lent -= n;
         }
-        let in_use: usize = a
-            .segment_blocks(1 << 32, 2 * MIB)
-            .iter()
-            .filter(|b| b.2 == BlockState::Used)
-            .map(|b| b.1)
-            .sum();
-        assert_eq!(in_use + a.free_bytes(), 2 * MIB);
+        // The quick list's bytes count as free while it holds them.
+        assert_eq!(lent + a.free_bytes(), 2 * MIB);
+        if step % 97 == 0 {
+            let in_use: usize = a
+                .segment_blocks(1 << 32, 2 * MIB)
+                .iter()
+                .filter(|b| b.2 == BlockState::Used)
+                .map(|b| b.1)
+                .sum();
+            assert_eq!(in_use, lent);
+            check_tiles(&mut a, 1 << 32, 2 * MIB);
+        }
     }
-    check_tiles(&a, 1 << 32, 2 * MIB);
-    for (p, t) in used {
+    assert!(quick_hits > 1000, "the quick list served {quick_hits}");
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    for (p, t, _) in used {
         a.free(p, t);
     }
     a.wait_all_tagged();
@@ -256,4 +272,55 @@ fn random_churn_keeps_the_books() {
     a.promote(1);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
     assert_eq!(a.free_any_bytes(), 2 * MIB);
+}
+
+#[test]
+fn a_request_of_a_freed_blocks_size_takes_it_back_unmerged() {
+    let (s, t) = (0x1000, 0x2000);
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    let (p, _) = a.take(ANY, 4096).unwrap();
+    let (q, _) = a.take(ANY, 8192).unwrap();
+    let (_r, _) = a.take(ANY, 4096).unwrap();
+    a.free(p, ANY);
+    a.free(q, s);
+    assert_eq!(a.quick.len(), 2, "kept whole, not merged");
+    assert_eq!(a.free_bytes(), 2 * MIB - 4096);
+    assert_eq!(a.free_any_bytes(), 2 * MIB - 4096 - 8192);
+    // Exactly its size, on its tag: the same block, off the list.
+    assert_eq!(a.take(s, 8192).map(|x| x.0), Some(q));
+    assert_eq!(a.quick.len(), 1, "the other stays listed");
+    a.free(q, s);
+    // Anyone's block serves a stream; a stream's never serves another.
+    assert_eq!(a.take(t, 4096).map(|x| x.0), Some(p));
+    a.free(p, ANY);
+    assert_ne!(
+        a.take(t, 8192).map(|x| x.0),
+        Some(q),
+        "not stream s's block"
+    );
+    assert!(
+        a.quick.is_empty(),
+        "a request it cannot serve merges the list"
+    );
+    assert!(!a.is_used(q), "and s's block stays free");
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
+}
+
+#[test]
+fn the_quick_list_keeps_at_most_its_limit_and_merges_the_oldest() {
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    let blocks: Vec<_> = (0..20).map(|_| a.take(ANY, 4096).unwrap().0).collect();
+    for &p in &blocks {
+        a.free(p, ANY);
+    }
+    assert_eq!(a.quick.len(), QUICK_MAX);
+    assert_eq!(a.free_bytes(), 2 * MIB);
+    // The newest comes back first.
+    assert_eq!(a.take(ANY, 4096).map(|x| x.0), blocks.last().copied());
+    a.settle();
+    assert_eq!(
+        a.segment_blocks(1 << 32, 2 * MIB).len(),
+        3,
+        "the blocks before it merged, and the rest after it"
+    );
 }

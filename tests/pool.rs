@@ -22,6 +22,7 @@ fn test_pool_reuses_freed_blocks_best_fit_after_a_fence() {
         .windows(2)
         .all(|w| w[1].address() == w[0].address() + 1024));
     let syncs = drv.calls(CallKind::Synchronize);
+    let last = held.last().unwrap().address();
     drop(held);
     assert!(rt.flush_pool(0).unwrap());
     assert!(drv.calls(CallKind::Synchronize) > syncs, "a fence ran");
@@ -42,6 +43,10 @@ fn test_pool_reuses_freed_blocks_best_fit_after_a_fence() {
     spans.sort();
     assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "no overlap");
     assert!(spans.last().unwrap().1 <= base + (2 << 20), "one segment");
+    assert_eq!(again[0].address(), last, "the block freed last, whole");
+    // The others were merged first: the 5000-byte request took the best fit
+    // of the merged rest, the lowest address of the segment.
+    assert_eq!(again[1].address(), base);
     let s = rt.stats()[0];
     assert!(s.pool_hits >= 3 && s.fences >= 1);
     // A request over 1 MiB never takes a small segment's memory.

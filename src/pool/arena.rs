@@ -9,6 +9,8 @@
 //! block of its kind that it may use and fits, splits off the rest when the
 //! rest is worth keeping, and a freed block merges with its free
 //! neighbours, so a segment whose blocks are all free is one block again.
+//! The merge waits while the block is on the quick list (`quick.rs`):
+//! a request of exactly its size on its tag takes it back whole.
 //!
 //! Requests of at most 1 MiB (*small*) and larger ones (*large*) never
 //! share a segment: PyTorch's two pools, which keep small, short-lived
@@ -124,6 +126,8 @@ pub(crate) struct Arena {
     free: BTreeSet<(Kind, Tag, usize, DevicePtr)>,
     /// Blocks freed last, not merged yet (`quick.rs`), oldest first.
     pub(super) quick: Vec<super::quick::Quick>,
+    /// Requests the quick list served.
+    pub(super) quick_hits: u64,
     /// Bytes of free blocks (the quick list's too), all tags; and of those
     /// free for anyone.
     pub(super) free_bytes: usize,
@@ -158,6 +162,7 @@ impl Default for Arena {
             blocks: FastMap::default(),
             free: BTreeSet::new(),
             quick: Vec::with_capacity(super::quick::QUICK_MAX),
+            quick_hits: 0,
             free_bytes: 0,
             free_any_bytes: 0,
             pending: Vec::new(),

@@ -54,21 +54,19 @@ impl Arena {
         self.count_free(tag, size, true);
     }
 
-    /// A block on the quick list of exactly `size` bytes and `kind` that
-    /// an owner on `tag` may use (its stream's own first, then anyone's;
-    /// the newest of each), taken off the list and marked handed out.
+    /// A block on the quick list of exactly `size` bytes and `kind`, freed
+    /// on `tag` itself (the newest such), taken off the list and marked
+    /// handed out. Only the request's own tag: a stream's request that
+    /// would take anyone's block goes to the best-fit search, which gives
+    /// a tie to the stream's own block, as eager merging did.
     #[inline]
     pub(super) fn take_quick(&mut self, kind: Kind, tag: Tag, size: usize) -> Option<DevicePtr> {
-        let fits = |q: &Quick| q.size == size && q.kind == kind;
         let found = self
             .quick
             .iter()
-            .rposition(|q| fits(q) && q.tag == tag)
-            .or_else(|| match tag {
-                ANY => None,
-                _ => self.quick.iter().rposition(|q| fits(q) && q.tag == ANY),
-            })?;
+            .rposition(|q| q.size == size && q.kind == kind && q.tag == tag)?;
         let q = self.quick.remove(found);
+        self.quick_hits += 1;
         self.count_free(q.tag, q.size, false);
         self.info(q.at).state = State::Used;
         Some(q.at)
@@ -78,9 +76,21 @@ impl Arena {
     /// eager free would have: afterwards the free set holds every free
     /// block.
     pub(crate) fn settle(&mut self) {
-        while let Some(q) = self.quick.pop() {
+        // Oldest first, as they were freed: a block freed later was still
+        // handed out when an older one merged under eager merging, and
+        // which neighbour a block joins decides the tag it keeps.
+        let list = std::mem::take(&mut self.quick);
+        for &q in &list {
             self.merge_quick(q);
         }
+        self.quick = list;
+        self.quick.clear();
+    }
+
+    /// Whether the block at `at` is on the quick list (tests).
+    #[cfg(test)]
+    pub(super) fn quick_holds(&self, at: DevicePtr) -> bool {
+        self.quick.iter().any(|q| q.at == at)
     }
 
     fn merge_quick(&mut self, q: Quick) {

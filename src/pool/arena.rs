@@ -9,8 +9,6 @@
 //! block of its kind that it may use and fits, splits off the rest when the
 //! rest is worth keeping, and a freed block merges with its free
 //! neighbours, so a segment whose blocks are all free is one block again.
-//! The merge waits while the block is on the quick list (`quick.rs`):
-//! a request of exactly its size on its tag takes it back whole.
 //!
 //! Requests of at most 1 MiB (*small*) and larger ones (*large*) never
 //! share a segment: PyTorch's two pools, which keep small, short-lived
@@ -96,9 +94,6 @@ pub(super) enum State {
     /// Waiting, and claimed by an allocation out of memory that waits for
     /// the fence ([`Arena::claim_waiting`]): no one else takes or frees it.
     Claimed,
-    /// Free on its tag, on the quick list (`quick.rs`): not merged yet, so
-    /// no neighbour merges with it either.
-    Quick(Tag),
 }
 
 /// One block: its size, its neighbours in its segment (0: none), its state.
@@ -124,14 +119,9 @@ pub(crate) struct Arena {
     /// Free blocks by (kind, tag, size, address): the first at or after
     /// `(kind, tag, size, 0)` is the best fit for `tag`.
     free: BTreeSet<(Kind, Tag, usize, DevicePtr)>,
-    /// Blocks freed last, not merged yet (`quick.rs`), oldest first.
-    pub(super) quick: Vec<super::quick::Quick>,
-    /// Requests the quick list served.
-    pub(super) quick_hits: u64,
-    /// Bytes of free blocks (the quick list's too), all tags; and of those
-    /// free for anyone.
-    pub(super) free_bytes: usize,
-    pub(super) free_any_bytes: usize,
+    /// Bytes of free blocks, all tags; and of those free for anyone.
+    free_bytes: usize,
+    free_any_bytes: usize,
     /// Freed without a stream, not yet sealed into a batch.
     pending: Vec<DevicePtr>,
     pending_bytes: usize,
@@ -161,8 +151,6 @@ impl Default for Arena {
         Arena {
             blocks: FastMap::default(),
             free: BTreeSet::new(),
-            quick: Vec::with_capacity(super::quick::QUICK_MAX),
-            quick_hits: 0,
             free_bytes: 0,
             free_any_bytes: 0,
             pending: Vec::new(),
@@ -202,13 +190,19 @@ pub(super) fn merged(a: Tag, b: Tag) -> Option<Tag> {
 impl Arena {
     fn insert_free(&mut self, kind: Kind, tag: Tag, size: usize, at: DevicePtr) {
         self.free.insert((kind, tag, size, at));
-        self.count_free(tag, size, true);
+        self.free_bytes += size;
+        if tag == ANY {
+            self.free_any_bytes += size;
+        }
     }
 
     fn remove_free(&mut self, kind: Kind, tag: Tag, size: usize, at: DevicePtr) {
         let was = self.free.remove(&(kind, tag, size, at));
         debug_assert!(was, "a free block is in the free set");
-        self.count_free(tag, size, false);
+        self.free_bytes -= size;
+        if tag == ANY {
+            self.free_any_bytes -= size;
+        }
     }
 
     /// The smallest free block of `kind` with `tag` of at least `size`.
@@ -236,15 +230,10 @@ impl Arena {
     }
 
     /// A block of `size` bytes (rounded, [`round`]) for an owner on `tag`
-    /// ([`ANY`]: no stream known, so only blocks anyone may use): one of
-    /// exactly that size from the quick list, else the best fit, split when
-    /// the rest is worth keeping. Its address and size.
+    /// ([`ANY`]: no stream known, so only blocks anyone may use): the best
+    /// fit, split when the rest is worth keeping. Its address and size.
     pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(size);
-        if let Some(at) = self.take_quick(kind, tag, size) {
-            return Some((at, size));
-        }
-        self.settle();
         let (t, have, at) = self.best_fit(kind, tag, size)?;
         self.remove_free(kind, t, have, at);
         let mut info = self.blocks[&at];
@@ -274,7 +263,7 @@ impl Arena {
     }
 
     #[inline]
-    pub(super) fn info(&mut self, at: DevicePtr) -> &mut Info {
+    fn info(&mut self, at: DevicePtr) -> &mut Info {
         self.blocks.get_mut(&at).expect("a block of this arena")
     }
 
@@ -283,10 +272,10 @@ impl Arena {
         self.blocks.get(&at).is_some_and(|i| i.state == State::Used)
     }
 
-    /// A block handed out (or on the quick list, its bytes no longer
-    /// counted free) becomes free on `tag`: it merges with its free
-    /// neighbours where their tags allow ([`merged`]).
-    pub(super) fn merge_free(&mut self, at: DevicePtr, tag: Tag) {
+    /// A block handed out comes back free on `tag` (a stream, or [`ANY`]
+    /// for memory a fence made safe): it merges with its free neighbours
+    /// where their tags allow ([`merged`]).
+    pub(crate) fn free(&mut self, at: DevicePtr, tag: Tag) {
         let Info {
             mut size,
             mut prev,
@@ -475,7 +464,6 @@ impl Arena {
     /// block freed without a stream does: once it has run, every stream's
     /// work queued before it is done, and the block is free for anyone.
     pub(crate) fn wait_all_tagged(&mut self) {
-        self.settle();
         let tagged: Vec<_> = self.free.iter().filter(|k| k.1 != ANY).copied().collect();
         for (kind, tag, size, at) in tagged {
             self.remove_free(kind, tag, size, at);
@@ -511,7 +499,6 @@ impl Arena {
         segments: &[(DevicePtr, usize)],
         waiting: bool,
     ) -> Vec<DevicePtr> {
-        self.settle();
         let mut out = Vec::new();
         let mut gone = FastMap::default();
         for &(base, size) in segments {
@@ -520,7 +507,6 @@ impl Arena {
                 State::Free(_) => true,
                 State::Waiting => waiting,
                 State::Used | State::Claimed => false,
-                State::Quick(_) => unreachable!("settled"),
             };
             if blocks.is_empty() || !blocks.iter().all(cached) {
                 continue;
@@ -572,7 +558,6 @@ impl Arena {
     pub(crate) fn forget_all(&mut self) {
         self.blocks.clear();
         self.free.clear();
-        self.quick.clear();
         self.free_bytes = 0;
         self.free_any_bytes = 0;
         self.pending.clear();

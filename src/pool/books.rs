@@ -11,11 +11,10 @@ impl Arena {
     /// order, with their sizes and states (memory snapshots). Empty if the
     /// arena holds no block at `base`.
     pub(crate) fn segment_blocks(
-        &mut self,
+        &self,
         base: DevicePtr,
         size: usize,
     ) -> Vec<(DevicePtr, usize, BlockState)> {
-        self.settle();
         let mut out = Vec::new();
         let end = base + size as u64;
         let mut at = base;
@@ -23,7 +22,7 @@ impl Arena {
             let Some(i) = self.blocks.get(&at) else { break };
             let state = match i.state {
                 State::Used => BlockState::Used,
-                State::Free(_) | State::Quick(_) => BlockState::Free,
+                State::Free(_) => BlockState::Free,
                 State::Waiting | State::Claimed => BlockState::Waiting,
             };
             out.push((at, i.size, state));
@@ -93,8 +92,7 @@ impl Arena {
 
     /// Live and peak blocks per size class, with the cached blocks by the
     /// size class of their sizes, into `out` (class → (live, peak, cached)).
-    pub(crate) fn class_counts(&mut self, out: &mut FastMap<usize, (usize, usize, usize)>) {
-        self.settle();
+    pub(crate) fn class_counts(&self, out: &mut FastMap<usize, (usize, usize, usize)>) {
         let small = self
             .class_live
             .iter()

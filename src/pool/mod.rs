@@ -5,10 +5,7 @@
 //! **Blocks fit the request.** The pool holds driver allocations
 //! (*segments*) and cuts them into blocks: a request takes the smallest
 //! free block that fits (sizes round up to 512 bytes) and splits off the
-//! rest, and a freed block merges with its free neighbours (`arena.rs`);
-//! the last 8 blocks freed in an arena wait whole on a quick list, so a
-//! request of exactly such a block's size takes it back without a merge
-//! and a split, and any other request merges them first (`quick.rs`).
+//! rest, and a freed block merges with its free neighbours (`arena.rs`).
 //! A miss grows the pool by one segment, sized as PyTorch sizes them: 2 MiB
 //! for requests of at most 1 MiB (the *small* pool, whose segments never
 //! serve larger requests), 20 MiB for requests under 10 MiB, and the
@@ -73,7 +70,6 @@ mod class;
 mod fence;
 mod helper;
 mod host;
-mod quick;
 mod segments;
 mod spin;
 #[cfg(test)]

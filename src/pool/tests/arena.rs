@@ -2,7 +2,6 @@
 
 use super::super::arena::BlockState;
 use super::super::arena::*;
-use super::super::quick::QUICK_MAX;
 use crate::driver::DevicePtr;
 
 const MIB: usize = 1 << 20;
@@ -14,7 +13,7 @@ fn arena_with(base: DevicePtr, size: usize) -> Arena {
 }
 
 /// Every block of the segment at `base`: sizes tile it, links agree.
-fn check_tiles(a: &mut Arena, base: DevicePtr, size: usize) {
+fn check_tiles(a: &Arena, base: DevicePtr, size: usize) {
     let blocks = a.segment_blocks(base, size);
     let total: usize = blocks.iter().map(|b| b.1).sum();
     assert_eq!(total, size, "blocks tile the segment: {blocks:?}");
@@ -38,10 +37,10 @@ fn a_small_request_splits_and_the_free_merges_the_segment_back() {
     assert_eq!((p, n), (1 << 32, 4096));
     let (q, _) = a.take(ANY, 8192).unwrap();
     assert_eq!(q, (1 << 32) + 4096, "the rest of the split serves the next");
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    check_tiles(&a, 1 << 32, 2 * MIB);
     a.free(p, ANY);
     a.free(q, ANY);
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    check_tiles(&a, 1 << 32, 2 * MIB);
     assert_eq!(
         a.segment_blocks(1 << 32, 2 * MIB).len(),
         1,
@@ -62,7 +61,7 @@ fn best_fit_takes_the_smallest_block_that_fits() {
     a.free(blocks[3], ANY);
     let (p, _) = a.take(ANY, 3000 / 512 * 512 + 512).unwrap();
     assert_eq!(p, blocks[1], "the 4096-byte hole, not the 8192 one");
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    check_tiles(&a, 1 << 32, 2 * MIB);
 }
 
 #[test]
@@ -123,7 +122,7 @@ fn memory_anyone_may_use_merges_into_a_streams_block() {
     // The rest of the segment is fresh memory, free for anyone.
     assert_eq!(a.free_any_bytes(), 2 * MIB - 4096);
     a.free(p, s);
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    check_tiles(&a, 1 << 32, 2 * MIB);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
     assert_eq!(
         a.free_any_bytes(),
@@ -142,13 +141,13 @@ fn two_streams_blocks_never_merge() {
     let (q, _) = a.take(t, MIB).unwrap();
     a.free(p, s);
     a.free(q, t);
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    check_tiles(&a, 1 << 32, 2 * MIB);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 2);
     a.wait_all_tagged();
     a.seal(1);
     assert_eq!(a.take(s, 4096), None, "both wait for the fence");
     a.promote(1);
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    check_tiles(&a, 1 << 32, 2 * MIB);
     assert_eq!(
         a.segment_blocks(1 << 32, 2 * MIB).len(),
         1,
@@ -214,13 +213,12 @@ fn used_block_at_finds_only_blocks_handed_out() {
     assert_eq!(a.used_block_at(1 << 32, p), None);
 }
 
-/// Random takes and frees on three tags, in sizes that repeat (so the
-/// quick list serves some) and sizes that do not, keep the segment tiled,
-/// the byte counts exact between looks, and end as one free block.
+/// Random takes and frees on three tags keep the segment tiled, the
+/// byte counts exact, and end as one free block.
 #[test]
 fn random_churn_keeps_the_books() {
     let mut a = arena_with(1 << 32, 2 * MIB);
-    let mut used: Vec<(DevicePtr, Tag, usize)> = Vec::new();
+    let mut used: Vec<(DevicePtr, Tag)> = Vec::new();
     let mut x: u64 = 0x9e3779b97f4a7c15;
     let mut next = || {
         x ^= x << 13;
@@ -228,53 +226,29 @@ fn random_churn_keeps_the_books() {
         x ^= x << 17;
         x
     };
-    let mut lent = 0;
-    for step in 0..20_000 {
+    for _ in 0..20_000 {
         let r = next();
         let tag = [ANY, 0x1000, 0x2000][(r % 3) as usize];
-        if r & 96 == 96 && !used.is_empty() {
-            // A temporary: the newest block freed and its size asked for
-            // again on its tag.
-            let (p, t, n) = used.pop().unwrap();
-            a.free(p, t);
-            let (q, m) = a.take(t, n).expect("its own block fits");
-            assert_eq!(m, n);
-            used.push((q, t, m));
-        } else if r & 8 == 0 || used.is_empty() {
-            let size = match r & 16 {
-                0 => round(((r >> 8) % 65536) as usize + 1),
-                _ => [512, 4096, 8192, 65536][((r >> 8) % 4) as usize],
-            };
-            if let Some((p, n)) = a.take(tag, size) {
-                used.push((p, tag, n));
-                lent += n;
+        if r & 8 == 0 || used.is_empty() {
+            let size = round(((r >> 8) % 65536) as usize + 1);
+            if let Some((p, _)) = a.take(tag, size) {
+                used.push((p, tag));
             }
         } else {
             let i = (r >> 8) as usize % used.len();
-            let (p, t, n) = used.swap_remove(i);
+            let (p, t) = used.swap_remove(i);
             a.free(p, t);
-            lent -= n;
         }
-        // The quick list's bytes count as free while it holds them.
-        assert_eq!(lent + a.free_bytes(), 2 * MIB);
-        if step % 97 == 0 {
-            let in_use: usize = a
-                .segment_blocks(1 << 32, 2 * MIB)
-                .iter()
-                .filter(|b| b.2 == BlockState::Used)
-                .map(|b| b.1)
-                .sum();
-            assert_eq!(in_use, lent);
-            check_tiles(&mut a, 1 << 32, 2 * MIB);
-        }
+        let in_use: usize = a
+            .segment_blocks(1 << 32, 2 * MIB)
+            .iter()
+            .filter(|b| b.2 == BlockState::Used)
+            .map(|b| b.1)
+            .sum();
+        assert_eq!(in_use + a.free_bytes(), 2 * MIB);
     }
-    assert!(
-        a.quick_hits > 3000,
-        "the quick list served {}",
-        a.quick_hits
-    );
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
-    for (p, t, _) in used {
+    check_tiles(&a, 1 << 32, 2 * MIB);
+    for (p, t) in used {
         a.free(p, t);
     }
     a.wait_all_tagged();
@@ -282,95 +256,4 @@ fn random_churn_keeps_the_books() {
     a.promote(1);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
     assert_eq!(a.free_any_bytes(), 2 * MIB);
-}
-
-#[test]
-fn a_request_of_a_freed_blocks_size_takes_it_back_unmerged() {
-    let (s, t) = (0x1000, 0x2000);
-    let mut a = arena_with(1 << 32, 2 * MIB);
-    let (p, _) = a.take(ANY, 4096).unwrap();
-    let (q, _) = a.take(ANY, 8192).unwrap();
-    let (r, _) = a.take(ANY, 4096).unwrap();
-    a.free(p, ANY);
-    a.free(q, s);
-    assert_eq!(a.quick.len(), 2, "kept whole, not merged");
-    assert_eq!(a.free_bytes(), 2 * MIB - 4096);
-    assert_eq!(a.free_any_bytes(), 2 * MIB - 4096 - 8192);
-    // Exactly its size, on its tag: the same block, off the list.
-    assert_eq!(a.take(s, 8192).map(|x| x.0), Some(q));
-    assert_eq!((a.quick.len(), a.quick_hits), (1, 1), "the other stays");
-    a.free(q, s);
-    assert_eq!(a.take(ANY, 4096).map(|x| x.0), Some(p));
-    a.free(p, ANY);
-    // Stream t may take neither: its request merges the list (p's
-    // memory joins s's block, as an eager merge would have) and takes
-    // its best fit from the rest after r.
-    let got = a.take(t, 4096).map(|x| x.0);
-    assert_eq!(got, Some(r + 4096));
-    assert!(
-        a.quick.is_empty(),
-        "a request it cannot serve merges the list"
-    );
-    assert_eq!(a.quick_hits, 2);
-    assert_eq!(a.take(s, 12288).map(|x| x.0), Some(p), "p and q, merged");
-    check_tiles(&mut a, 1 << 32, 2 * MIB);
-}
-
-/// The list merges oldest first, as the blocks were freed: the tags the
-/// blocks keep are those eager merging leaves.
-#[test]
-fn settling_leaves_what_eager_merging_leaves() {
-    let (s, t) = (0x1000, 0x2000);
-    let mut a = arena_with(1 << 32, 2 * MIB);
-    let (pa, _) = a.take(ANY, 4096).unwrap();
-    let (pb, _) = a.take(ANY, 4096).unwrap();
-    let (pc, _) = a.take(ANY, 4096).unwrap();
-    a.free(pa, s);
-    a.wait(pb);
-    a.seal(1);
-    a.promote(1); // b is anyone's now, on the list
-    a.free(pc, t);
-    let sizes: Vec<usize> = a
-        .segment_blocks(1 << 32, 2 * MIB)
-        .iter()
-        .map(|b| b.1)
-        .collect();
-    assert_eq!(sizes, vec![8192, 2 * MIB - 8192], "b joined a, on s");
-    assert_eq!(a.take(s, 8192).map(|x| x.0), Some(pa));
-}
-
-/// A stream's request takes its own block of the same size before one
-/// anyone may use, the list's included.
-#[test]
-fn a_tie_goes_to_the_streams_own_block() {
-    let s = 0x1000;
-    let mut a = arena_with(1 << 32, 2 * MIB);
-    let (x, _) = a.take(ANY, 4096).unwrap();
-    let _keep_apart = a.take(ANY, 512).unwrap();
-    let (y, _) = a.take(ANY, 4096).unwrap();
-    let _keep_apart_too = a.take(ANY, 512).unwrap();
-    a.free(x, s);
-    a.settle();
-    a.free(y, ANY);
-    assert!(a.quick_holds(y));
-    assert_eq!(a.take(s, 4096).map(|b| b.0), Some(x));
-}
-
-#[test]
-fn the_quick_list_keeps_at_most_its_limit_and_merges_the_oldest() {
-    let mut a = arena_with(1 << 32, 2 * MIB);
-    let blocks: Vec<_> = (0..20).map(|_| a.take(ANY, 4096).unwrap().0).collect();
-    for &p in &blocks {
-        a.free(p, ANY);
-    }
-    assert_eq!(a.quick.len(), QUICK_MAX);
-    assert_eq!(a.free_bytes(), 2 * MIB);
-    // The newest comes back first.
-    assert_eq!(a.take(ANY, 4096).map(|x| x.0), blocks.last().copied());
-    assert_eq!(a.quick.len(), QUICK_MAX - 1);
-    assert_eq!(
-        a.segment_blocks(1 << 32, 2 * MIB).len(),
-        3,
-        "the blocks before it merged, and the rest after it"
-    );
 }

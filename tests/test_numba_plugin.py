@@ -308,3 +308,43 @@ def test_star_import_works_where_numba_cuda_mlir_is_the_only_numba():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["ok"], r.stdout
+
+
+class _Array:
+    """What numba's ``device_memory_size`` reads of a ``DeviceNDArray``:
+    its ``gpu_data`` (and the size it caches on it)."""
+
+    def __init__(self, gpu_data):
+        self.gpu_data = gpu_data
+
+
+def test_device_memory_size_of_pool_memory_is_its_own_not_its_segments(mm, backend, no_leaks):
+    # numba sizes memory by the driver allocation that holds it: for a
+    # pool block, the whole segment. A memset sized so would run over the
+    # blocks after it.
+    mem = mm.memalloc(40)
+    other = mm.memalloc(4096)
+    arr = _Array(mem)
+    assert backend.driver.device_memory_size(arr) == 40
+    assert arr._cuda_memsize_ == 40, "cached, as numba caches its own"
+    view = _Array(mem.view(8, 24))
+    assert backend.driver.device_memory_size(view) == 16
+    assert backend.driver.device_memory_size(mem) == 40, "the pointer itself"
+    # The function is wrapped once, whatever builds the backend again.
+    wrapped = backend.driver.device_memory_size
+    plugin._size_gpuptr_memory_by_its_own(backend.driver)
+    assert backend.driver.device_memory_size is wrapped
+    assert wrapped.__name__ == "device_memory_size"
+    del arr, view, mem, other
+
+
+def test_device_memory_size_of_other_memory_is_numbas_answer(backend):
+    # Not gpuptr's: numba's own function answers (here from the size a
+    # numba object caches).
+    class Foreign:
+        _cuda_memsize_ = 123
+
+    assert backend.driver.device_memory_size(Foreign()) == 123
+    arr = _Array(object())
+    arr._cuda_memsize_ = 77
+    assert backend.driver.device_memory_size(arr) == 77

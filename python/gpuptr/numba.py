@@ -28,6 +28,7 @@ pool too. numba-cuda-mlir allocates them through EMM.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import threading
@@ -77,6 +78,35 @@ class _Backend:
         self.driver = driver
         self.MemoryManager = _make_manager(name, driver)
         self.OutOfMemoryError = _make_oom(name, driver.CudaAPIError)
+        _size_gpuptr_memory_by_its_own(driver)
+
+
+def _size_gpuptr_memory_by_its_own(driver: Any) -> None:
+    """Make numba's ``driver.device_memory_size(devmem)`` give gpuptr's
+    memory its own size. numba asks the driver for the extent of the
+    allocation that holds the pointer (``cuMemGetAddressRange``): for one
+    block of gpuptr's pool that is the whole pool segment, and a memset or
+    a copy sized by it would write over the blocks after it, other
+    owners' memory. For an array whose ``gpu_data`` is gpuptr's (what the
+    plugin allocates, views of it, and ``as_cuda_array``'s imports) the
+    size is that pointer's, cached as numba caches its own; anything else
+    goes to numba's function as before. Idempotent. (``device_extents``,
+    which numba's IPC export needs as the driver allocation's, is left
+    alone.)"""
+    original = getattr(driver, "device_memory_size", None)
+    if original is None or getattr(original, "_gpuptr_sized", False):
+        return
+
+    def device_memory_size(devmem: Any) -> Any:
+        if getattr(devmem, "_cuda_memsize_", None) is None:
+            data = getattr(devmem, "gpu_data", None)
+            if isinstance(data, _core.MemoryPointer):
+                devmem._cuda_memsize_ = data._cuda_memsize_
+        return original(devmem)
+
+    functools.update_wrapper(device_memory_size, original)
+    device_memory_size._gpuptr_sized = True  # type: ignore[attr-defined]
+    driver.device_memory_size = device_memory_size
 
 
 _backends: Dict[str, _Backend] = {}

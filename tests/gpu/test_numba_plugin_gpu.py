@@ -188,6 +188,29 @@ def test_cuda_close_then_allocate_again(numba):
     assert out.split() == ["stale", "1225", "1"]
 
 
+def test_a_memset_sized_by_device_memory_size_stays_in_its_array(numba):
+    # numba's own cudadrv test does this: size by device_memory_size (the
+    # driver allocation's extent under numba's manager), then memset. Under
+    # the pool the extent is the segment; the array's own size keeps the
+    # memset off its neighbours, wherever the block lies in its segment.
+    out = run_plugin(
+        """
+        import numpy as np
+        from numba import cuda
+        from numba.cuda.cudadrv import driver
+        a = cuda.to_device(np.full(10, 123, dtype=np.uint32))
+        b = cuda.to_device(np.full(10, 7, dtype=np.uint32))
+        c = cuda.to_device(np.full(10, 9, dtype=np.uint32))
+        for arr in (b, a):
+            driver.device_memset(arr, 0, driver.device_memory_size(arr))
+        print(driver.device_memory_size(b), int(a.copy_to_host().sum()),
+              int(b.copy_to_host().sum()), int(c.copy_to_host().sum()))
+        """.replace("numba.cuda.cudadrv", "numba_cuda_mlir.numba_cuda.cudadrv" if numba != "numba" else "numba.cuda.cudadrv"),
+        numba,
+    )
+    assert out.split() == ["40", "0", "0", "90"]
+
+
 def test_host_array_arguments_come_from_gpuptrs_pool(numba):
     # A kernel on a host numpy array: numba copies it to the device and back.
     # Measured on the H200: numba-cuda 0.30.4 allocates the copy through its

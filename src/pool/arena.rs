@@ -17,9 +17,10 @@
 //! Nothing here calls the driver or waits: the pool ([`super::Pool`])
 //! does, outside the arena's lock.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 
 use super::class::{ClassCount, FastMap, SMALL_CLASSES};
+use super::freeset::FreeSet;
 use crate::driver::{DevicePtr, RawStream};
 use crate::stats::{Client, ClientStats};
 
@@ -96,7 +97,9 @@ pub(super) enum State {
     Claimed,
 }
 
-/// One block: its size, its neighbours in its segment (0: none), its state.
+/// One block: its size, its neighbours in its segment (0: none), its
+/// state; free, its neighbours in its bin of the free set (0: none; see
+/// [`FreeSet`]).
 #[derive(Copy, Clone, Debug)]
 pub(super) struct Info {
     pub(super) size: usize,
@@ -104,6 +107,29 @@ pub(super) struct Info {
     pub(super) next: DevicePtr,
     pub(super) state: State,
     pub(super) kind: Kind,
+    pub(super) bin_prev: DevicePtr,
+    pub(super) bin_next: DevicePtr,
+}
+
+impl Info {
+    /// A block of `size` bytes between `prev` and `next`, in `state`.
+    pub(super) fn new(
+        size: usize,
+        prev: DevicePtr,
+        next: DevicePtr,
+        state: State,
+        kind: Kind,
+    ) -> Info {
+        Info {
+            size,
+            prev,
+            next,
+            state,
+            kind,
+            bin_prev: 0,
+            bin_next: 0,
+        }
+    }
 }
 
 /// A batch of blocks freed without a stream, waiting for fence `seq`.
@@ -116,12 +142,8 @@ struct Batch {
 /// One arena (see the module documentation).
 pub(crate) struct Arena {
     pub(super) blocks: FastMap<DevicePtr, Info>,
-    /// Free blocks by (kind, tag, size, address): the first at or after
-    /// `(kind, tag, size, 0)` is the best fit for `tag`.
-    free: BTreeSet<(Kind, Tag, usize, DevicePtr)>,
-    /// Bytes of free blocks, all tags; and of those free for anyone.
-    free_bytes: usize,
-    free_any_bytes: usize,
+    /// Free blocks by kind, tag and size.
+    free: FreeSet,
     /// Freed without a stream, not yet sealed into a batch.
     pending: Vec<DevicePtr>,
     pending_bytes: usize,
@@ -150,9 +172,7 @@ impl Default for Arena {
     fn default() -> Self {
         Arena {
             blocks: FastMap::default(),
-            free: BTreeSet::new(),
-            free_bytes: 0,
-            free_any_bytes: 0,
+            free: FreeSet::default(),
             pending: Vec::new(),
             pending_bytes: 0,
             sealed: VecDeque::new(),
@@ -188,42 +208,17 @@ pub(super) fn merged(a: Tag, b: Tag) -> Option<Tag> {
 }
 
 impl Arena {
-    fn insert_free(&mut self, kind: Kind, tag: Tag, size: usize, at: DevicePtr) {
-        self.free.insert((kind, tag, size, at));
-        self.free_bytes += size;
-        if tag == ANY {
-            self.free_any_bytes += size;
-        }
-    }
-
-    fn remove_free(&mut self, kind: Kind, tag: Tag, size: usize, at: DevicePtr) {
-        let was = self.free.remove(&(kind, tag, size, at));
-        debug_assert!(was, "a free block is in the free set");
-        self.free_bytes -= size;
-        if tag == ANY {
-            self.free_any_bytes -= size;
-        }
-    }
-
-    /// The smallest free block of `kind` with `tag` of at least `size`.
-    #[inline]
-    fn fit_of(&self, kind: Kind, tag: Tag, size: usize) -> Option<(Tag, usize, DevicePtr)> {
-        self.free
-            .range((kind, tag, size, 0)..=(kind, tag, usize::MAX, DevicePtr::MAX))
-            .next()
-            .map(|&(_, t, s, a)| (t, s, a))
-    }
-
     /// The best fit for `size` bytes of `kind` on `tag`: the smallest free
     /// block of that stream's or of anyone's ([`ANY`]), the stream's on a
     /// tie (it keeps the blocks anyone may use for anyone).
     #[inline]
     fn best_fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(Tag, usize, DevicePtr)> {
-        let own = self.fit_of(kind, tag, size);
+        let fit = |t| self.free.fit(kind, t, size).map(|(s, a)| (t, s, a));
+        let own = fit(tag);
         if tag == ANY {
             return own;
         }
-        match (own, self.fit_of(kind, ANY, size)) {
+        match (own, fit(ANY)) {
             (Some(o), Some(a)) if a.1 < o.1 => Some(a),
             (o, a) => o.or(a),
         }
@@ -235,25 +230,18 @@ impl Arena {
     pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(size);
         let (t, have, at) = self.best_fit(kind, tag, size)?;
-        self.remove_free(kind, t, have, at);
+        self.free.remove(&mut self.blocks, kind, t, have, at);
         let mut info = self.blocks[&at];
         if kind.splits(have - size) {
             let rest = at + size as u64;
             let next = info.next;
-            self.blocks.insert(
-                rest,
-                Info {
-                    size: have - size,
-                    prev: at,
-                    next,
-                    state: State::Free(t),
-                    kind,
-                },
-            );
+            self.blocks
+                .insert(rest, Info::new(have - size, at, next, State::Free(t), kind));
             if next != 0 {
                 self.info(next).prev = rest;
             }
-            self.insert_free(kind, t, have - size, rest);
+            self.free
+                .insert(&mut self.blocks, kind, t, have - size, rest);
             info.next = rest;
             info.size = size;
         }
@@ -287,7 +275,7 @@ impl Arena {
         if prev != 0 {
             let p = self.blocks[&prev];
             if let Some((t, old)) = Self::joins(tag, p) {
-                self.remove_free(kind, old, p.size, prev);
+                self.free.remove(&mut self.blocks, kind, old, p.size, prev);
                 self.blocks.remove(&at);
                 (start, tag, size, prev) = (prev, t, size + p.size, p.prev);
             }
@@ -295,23 +283,17 @@ impl Arena {
         if next != 0 {
             let n = self.blocks[&next];
             if let Some((t, old)) = Self::joins(tag, n) {
-                self.remove_free(kind, old, n.size, next);
+                self.free.remove(&mut self.blocks, kind, old, n.size, next);
                 self.blocks.remove(&next);
                 (tag, size, next) = (t, size + n.size, n.next);
             }
         }
         // `start` is this block's own entry or its merged neighbour's.
-        *self.info(start) = Info {
-            size,
-            prev,
-            next,
-            state: State::Free(tag),
-            kind,
-        };
+        *self.info(start) = Info::new(size, prev, next, State::Free(tag), kind);
         if next != 0 {
             self.info(next).prev = start;
         }
-        self.insert_free(kind, tag, size, start);
+        self.free.insert(&mut self.blocks, kind, tag, size, start);
     }
 
     /// If a block freed on `tag` merges with its neighbour `n` (see
@@ -464,9 +446,9 @@ impl Arena {
     /// block freed without a stream does: once it has run, every stream's
     /// work queued before it is done, and the block is free for anyone.
     pub(crate) fn wait_all_tagged(&mut self) {
-        let tagged: Vec<_> = self.free.iter().filter(|k| k.1 != ANY).copied().collect();
+        let tagged = self.free.tagged(&self.blocks);
         for (kind, tag, size, at) in tagged {
-            self.remove_free(kind, tag, size, at);
+            self.free.remove(&mut self.blocks, kind, tag, size, at);
             self.info(at).state = State::Used;
             self.wait(at);
         }
@@ -475,20 +457,12 @@ impl Arena {
     /// A new segment of `size` bytes at `base`, of `kind`, free for anyone.
     pub(crate) fn add_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
         self.insert_segment(base, size, kind, State::Free(ANY));
-        self.insert_free(kind, ANY, size, base);
+        self.free.insert(&mut self.blocks, kind, ANY, size, base);
     }
 
     /// A segment of one block, in `state`.
     fn insert_segment(&mut self, base: DevicePtr, size: usize, kind: Kind, state: State) {
-        let (prev, next) = (0, 0);
-        let info = Info {
-            size,
-            prev,
-            next,
-            state,
-            kind,
-        };
-        self.blocks.insert(base, info);
+        self.blocks.insert(base, Info::new(size, 0, 0, state, kind));
     }
 
     /// Take out of the arena each of `segments` (base, size) whose memory
@@ -514,7 +488,7 @@ impl Arena {
             for (at, _, _) in blocks {
                 let i = self.blocks[&at];
                 match i.state {
-                    State::Free(t) => self.remove_free(i.kind, t, i.size, at),
+                    State::Free(t) => self.free.remove(&mut self.blocks, i.kind, t, i.size, at),
                     _ => {
                         gone.insert(at, ());
                     }
@@ -558,8 +532,6 @@ impl Arena {
     pub(crate) fn forget_all(&mut self) {
         self.blocks.clear();
         self.free.clear();
-        self.free_bytes = 0;
-        self.free_any_bytes = 0;
         self.pending.clear();
         self.pending_bytes = 0;
         self.sealed.clear();
@@ -577,12 +549,12 @@ impl Arena {
     /// Bytes of free blocks (any tag).
     #[inline]
     pub(crate) fn free_bytes(&self) -> usize {
-        self.free_bytes
+        self.free.bytes
     }
 
     /// Bytes of free blocks anyone may take.
     #[inline]
     pub(crate) fn free_any_bytes(&self) -> usize {
-        self.free_any_bytes
+        self.free.any_bytes
     }
 }

@@ -68,6 +68,7 @@ mod arena;
 mod books;
 mod class;
 mod fence;
+mod freeset;
 mod helper;
 mod host;
 mod segments;

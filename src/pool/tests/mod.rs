@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 mod arena;
 mod fence;
+mod freeset;
 
 use super::ahead::AHEAD_WAIT;
 use super::arena::Kind;

@@ -1,0 +1,282 @@
+//! The free blocks of one arena, by kind and tag ([`FreeSet`]): what the
+//! best fit is looked up in on every request, and what every split and
+//! merge updates.
+//!
+//! Blocks of at most [`BIN_MAX`] bytes (every small block, and large ones
+//! up to a 20 MiB segment's) are kept in *exact bins*, one per kind, tag
+//! and size: a list threaded through the blocks' own [`Info`] (newest
+//! first), with a two-level bitmap per kind and tag of the bins that hold
+//! a block. The best fit is then the first set bit at or above the
+//! request's bin, and taking or putting back a block touches a few words
+//! and hash entries, where an ordered set of every free block (as PyTorch
+//! keeps) walks a tree. Larger blocks, few in number, stay in such a set.
+//!
+//! Within one bin the block freed last is taken first (CuPy's pool does
+//! so too); across bins the fit is exact, as before.
+
+use std::collections::BTreeSet;
+
+use super::arena::{Info, Kind, Tag, ANY, MIN_BLOCK};
+use super::class::FastMap;
+use crate::driver::DevicePtr;
+
+/// The largest block kept in an exact bin: larger ones are few (a large
+/// request of 10 MiB or more has a segment of its own) and stay in an
+/// ordered set.
+pub(super) const BIN_MAX: usize = 32 << 20;
+
+/// Bins per kind and tag (one per multiple of [`MIN_BLOCK`] up to
+/// [`BIN_MAX`]), and the words of their bitmap's two levels.
+const BINS: usize = BIN_MAX / MIN_BLOCK;
+const WORDS: usize = BINS / 64;
+const SUMMARY: usize = WORDS.div_ceil(64);
+
+/// Bitmaps of kinds and tags that emptied are kept, up to this many in all
+/// per arena, so that a stream whose blocks come and go does not build one
+/// each time; beyond it an empty one goes (a stream destroyed leaves none).
+const MAPS_KEPT: usize = 8;
+
+/// The bin of a block of `size` bytes (a multiple of [`MIN_BLOCK`], at
+/// most [`BIN_MAX`]).
+#[inline]
+fn bin(size: usize) -> usize {
+    size / MIN_BLOCK - 1
+}
+
+/// Which exact bins of one kind and tag hold a block.
+struct BinMap {
+    kind: Kind,
+    tag: Tag,
+    /// Blocks in its bins.
+    count: usize,
+    /// Bit `w` of word `w / 64`: word `w` of `words` is not zero.
+    summary: [u64; SUMMARY],
+    words: Box<[u64; WORDS]>,
+}
+
+impl BinMap {
+    fn new(kind: Kind, tag: Tag) -> BinMap {
+        BinMap {
+            kind,
+            tag,
+            count: 0,
+            summary: [0; SUMMARY],
+            words: Box::new([0; WORDS]),
+        }
+    }
+
+    #[inline]
+    fn set(&mut self, b: usize) {
+        self.words[b / 64] |= 1 << (b % 64);
+        self.summary[b / 4096] |= 1 << (b / 64 % 64);
+    }
+
+    #[inline]
+    fn clear(&mut self, b: usize) {
+        let w = b / 64;
+        self.words[w] &= !(1 << (b % 64));
+        if self.words[w] == 0 {
+            self.summary[w / 64] &= !(1 << (w % 64));
+        }
+    }
+
+    /// The first bin at or above `b` that holds a block.
+    #[inline]
+    fn next(&self, b: usize) -> Option<usize> {
+        let w = b / 64;
+        let here = self.words[w] & (!0u64 << (b % 64));
+        if here != 0 {
+            return Some(w * 64 + here.trailing_zeros() as usize);
+        }
+        // Words above `w`, through the summary.
+        let from = w + 1;
+        let mut s = from / 64;
+        let mut mask = !0u64 << (from % 64);
+        while s < SUMMARY {
+            let m = self.summary[s] & mask;
+            if m != 0 {
+                let w = s * 64 + m.trailing_zeros() as usize;
+                return Some(w * 64 + self.words[w].trailing_zeros() as usize);
+            }
+            (s, mask) = (s + 1, !0);
+        }
+        None
+    }
+}
+
+/// The free blocks of one arena (see the module documentation).
+#[derive(Default)]
+pub(super) struct FreeSet {
+    /// The first block of each exact bin, by tag and size (with the kind
+    /// in its lowest bit: sizes are multiples of [`MIN_BLOCK`]).
+    heads: FastMap<(Tag, usize), DevicePtr>,
+    maps: Vec<BinMap>,
+    /// Blocks over [`BIN_MAX`] bytes by (kind, tag, size, address).
+    big: BTreeSet<(Kind, Tag, usize, DevicePtr)>,
+    /// Bytes of free blocks, all tags; and of those free for anyone.
+    pub(super) bytes: usize,
+    pub(super) any_bytes: usize,
+}
+
+#[inline]
+fn key(kind: Kind, tag: Tag, size: usize) -> (Tag, usize) {
+    (tag, size | kind as usize)
+}
+
+#[inline]
+fn links(blocks: &mut FastMap<DevicePtr, Info>, at: DevicePtr) -> &mut Info {
+    blocks.get_mut(&at).expect("a free block of this arena")
+}
+
+impl FreeSet {
+    /// Where the bitmap of `kind` and `tag` is in `maps` (they are few).
+    #[inline]
+    fn map(&self, kind: Kind, tag: Tag) -> Option<usize> {
+        self.maps
+            .iter()
+            .position(|m| m.tag == tag && m.kind == kind)
+    }
+
+    /// The free block `at` of `size` bytes, of `kind`, free on `tag`,
+    /// joins the set; its entry in `blocks` exists.
+    pub(super) fn insert(
+        &mut self,
+        blocks: &mut FastMap<DevicePtr, Info>,
+        kind: Kind,
+        tag: Tag,
+        size: usize,
+        at: DevicePtr,
+    ) {
+        self.bytes += size;
+        if tag == ANY {
+            self.any_bytes += size;
+        }
+        if size > BIN_MAX {
+            self.big.insert((kind, tag, size, at));
+            return;
+        }
+        let old = self.heads.insert(key(kind, tag, size), at);
+        let i = links(blocks, at);
+        (i.bin_prev, i.bin_next) = (0, old.unwrap_or(0));
+        if let Some(old) = old {
+            links(blocks, old).bin_prev = at;
+        }
+        let m = match self.map(kind, tag) {
+            Some(m) => m,
+            None => {
+                self.maps.push(BinMap::new(kind, tag));
+                self.maps.len() - 1
+            }
+        };
+        let m = &mut self.maps[m];
+        m.count += 1;
+        if old.is_none() {
+            m.set(bin(size));
+        }
+    }
+
+    /// The free block `at` (as inserted) leaves the set; its entry in
+    /// `blocks` still holds its links.
+    pub(super) fn remove(
+        &mut self,
+        blocks: &mut FastMap<DevicePtr, Info>,
+        kind: Kind,
+        tag: Tag,
+        size: usize,
+        at: DevicePtr,
+    ) {
+        self.bytes -= size;
+        if tag == ANY {
+            self.any_bytes -= size;
+        }
+        if size > BIN_MAX {
+            let was = self.big.remove(&(kind, tag, size, at));
+            debug_assert!(was, "a free block is in the free set");
+            return;
+        }
+        let Info {
+            bin_prev, bin_next, ..
+        } = *links(blocks, at);
+        if bin_next != 0 {
+            links(blocks, bin_next).bin_prev = bin_prev;
+        }
+        if bin_prev != 0 {
+            links(blocks, bin_prev).bin_next = bin_next;
+            self.count_out(kind, tag, None);
+        } else if bin_next != 0 {
+            self.heads.insert(key(kind, tag, size), bin_next);
+            self.count_out(kind, tag, None);
+        } else {
+            let was = self.heads.remove(&key(kind, tag, size));
+            debug_assert_eq!(was, Some(at), "a free block heads its bin");
+            self.count_out(kind, tag, Some(bin(size)));
+        }
+    }
+
+    /// One block fewer in the bins of `kind` and `tag`; `emptied`: the bin
+    /// it left is empty now.
+    #[inline]
+    fn count_out(&mut self, kind: Kind, tag: Tag, emptied: Option<usize>) {
+        let i = self.map(kind, tag).expect("a bin map for a free block");
+        let m = &mut self.maps[i];
+        m.count -= 1;
+        if let Some(b) = emptied {
+            m.clear(b);
+        }
+        if m.count == 0 && tag != ANY && self.maps.len() > MAPS_KEPT {
+            self.maps.swap_remove(i);
+        }
+    }
+
+    /// The smallest free block of `kind` with `tag` of at least `size`
+    /// bytes: its size and address.
+    #[inline]
+    pub(super) fn fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(usize, DevicePtr)> {
+        if size <= BIN_MAX {
+            if let Some(b) = self
+                .map(kind, tag)
+                .and_then(|m| self.maps[m].next(bin(size)))
+            {
+                let have = (b + 1) * MIN_BLOCK;
+                return Some((have, self.heads[&key(kind, tag, have)]));
+            }
+        }
+        self.big
+            .range((kind, tag, size, 0)..=(kind, tag, usize::MAX, DevicePtr::MAX))
+            .next()
+            .map(|&(_, _, s, a)| (s, a))
+    }
+
+    /// Every free block on a stream (not [`ANY`]): (kind, tag, size,
+    /// address).
+    pub(super) fn tagged(
+        &self,
+        blocks: &FastMap<DevicePtr, Info>,
+    ) -> Vec<(Kind, Tag, usize, DevicePtr)> {
+        let mut out: Vec<_> = self.big.iter().filter(|k| k.1 != ANY).copied().collect();
+        for m in self.maps.iter().filter(|m| m.tag != ANY) {
+            let mut b = m.next(0);
+            while let Some(n) = b {
+                let size = (n + 1) * MIN_BLOCK;
+                let mut at = self.heads[&key(m.kind, m.tag, size)];
+                while at != 0 {
+                    out.push((m.kind, m.tag, size, at));
+                    at = blocks[&at].bin_next;
+                }
+                b = if n + 1 < BINS { m.next(n + 1) } else { None };
+            }
+        }
+        out
+    }
+
+    /// How many bitmaps of kinds and tags are held.
+    #[cfg(test)]
+    pub(super) fn maps_held(&self) -> usize {
+        self.maps.len()
+    }
+
+    /// Empty the set.
+    pub(super) fn clear(&mut self) {
+        *self = FreeSet::default();
+    }
+}

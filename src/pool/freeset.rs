@@ -108,7 +108,7 @@ impl BinMap {
 #[derive(Default)]
 pub(super) struct FreeSet {
     /// The first block of each exact bin, by tag and size (with the kind
-    /// in its lowest bit: sizes are multiples of [`MIN_BLOCK`]).
+    /// in its top bit, which the table's hash keeps: no size reaches it).
     heads: FastMap<(Tag, usize), DevicePtr>,
     maps: Vec<BinMap>,
     /// Blocks over [`BIN_MAX`] bytes by (kind, tag, size, address).
@@ -120,7 +120,7 @@ pub(super) struct FreeSet {
 
 #[inline]
 fn key(kind: Kind, tag: Tag, size: usize) -> (Tag, usize) {
-    (tag, size | kind as usize)
+    (tag, size | (kind as usize) << (usize::BITS - 1))
 }
 
 #[inline]

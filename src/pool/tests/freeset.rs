@@ -219,3 +219,26 @@ fn neighbouring_blocks_hash_apart() {
         .collect();
     assert!(tops.len() >= 64, "{} distinct top bits of 128", tops.len());
 }
+
+/// A small and a large bin of one stream and size (1-32 MiB) are two
+/// entries: each gives its own block.
+#[test]
+fn a_small_and_a_large_bin_of_one_size_stay_apart() {
+    let mut s = Set::default();
+    s.put(Kind::Small, 0x5000, 2 * MIB, 0x1000_0000);
+    s.put(Kind::Large, 0x5000, 2 * MIB, 0x2000_0000);
+    assert_eq!(
+        s.free.fit(Kind::Small, 0x5000, MIB),
+        Some((2 * MIB, 0x1000_0000))
+    );
+    assert_eq!(
+        s.free.fit(Kind::Large, 0x5000, MIB),
+        Some((2 * MIB, 0x2000_0000))
+    );
+    s.take(Kind::Small, 0x5000, 2 * MIB, 0x1000_0000);
+    assert_eq!(s.free.fit(Kind::Small, 0x5000, MIB), None);
+    assert_eq!(
+        s.free.fit(Kind::Large, 0x5000, MIB),
+        Some((2 * MIB, 0x2000_0000))
+    );
+}

@@ -47,8 +47,6 @@ fn bin(size: usize) -> usize {
 struct BinMap {
     kind: Kind,
     tag: Tag,
-    /// Blocks in its bins.
-    count: usize,
     /// Bit `w` of word `w / 64`: word `w` of `words` is not zero.
     summary: [u64; SUMMARY],
     words: Box<[u64; WORDS]>,
@@ -59,7 +57,6 @@ impl BinMap {
         BinMap {
             kind,
             tag,
-            count: 0,
             summary: [0; SUMMARY],
             words: Box::new([0; WORDS]),
         }
@@ -78,6 +75,12 @@ impl BinMap {
         if self.words[w] == 0 {
             self.summary[w / 64] &= !(1 << (w % 64));
         }
+    }
+
+    /// Whether no bin holds a block.
+    #[inline]
+    fn is_empty(&self) -> bool {
+        self.summary.iter().all(|&w| w == 0)
     }
 
     /// The first bin at or above `b` that holds a block.
@@ -160,7 +163,9 @@ impl FreeSet {
         (i.bin_prev, i.bin_next) = (0, old.unwrap_or(0));
         if let Some(old) = old {
             links(blocks, old).bin_prev = at;
+            return;
         }
+        // The bin was empty: its bit goes up.
         let m = match self.map(kind, tag) {
             Some(m) => m,
             None => {
@@ -168,11 +173,7 @@ impl FreeSet {
                 self.maps.len() - 1
             }
         };
-        let m = &mut self.maps[m];
-        m.count += 1;
-        if old.is_none() {
-            m.set(bin(size));
-        }
+        self.maps[m].set(bin(size));
     }
 
     /// The free block `at` (as inserted) leaves the set; its entry in
@@ -202,28 +203,22 @@ impl FreeSet {
         }
         if bin_prev != 0 {
             links(blocks, bin_prev).bin_next = bin_next;
-            self.count_out(kind, tag, None);
         } else if bin_next != 0 {
             self.heads.insert(key(kind, tag, size), bin_next);
-            self.count_out(kind, tag, None);
         } else {
             let was = self.heads.remove(&key(kind, tag, size));
             debug_assert_eq!(was, Some(at), "a free block heads its bin");
-            self.count_out(kind, tag, Some(bin(size)));
+            self.emptied(kind, tag, bin(size));
         }
     }
 
-    /// One block fewer in the bins of `kind` and `tag`; `emptied`: the bin
-    /// it left is empty now.
-    #[inline]
-    fn count_out(&mut self, kind: Kind, tag: Tag, emptied: Option<usize>) {
+    /// Bin `b` of `kind` and `tag` holds no block any more: its bit goes
+    /// down, and the bitmap goes with it if it was the last (past the few
+    /// kept).
+    fn emptied(&mut self, kind: Kind, tag: Tag, b: usize) {
         let i = self.map(kind, tag).expect("a bin map for a free block");
-        let m = &mut self.maps[i];
-        m.count -= 1;
-        if let Some(b) = emptied {
-            m.clear(b);
-        }
-        if m.count == 0 && tag != ANY && self.maps.len() > MAPS_KEPT {
+        self.maps[i].clear(b);
+        if tag != ANY && self.maps.len() > MAPS_KEPT && self.maps[i].is_empty() {
             self.maps.swap_remove(i);
         }
     }

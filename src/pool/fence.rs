@@ -45,7 +45,7 @@ pub(super) fn now_ns() -> u64 {
 /// the last one that finished. A batch sealed with number `n` is ready once
 /// `done() >= n`.
 pub(crate) struct Fencer {
-    helper: Helper<FenceState, FenceExt>,
+    pub(super) helper: Helper<FenceState, FenceExt>,
 }
 
 /// A value on cache lines of its own (two: adjacent-line prefetch), so
@@ -73,10 +73,10 @@ pub(crate) struct FenceExt {
     /// The newest number handed out (a request that finds it not started
     /// yet shares it, without the lock; one that finds it started takes
     /// the next with a compare-and-swap).
-    requested: AtomicU64,
+    pub(super) requested: AtomicU64,
     /// The number the running (or last) synchronize covers (written by the
     /// fence thread, under the lock).
-    started: AtomicU64,
+    pub(super) started: AtomicU64,
     /// The context of the newest request (also `FenceState::context`,
     /// which the fence thread reads under the lock): a request for another
     /// one takes the lock.
@@ -100,13 +100,13 @@ pub(crate) struct FenceState {
     failed: u64,
     context: RawContext,
     /// Threads waiting on `done` (out of memory, or a capture's start).
-    waiters: usize,
+    pub(super) waiters: usize,
     /// Stream captures under way on the device ([`Fencer::begin_capture`]):
     /// while any is, no fence runs (`cuCtxSynchronize` would fail and
     /// invalidate them, in every capture mode).
     captures: usize,
     /// A synchronize is running now.
-    syncing: bool,
+    pub(super) syncing: bool,
 }
 
 /// After its last fence the helper looks for a new request every
@@ -137,7 +137,7 @@ impl Fencer {
         }
     }
 
-    fn ext(&self) -> &FenceExt {
+    pub(super) fn ext(&self) -> &FenceExt {
         &self.helper.shared.ext
     }
 
@@ -484,63 +484,5 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             // out-of-memory waiter cuts this short.
             st = wait_timeout(&sh.work, st, pace);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::driver::{SimConfig, SimDriver};
-
-    /// A thread already waiting for a fence that has not started when a
-    /// capture begins goes on without it (it would otherwise wait through
-    /// the capture, which a thread holding the device's recovery lock
-    /// cannot afford: the capturing thread may need that lock to end it).
-    #[test]
-    fn a_waiter_for_a_fence_not_yet_started_goes_on_when_a_capture_begins() {
-        let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 20)));
-        let ctx = sim.primary_context_retain(0).unwrap();
-        let (mut caught, mut stuck) = (0, 0);
-        for _ in 0..40 {
-            let f = Arc::new(Fencer::new(sim.clone(), Duration::ZERO));
-            assert!(f.wait(f.request(ctx)));
-            let waiter = f.clone();
-            let w = std::thread::spawn(move || waiter.wait(waiter.request(ctx)));
-            // Begin the capture while the waiter waits and its fence has not
-            // started (the helper polls between fences).
-            let began = loop {
-                let st = f.helper.lock();
-                let (started, requested) = (
-                    f.ext().started.load(Ordering::SeqCst),
-                    f.ext().requested.load(Ordering::SeqCst),
-                );
-                let fenced = started == requested && requested > 1;
-                if w.is_finished() || st.s.syncing || fenced {
-                    break false;
-                }
-                if st.s.waiters > 0 && started < requested {
-                    drop(st);
-                    f.begin_capture();
-                    break true;
-                }
-                drop(st);
-                // Let the other threads run (valgrind runs one at a time).
-                std::thread::yield_now();
-            };
-            if began {
-                caught += 1;
-                let deadline = Instant::now() + Duration::from_secs(2);
-                while !w.is_finished() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                stuck += usize::from(!w.is_finished());
-                f.end_capture();
-            }
-            let _ = w.join();
-        }
-        assert_eq!(
-            stuck, 0,
-            "{stuck} of {caught} waiters stayed through a capture"
-        );
     }
 }

@@ -1,8 +1,12 @@
 //! The fence's reading of a busy GPU ([`Probe::spins`]).
 
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use super::super::fence::Fencer;
 use super::super::spin::Probe;
+use crate::driver::{Driver, SimConfig, SimDriver};
 
 const US: u64 = 1_000;
 
@@ -43,4 +47,56 @@ fn a_fence_spins_only_while_it_spends_its_cpu_not_while_it_waits_for_one() {
     assert!(!p.spins(thin, (3 + 1_000 * US, 143 * US), cost));
     assert!(!p.spins(thin, (3 + 1_010 * US, 144 * US), cost));
     assert!(p.spins(thin, (3 + 2_000 * US, 286 * US), cost));
+}
+
+/// A thread already waiting for a fence that has not started when a
+/// capture begins goes on without it (it would otherwise wait through
+/// the capture, which a thread holding the device's recovery lock
+/// cannot afford: the capturing thread may need that lock to end it).
+#[test]
+fn a_waiter_for_a_fence_not_yet_started_goes_on_when_a_capture_begins() {
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 20)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let (mut caught, mut stuck) = (0, 0);
+    for _ in 0..40 {
+        let f = Arc::new(Fencer::new(sim.clone(), Duration::ZERO));
+        assert!(f.wait(f.request(ctx)));
+        let waiter = f.clone();
+        let w = std::thread::spawn(move || waiter.wait(waiter.request(ctx)));
+        // Begin the capture while the waiter waits and its fence has not
+        // started (the helper polls between fences).
+        let began = loop {
+            let st = f.helper.lock();
+            let (started, requested) = (
+                f.ext().started.load(Ordering::SeqCst),
+                f.ext().requested.load(Ordering::SeqCst),
+            );
+            let fenced = started == requested && requested > 1;
+            if w.is_finished() || st.s.syncing || fenced {
+                break false;
+            }
+            if st.s.waiters > 0 && started < requested {
+                drop(st);
+                f.begin_capture();
+                break true;
+            }
+            drop(st);
+            // Let the other threads run (valgrind runs one at a time).
+            std::thread::yield_now();
+        };
+        if began {
+            caught += 1;
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while !w.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            stuck += usize::from(!w.is_finished());
+            f.end_capture();
+        }
+        let _ = w.join();
+    }
+    assert_eq!(
+        stuck, 0,
+        "{stuck} of {caught} waiters stayed through a capture"
+    );
 }

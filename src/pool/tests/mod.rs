@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod arena;
+mod class;
 mod fence;
 mod freeset;
 

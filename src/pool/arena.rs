@@ -19,6 +19,7 @@
 
 use std::collections::VecDeque;
 
+pub(super) use super::blocks::{Blocks, Info, Slot};
 use super::class::{ClassCount, FastMap, SMALL_CLASSES};
 use super::freeset::FreeSet;
 use crate::driver::{DevicePtr, RawStream};
@@ -97,61 +98,26 @@ pub(super) enum State {
     Claimed,
 }
 
-/// One block: its size, its neighbours in its segment (0: none), its
-/// state; free, its neighbours in its bin of the free set (0: none; see
-/// [`FreeSet`]).
-#[derive(Copy, Clone, Debug)]
-pub(super) struct Info {
-    pub(super) size: usize,
-    pub(super) prev: DevicePtr,
-    pub(super) next: DevicePtr,
-    pub(super) state: State,
-    pub(super) kind: Kind,
-    pub(super) bin_prev: DevicePtr,
-    pub(super) bin_next: DevicePtr,
-}
-
-impl Info {
-    /// A block of `size` bytes between `prev` and `next`, in `state`.
-    pub(super) fn new(
-        size: usize,
-        prev: DevicePtr,
-        next: DevicePtr,
-        state: State,
-        kind: Kind,
-    ) -> Info {
-        Info {
-            size,
-            prev,
-            next,
-            state,
-            kind,
-            bin_prev: 0,
-            bin_next: 0,
-        }
-    }
-}
-
 /// A batch of blocks freed without a stream, waiting for fence `seq`.
 struct Batch {
     seq: u64,
-    blocks: Vec<DevicePtr>,
+    blocks: Vec<Slot>,
     bytes: usize,
 }
 
 /// One arena (see the module documentation).
 pub(crate) struct Arena {
-    pub(super) blocks: FastMap<DevicePtr, Info>,
+    pub(super) blocks: Blocks,
     /// Free blocks by kind, tag and size.
     free: FreeSet,
     /// Freed without a stream, not yet sealed into a batch.
-    pending: Vec<DevicePtr>,
+    pending: Vec<Slot>,
     pending_bytes: usize,
     /// Sealed batches, oldest first.
     sealed: VecDeque<Batch>,
     sealed_bytes: usize,
     /// Emptied batch vectors, reused (no allocation per batch).
-    spare: Vec<Vec<DevicePtr>>,
+    spare: Vec<Vec<Slot>>,
     // Statistics, kept under the lock every allocation takes anyway.
     pub(crate) live_bytes: usize,
     pub(crate) live_count: usize,
@@ -171,7 +137,7 @@ pub(crate) struct Arena {
 impl Default for Arena {
     fn default() -> Self {
         Arena {
-            blocks: FastMap::default(),
+            blocks: Blocks::default(),
             free: FreeSet::default(),
             pending: Vec::new(),
             pending_bytes: 0,
@@ -212,7 +178,7 @@ impl Arena {
     /// block of that stream's or of anyone's ([`ANY`]), the stream's on a
     /// tie (it keeps the blocks anyone may use for anyone).
     #[inline]
-    fn best_fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(Tag, usize, DevicePtr)> {
+    fn best_fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(Tag, usize, Slot)> {
         let fit = |t| self.free.fit(kind, t, size).map(|(s, a)| (t, s, a));
         let own = fit(tag);
         if tag == ANY {
@@ -229,69 +195,80 @@ impl Arena {
     /// fit, split when the rest is worth keeping. Its address and size.
     pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(size);
-        let (t, have, at) = self.best_fit(kind, tag, size)?;
-        self.free.remove(&mut self.blocks, kind, t, have, at);
-        let mut info = self.blocks[&at];
+        let (t, have, s) = self.best_fit(kind, tag, size)?;
+        self.free.remove(&mut self.blocks, kind, t, have, s);
+        let mut info = self.blocks[s];
         if kind.splits(have - size) {
-            let rest = at + size as u64;
             let next = info.next;
-            self.blocks
-                .insert(rest, Info::new(have - size, at, next, State::Free(t), kind));
+            let rest = Info::new(
+                info.at + size as u64,
+                have - size,
+                s,
+                next,
+                State::Free(t),
+                kind,
+            );
+            let r = self.blocks.add(rest);
             if next != 0 {
-                self.info(next).prev = rest;
+                self.blocks[next].prev = r;
             }
-            self.free
-                .insert(&mut self.blocks, kind, t, have - size, rest);
-            info.next = rest;
+            self.free.insert(&mut self.blocks, kind, t, have - size, r);
+            info.next = r;
             info.size = size;
         }
         info.state = State::Used;
-        *self.info(at) = info;
-        Some((at, info.size))
+        self.blocks[s] = info;
+        Some((info.at, info.size))
     }
 
+    /// The slot of `at` if it is a block this arena handed out.
     #[inline]
-    fn info(&mut self, at: DevicePtr) -> &mut Info {
-        self.blocks.get_mut(&at).expect("a block of this arena")
+    pub(crate) fn used(&self, at: DevicePtr) -> Option<Slot> {
+        self.blocks
+            .slot(at)
+            .filter(|&s| self.blocks[s].state == State::Used)
     }
 
-    /// Whether `at` is a block this arena handed out.
-    pub(crate) fn is_used(&self, at: DevicePtr) -> bool {
-        self.blocks.get(&at).is_some_and(|i| i.state == State::Used)
+    /// The block handed out at `at` comes back free on `tag` (see
+    /// [`Arena::free_slot`]).
+    #[cfg(test)]
+    pub(crate) fn free(&mut self, at: DevicePtr, tag: Tag) {
+        self.free_slot(self.blocks.slot(at).expect("a block of this arena"), tag);
     }
 
     /// A block handed out comes back free on `tag` (a stream, or [`ANY`]
     /// for memory a fence made safe): it merges with its free neighbours
     /// where their tags allow ([`merged`]).
-    pub(crate) fn free(&mut self, at: DevicePtr, tag: Tag) {
+    pub(crate) fn free_slot(&mut self, s: Slot, tag: Tag) {
         let Info {
+            at,
             mut size,
             mut prev,
             mut next,
             kind,
             ..
-        } = self.blocks[&at];
-        let (mut start, mut tag) = (at, tag);
+        } = self.blocks[s];
+        let (mut start, mut at, mut tag) = (s, at, tag);
         if prev != 0 {
-            let p = self.blocks[&prev];
+            let p = self.blocks[prev];
             if let Some((t, old)) = Self::joins(tag, p) {
                 self.free.remove(&mut self.blocks, kind, old, p.size, prev);
-                self.blocks.remove(&at);
-                (start, tag, size, prev) = (prev, t, size + p.size, p.prev);
+                self.blocks.remove(s);
+                (start, at, tag, size, prev) = (prev, p.at, t, size + p.size, p.prev);
             }
         }
         if next != 0 {
-            let n = self.blocks[&next];
+            let n = self.blocks[next];
             if let Some((t, old)) = Self::joins(tag, n) {
                 self.free.remove(&mut self.blocks, kind, old, n.size, next);
-                self.blocks.remove(&next);
+                self.blocks.remove(next);
                 (tag, size, next) = (t, size + n.size, n.next);
             }
         }
         // `start` is this block's own entry or its merged neighbour's.
-        *self.info(start) = Info::new(size, prev, next, State::Free(tag), kind);
+        self.blocks[start] = Info::new(at, size, prev, next, State::Free(tag), kind);
         if next != 0 {
-            self.info(next).prev = start;
+            self.blocks[next].prev = start;
         }
         self.free.insert(&mut self.blocks, kind, tag, size, start);
     }
@@ -306,14 +283,20 @@ impl Arena {
         }
     }
 
+    /// The block handed out at `at` comes back freed without a stream
+    /// (see [`Arena::wait_slot`]).
+    #[cfg(test)]
+    pub(crate) fn wait(&mut self, at: DevicePtr) {
+        self.wait_slot(self.blocks.slot(at).expect("a block of this arena"));
+    }
+
     /// A block handed out comes back freed without a stream: it waits for
     /// the next fence sealed ([`Arena::seal`]).
-    pub(crate) fn wait(&mut self, at: DevicePtr) {
-        let i = self.info(at);
+    pub(crate) fn wait_slot(&mut self, s: Slot) {
+        let i = &mut self.blocks[s];
         i.state = State::Waiting;
-        let size = i.size;
-        self.pending.push(at);
-        self.pending_bytes += size;
+        self.pending_bytes += i.size;
+        self.pending.push(s);
     }
 
     /// Blocks freed without a stream and not sealed yet.
@@ -341,12 +324,8 @@ impl Arena {
     /// meanwhile cannot take it first. Its address and size.
     pub(crate) fn claim_waiting(&mut self, want: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(want);
-        let fits = |p: &DevicePtr| {
-            self.blocks
-                .get(p)
-                .is_some_and(|i| i.kind == kind && i.size >= want)
-        };
-        let (at, batch) = if let Some(i) = self.pending.iter().position(fits) {
+        let fits = |&s: &Slot| self.blocks[s].kind == kind && self.blocks[s].size >= want;
+        let (s, batch) = if let Some(i) = self.pending.iter().position(fits) {
             (self.pending.swap_remove(i), None)
         } else {
             let (b, i) = self
@@ -356,9 +335,9 @@ impl Arena {
                 .find_map(|(b, batch)| batch.blocks.iter().position(fits).map(|i| (b, i)))?;
             (self.sealed[b].blocks.swap_remove(i), Some(b))
         };
-        let i = self.info(at);
+        let i = &mut self.blocks[s];
         i.state = State::Claimed;
-        let size = i.size;
+        let (at, size) = (i.at, i.size);
         match batch {
             None => self.pending_bytes -= size,
             Some(b) => {
@@ -372,9 +351,9 @@ impl Arena {
     /// The block claimed at `at`, its fence done, handed out: whether it
     /// still was (a reset may have forgotten it meanwhile).
     pub(crate) fn take_claimed(&mut self, at: DevicePtr) -> bool {
-        match self.blocks.get_mut(&at) {
-            Some(i) if i.state == State::Claimed => {
-                i.state = State::Used;
+        match self.blocks.slot(at) {
+            Some(s) if self.blocks[s].state == State::Claimed => {
+                self.blocks[s].state = State::Used;
                 true
             }
             _ => false,
@@ -384,12 +363,10 @@ impl Arena {
     /// The block claimed at `at` waits for the next fence again (its fence
     /// failed).
     pub(crate) fn unclaim(&mut self, at: DevicePtr) {
-        if self
-            .blocks
-            .get(&at)
-            .is_some_and(|i| i.state == State::Claimed)
-        {
-            self.wait(at);
+        if let Some(s) = self.blocks.slot(at) {
+            if self.blocks[s].state == State::Claimed {
+                self.wait_slot(s);
+            }
         }
     }
 
@@ -432,8 +409,8 @@ impl Arena {
         while self.sealed.front().is_some_and(|b| b.seq <= done) {
             let mut batch = self.sealed.pop_front().expect("checked");
             self.sealed_bytes -= batch.bytes;
-            for at in batch.blocks.drain(..) {
-                self.free(at, ANY);
+            for s in batch.blocks.drain(..) {
+                self.free_slot(s, ANY);
             }
             self.spare.push(batch.blocks);
             self.fences += 1;
@@ -447,22 +424,19 @@ impl Arena {
     /// work queued before it is done, and the block is free for anyone.
     pub(crate) fn wait_all_tagged(&mut self) {
         let tagged = self.free.tagged(&self.blocks);
-        for (kind, tag, size, at) in tagged {
-            self.free.remove(&mut self.blocks, kind, tag, size, at);
-            self.info(at).state = State::Used;
-            self.wait(at);
+        for (kind, tag, size, s) in tagged {
+            self.free.remove(&mut self.blocks, kind, tag, size, s);
+            self.blocks[s].state = State::Used;
+            self.wait_slot(s);
         }
     }
 
     /// A new segment of `size` bytes at `base`, of `kind`, free for anyone.
     pub(crate) fn add_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
-        self.insert_segment(base, size, kind, State::Free(ANY));
-        self.free.insert(&mut self.blocks, kind, ANY, size, base);
-    }
-
-    /// A segment of one block, in `state`.
-    fn insert_segment(&mut self, base: DevicePtr, size: usize, kind: Kind, state: State) {
-        self.blocks.insert(base, Info::new(size, 0, 0, state, kind));
+        let s = self
+            .blocks
+            .add(Info::new(base, size, 0, 0, State::Free(ANY), kind));
+        self.free.insert(&mut self.blocks, kind, ANY, size, s);
     }
 
     /// Take out of the arena each of `segments` (base, size) whose memory
@@ -474,33 +448,38 @@ impl Arena {
         waiting: bool,
     ) -> Vec<DevicePtr> {
         let mut out = Vec::new();
-        let mut gone = FastMap::default();
+        let mut gone = std::collections::HashSet::new();
         for &(base, size) in segments {
             let blocks = self.segment_blocks(base, size);
-            let cached = |b: &(DevicePtr, usize, BlockState)| match self.blocks[&b.0].state {
-                State::Free(_) => true,
-                State::Waiting => waiting,
-                State::Used | State::Claimed => false,
+            let cached = |&(at, _, _): &(DevicePtr, usize, BlockState)| match self
+                .blocks
+                .get(at)
+                .map(|i| i.state)
+            {
+                Some(State::Free(_)) => true,
+                Some(State::Waiting) => waiting,
+                _ => false,
             };
             if blocks.is_empty() || !blocks.iter().all(cached) {
                 continue;
             }
             for (at, _, _) in blocks {
-                let i = self.blocks[&at];
+                let s = self.blocks.slot(at).expect("a block of the segment");
+                let i = self.blocks[s];
                 match i.state {
-                    State::Free(t) => self.free.remove(&mut self.blocks, i.kind, t, i.size, at),
+                    State::Free(t) => self.free.remove(&mut self.blocks, i.kind, t, i.size, s),
                     _ => {
-                        gone.insert(at, ());
+                        gone.insert(s);
                     }
                 }
-                self.blocks.remove(&at);
+                self.blocks.remove(s);
             }
             out.push(base);
         }
         if !gone.is_empty() {
-            self.pending.retain(|p| !gone.contains_key(p));
+            self.pending.retain(|s| !gone.contains(s));
             for b in &mut self.sealed {
-                b.blocks.retain(|p| !gone.contains_key(p));
+                b.blocks.retain(|s| !gone.contains(s));
             }
             self.recount_waiting();
         }
@@ -510,12 +489,10 @@ impl Arena {
     /// Count the bytes of the pending and sealed lists afresh (after
     /// blocks left them other than by a seal or a fence).
     fn recount_waiting(&mut self) {
-        let size =
-            |p: &DevicePtr, blocks: &FastMap<DevicePtr, Info>| blocks.get(p).map_or(0, |i| i.size);
-        self.pending_bytes = self.pending.iter().map(|p| size(p, &self.blocks)).sum();
+        self.pending_bytes = self.pending.iter().map(|&s| self.blocks[s].size).sum();
         self.sealed_bytes = 0;
         for b in &mut self.sealed {
-            b.bytes = b.blocks.iter().map(|p| size(p, &self.blocks)).sum();
+            b.bytes = b.blocks.iter().map(|&s| self.blocks[s].size).sum();
             self.sealed_bytes += b.bytes;
         }
     }
@@ -523,14 +500,16 @@ impl Arena {
     /// A segment whose free failed comes back, waiting for a fence as a
     /// whole (its blocks' queued work may not be done).
     pub(crate) fn add_waiting_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
-        self.insert_segment(base, size, kind, State::Used);
-        self.wait(base);
+        let s = self
+            .blocks
+            .add(Info::new(base, size, 0, 0, State::Used, kind));
+        self.wait_slot(s);
     }
 
     /// Drop every block and count (the context was reset and its memory is
     /// gone).
     pub(crate) fn forget_all(&mut self) {
-        self.blocks.clear();
+        self.blocks = Blocks::default();
         self.free.clear();
         self.pending.clear();
         self.pending_bytes = 0;

@@ -17,16 +17,16 @@ impl Arena {
     ) -> Vec<(DevicePtr, usize, BlockState)> {
         let mut out = Vec::new();
         let end = base + size as u64;
-        let mut at = base;
-        while at != 0 && at < end {
-            let Some(i) = self.blocks.get(&at) else { break };
+        let mut s = self.blocks.slot(base).unwrap_or(0);
+        while s != 0 && self.blocks[s].at < end {
+            let i = &self.blocks[s];
             let state = match i.state {
                 State::Used => BlockState::Used,
                 State::Free(_) => BlockState::Free,
                 State::Waiting | State::Claimed => BlockState::Waiting,
             };
-            out.push((at, i.size, state));
-            at = i.next;
+            out.push((i.at, i.size, state));
+            s = i.next;
         }
         out
     }
@@ -38,13 +38,13 @@ impl Arena {
         base: DevicePtr,
         address: DevicePtr,
     ) -> Option<(DevicePtr, usize)> {
-        let mut at = base;
-        while at != 0 && at <= address {
-            let i = self.blocks.get(&at)?;
-            if address < at + i.size as u64 {
-                return (i.state == State::Used).then_some((at, i.size));
+        let mut s = self.blocks.slot(base)?;
+        while s != 0 && self.blocks[s].at <= address {
+            let i = &self.blocks[s];
+            if address < i.at + i.size as u64 {
+                return (i.state == State::Used).then_some((i.at, i.size));
             }
-            at = i.next;
+            s = i.next;
         }
         None
     }
@@ -105,7 +105,7 @@ impl Arena {
                 e.1 += c.peak;
             }
         }
-        for i in self.blocks.values() {
+        for i in self.blocks.iter() {
             if i.state != State::Used {
                 out.entry(size_class(i.size)).or_default().2 += 1;
             }

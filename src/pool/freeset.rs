@@ -16,7 +16,7 @@
 
 use std::collections::BTreeSet;
 
-use super::arena::{Info, Kind, Tag, ANY, MIN_BLOCK};
+use super::arena::{Blocks, Kind, Slot, Tag, ANY, MIN_BLOCK};
 use super::class::FastMap;
 use crate::driver::DevicePtr;
 
@@ -112,10 +112,11 @@ impl BinMap {
 pub(super) struct FreeSet {
     /// The first block of each exact bin, by tag and size (with the kind
     /// in its top bit, which the table's hash keeps: no size reaches it).
-    heads: FastMap<(Tag, usize), DevicePtr>,
+    heads: FastMap<(Tag, usize), Slot>,
     maps: Vec<BinMap>,
-    /// Blocks over [`BIN_MAX`] bytes by (kind, tag, size, address).
-    big: BTreeSet<(Kind, Tag, usize, DevicePtr)>,
+    /// Blocks over [`BIN_MAX`] bytes by (kind, tag, size, address), with
+    /// their slots.
+    big: BTreeSet<(Kind, Tag, usize, DevicePtr, Slot)>,
     /// Bytes of free blocks, all tags; and of those free for anyone.
     pub(super) bytes: usize,
     pub(super) any_bytes: usize,
@@ -124,11 +125,6 @@ pub(super) struct FreeSet {
 #[inline]
 fn key(kind: Kind, tag: Tag, size: usize) -> (Tag, usize) {
     (tag, size | (kind as usize) << (usize::BITS - 1))
-}
-
-#[inline]
-fn links(blocks: &mut FastMap<DevicePtr, Info>, at: DevicePtr) -> &mut Info {
-    blocks.get_mut(&at).expect("a free block of this arena")
 }
 
 impl FreeSet {
@@ -140,29 +136,29 @@ impl FreeSet {
             .position(|m| m.tag == tag && m.kind == kind)
     }
 
-    /// The free block `at` of `size` bytes, of `kind`, free on `tag`,
-    /// joins the set; its entry in `blocks` exists.
+    /// The free block in slot `at` of `blocks`, of `size` bytes and
+    /// `kind`, free on `tag`, joins the set.
     pub(super) fn insert(
         &mut self,
-        blocks: &mut FastMap<DevicePtr, Info>,
+        blocks: &mut Blocks,
         kind: Kind,
         tag: Tag,
         size: usize,
-        at: DevicePtr,
+        at: Slot,
     ) {
         self.bytes += size;
         if tag == ANY {
             self.any_bytes += size;
         }
         if size > BIN_MAX {
-            self.big.insert((kind, tag, size, at));
+            self.big.insert((kind, tag, size, blocks[at].at, at));
             return;
         }
         let old = self.heads.insert(key(kind, tag, size), at);
-        let i = links(blocks, at);
+        let i = &mut blocks[at];
         (i.bin_prev, i.bin_next) = (0, old.unwrap_or(0));
         if let Some(old) = old {
-            links(blocks, old).bin_prev = at;
+            blocks[old].bin_prev = at;
             return;
         }
         // The bin was empty: its bit goes up.
@@ -176,33 +172,31 @@ impl FreeSet {
         self.maps[m].set(bin(size));
     }
 
-    /// The free block `at` (as inserted) leaves the set; its entry in
-    /// `blocks` still holds its links.
+    /// The free block in slot `at` (as inserted) leaves the set; its
+    /// entry in `blocks` still holds its links.
     pub(super) fn remove(
         &mut self,
-        blocks: &mut FastMap<DevicePtr, Info>,
+        blocks: &mut Blocks,
         kind: Kind,
         tag: Tag,
         size: usize,
-        at: DevicePtr,
+        at: Slot,
     ) {
         self.bytes -= size;
         if tag == ANY {
             self.any_bytes -= size;
         }
         if size > BIN_MAX {
-            let was = self.big.remove(&(kind, tag, size, at));
+            let was = self.big.remove(&(kind, tag, size, blocks[at].at, at));
             debug_assert!(was, "a free block is in the free set");
             return;
         }
-        let Info {
-            bin_prev, bin_next, ..
-        } = *links(blocks, at);
+        let (bin_prev, bin_next) = (blocks[at].bin_prev, blocks[at].bin_next);
         if bin_next != 0 {
-            links(blocks, bin_next).bin_prev = bin_prev;
+            blocks[bin_next].bin_prev = bin_prev;
         }
         if bin_prev != 0 {
-            links(blocks, bin_prev).bin_next = bin_next;
+            blocks[bin_prev].bin_next = bin_next;
         } else if bin_next != 0 {
             self.heads.insert(key(kind, tag, size), bin_next);
         } else {
@@ -224,9 +218,9 @@ impl FreeSet {
     }
 
     /// The smallest free block of `kind` with `tag` of at least `size`
-    /// bytes: its size and address.
+    /// bytes: its size and slot.
     #[inline]
-    pub(super) fn fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(usize, DevicePtr)> {
+    pub(super) fn fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(usize, Slot)> {
         if size <= BIN_MAX {
             if let Some(b) = self
                 .map(kind, tag)
@@ -237,18 +231,16 @@ impl FreeSet {
             }
         }
         self.big
-            .range((kind, tag, size, 0)..=(kind, tag, usize::MAX, DevicePtr::MAX))
+            .range((kind, tag, size, 0, 0)..=(kind, tag, usize::MAX, DevicePtr::MAX, Slot::MAX))
             .next()
-            .map(|&(_, _, s, a)| (s, a))
+            .map(|&(_, _, s, _, at)| (s, at))
     }
 
     /// Every free block on a stream (not [`ANY`]): (kind, tag, size,
-    /// address).
-    pub(super) fn tagged(
-        &self,
-        blocks: &FastMap<DevicePtr, Info>,
-    ) -> Vec<(Kind, Tag, usize, DevicePtr)> {
-        let mut out: Vec<_> = self.big.iter().filter(|k| k.1 != ANY).copied().collect();
+    /// slot).
+    pub(super) fn tagged(&self, blocks: &Blocks) -> Vec<(Kind, Tag, usize, Slot)> {
+        let big = self.big.iter().filter(|k| k.1 != ANY);
+        let mut out: Vec<_> = big.map(|&(k, t, s, _, at)| (k, t, s, at)).collect();
         for m in self.maps.iter().filter(|m| m.tag != ANY) {
             let mut b = m.next(0);
             while let Some(n) = b {
@@ -256,7 +248,7 @@ impl FreeSet {
                 let mut at = self.heads[&key(m.kind, m.tag, size)];
                 while at != 0 {
                     out.push((m.kind, m.tag, size, at));
-                    at = blocks[&at].bin_next;
+                    at = blocks[at].bin_next;
                 }
                 b = if n + 1 < BINS { m.next(n + 1) } else { None };
             }

@@ -65,6 +65,7 @@
 mod ahead;
 mod alloc;
 mod arena;
+mod blocks;
 mod books;
 mod class;
 mod fence;
@@ -415,14 +416,14 @@ impl Pool {
         let mut a = self.arena(usize::from(block.shard));
         // A block this arena does not hold as handed out (its context was
         // reset, or it was given back already) is never freed twice.
-        if !still_valid() || !a.is_used(block.address) {
+        let Some(slot) = a.used(block.address).filter(|_| still_valid()) else {
             return;
-        }
+        };
         a.returned(block.size, block.client);
         match stream {
-            Some(s) => a.free(block.address, s),
+            Some(s) => a.free_slot(slot, s),
             None => {
-                a.wait(block.address);
+                a.wait_slot(slot);
                 if a.has_sealed() {
                     a.promote(self.fencer.done());
                 }

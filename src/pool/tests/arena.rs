@@ -19,11 +19,17 @@ fn check_tiles(a: &Arena, base: DevicePtr, size: usize) {
     assert_eq!(total, size, "blocks tile the segment: {blocks:?}");
     for w in blocks.windows(2) {
         assert_eq!(w[0].0 + w[0].1 as u64, w[1].0);
-        assert_eq!(a.blocks[&w[1].0].prev, w[0].0);
+        assert_eq!(
+            a.blocks.get(w[1].0).unwrap().prev,
+            a.blocks.slot(w[0].0).unwrap()
+        );
     }
     // No two neighbours free for the same tag (they would have merged).
     for w in blocks.windows(2) {
-        let (x, y) = (a.blocks[&w[0].0].state, a.blocks[&w[1].0].state);
+        let (x, y) = (
+            a.blocks.get(w[0].0).unwrap().state,
+            a.blocks.get(w[1].0).unwrap().state,
+        );
         if let (State::Free(s), State::Free(t)) = (x, y) {
             assert!(merged(s, t).is_none(), "{x:?} and {y:?} should have merged");
         }

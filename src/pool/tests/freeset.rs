@@ -3,30 +3,44 @@
 
 use std::collections::BTreeSet;
 
-use super::super::arena::{Info, Kind, State, Tag, ANY, MIN_BLOCK};
+use super::super::arena::{Blocks, Info, Kind, State, Tag, ANY, MIN_BLOCK};
 use super::super::class::FastMap;
 use super::super::freeset::{FreeSet, BIN_MAX};
 use crate::driver::DevicePtr;
 
 const MIB: usize = 1 << 20;
 
-/// A free set and the block entries its bins thread through.
+/// A free set and the block entries its bins thread through, by address.
 #[derive(Default)]
 struct Set {
     free: FreeSet,
-    blocks: FastMap<DevicePtr, Info>,
+    blocks: Blocks,
 }
 
 impl Set {
     fn put(&mut self, kind: Kind, tag: Tag, size: usize, at: DevicePtr) {
-        let state = State::Free(tag);
-        self.blocks.insert(at, Info::new(size, 0, 0, state, kind));
-        self.free.insert(&mut self.blocks, kind, tag, size, at);
+        let s = self
+            .blocks
+            .add(Info::new(at, size, 0, 0, State::Free(tag), kind));
+        self.free.insert(&mut self.blocks, kind, tag, size, s);
     }
 
     fn take(&mut self, kind: Kind, tag: Tag, size: usize, at: DevicePtr) {
-        self.free.remove(&mut self.blocks, kind, tag, size, at);
-        self.blocks.remove(&at);
+        let s = self.blocks.slot(at).expect("a block put");
+        self.free.remove(&mut self.blocks, kind, tag, size, s);
+        self.blocks.remove(s);
+    }
+
+    fn fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(usize, DevicePtr)> {
+        let (have, s) = self.free.fit(kind, tag, size)?;
+        Some((have, self.blocks[s].at))
+    }
+
+    fn tagged(&self) -> Vec<(Kind, Tag, usize, DevicePtr)> {
+        let t = self.free.tagged(&self.blocks);
+        t.into_iter()
+            .map(|(k, t, n, s)| (k, t, n, self.blocks[s].at))
+            .collect()
     }
 }
 
@@ -41,21 +55,15 @@ fn the_fit_is_the_smallest_block_that_fits_in_the_bins_and_above_them() {
     ] {
         s.put(k, ANY, size, at);
     }
-    assert_eq!(s.free.fit(k, ANY, MIB + 512), Some((2 * MIB, 0x1000_0000)));
-    assert_eq!(
-        s.free.fit(k, ANY, 2 * MIB + 512),
-        Some((3 * MIB, 0x3000_0000))
-    );
+    assert_eq!(s.fit(k, ANY, MIB + 512), Some((2 * MIB, 0x1000_0000)));
+    assert_eq!(s.fit(k, ANY, 2 * MIB + 512), Some((3 * MIB, 0x3000_0000)));
     // Past every bin that holds a block: the ordered set above them.
-    assert_eq!(s.free.fit(k, ANY, 5 * MIB), Some((40 * MIB, 0x2000_0000)));
-    assert_eq!(
-        s.free.fit(k, ANY, BIN_MAX + 512),
-        Some((40 * MIB, 0x2000_0000))
-    );
-    assert_eq!(s.free.fit(k, ANY, 41 * MIB), None);
+    assert_eq!(s.fit(k, ANY, 5 * MIB), Some((40 * MIB, 0x2000_0000)));
+    assert_eq!(s.fit(k, ANY, BIN_MAX + 512), Some((40 * MIB, 0x2000_0000)));
+    assert_eq!(s.fit(k, ANY, 41 * MIB), None);
     // Another kind or tag sees none of them.
-    assert_eq!(s.free.fit(Kind::Small, ANY, 512), None);
-    assert_eq!(s.free.fit(k, 0x5000, 512), None);
+    assert_eq!(s.fit(Kind::Small, ANY, 512), None);
+    assert_eq!(s.fit(k, 0x5000, 512), None);
     assert_eq!(s.free.bytes, 45 * MIB);
     assert_eq!(s.free.any_bytes, 45 * MIB);
 }
@@ -67,15 +75,15 @@ fn one_bin_gives_the_block_freed_last_first_and_any_block_leaves_it() {
     for at in [0x1000, 0x2000, 0x3000, 0x4000] {
         s.put(k, 0x5000, 4096, at);
     }
-    assert_eq!(s.free.fit(k, 0x5000, 4096), Some((4096, 0x4000)));
+    assert_eq!(s.fit(k, 0x5000, 4096), Some((4096, 0x4000)));
     // From the middle, the end and the head of the list.
     s.take(k, 0x5000, 4096, 0x2000);
     s.take(k, 0x5000, 4096, 0x1000);
-    assert_eq!(s.free.fit(k, 0x5000, 4096), Some((4096, 0x4000)));
+    assert_eq!(s.fit(k, 0x5000, 4096), Some((4096, 0x4000)));
     s.take(k, 0x5000, 4096, 0x4000);
-    assert_eq!(s.free.fit(k, 0x5000, 1024), Some((4096, 0x3000)));
+    assert_eq!(s.fit(k, 0x5000, 1024), Some((4096, 0x3000)));
     s.take(k, 0x5000, 4096, 0x3000);
-    assert_eq!(s.free.fit(k, 0x5000, 512), None);
+    assert_eq!(s.fit(k, 0x5000, 512), None);
     assert_eq!(s.free.bytes, 0);
 }
 
@@ -89,17 +97,14 @@ fn the_bitmap_finds_bins_across_its_words_and_summary_words() {
         s.put(k, ANY, size, (i as u64 + 1) << 32);
     }
     for (i, &size) in sizes.iter().enumerate() {
-        assert_eq!(s.free.fit(k, ANY, size), Some((size, (i as u64 + 1) << 32)));
+        assert_eq!(s.fit(k, ANY, size), Some((size, (i as u64 + 1) << 32)));
         // One bin above the one before: this block again.
         if i > 0 {
             let above = sizes[i - 1] + 512;
-            assert_eq!(
-                s.free.fit(k, ANY, above),
-                Some((size, (i as u64 + 1) << 32))
-            );
+            assert_eq!(s.fit(k, ANY, above), Some((size, (i as u64 + 1) << 32)));
         }
     }
-    assert_eq!(s.free.fit(k, ANY, BIN_MAX + 512), None);
+    assert_eq!(s.fit(k, ANY, BIN_MAX + 512), None);
 }
 
 #[test]
@@ -111,7 +116,7 @@ fn tagged_lists_every_streams_block_and_none_of_anyones() {
     s.put(Kind::Small, 0x6000, MIB, 0x4000);
     s.put(Kind::Large, 0x6000, 64 * MIB, 0x8000_0000);
     s.put(Kind::Large, ANY, 64 * MIB, 0x9000_0000);
-    let mut got = s.free.tagged(&s.blocks);
+    let mut got = s.tagged();
     got.sort_by_key(|b| b.3);
     let want = vec![
         (Kind::Small, 0x5000, 512, 0x2000),
@@ -132,7 +137,7 @@ fn bitmaps_of_streams_with_no_free_block_do_not_pile_up() {
         let tag = stream << 12;
         s.put(Kind::Small, tag, 4096, (stream as u64) << 20);
         assert_eq!(
-            s.free.fit(Kind::Small, tag, 512),
+            s.fit(Kind::Small, tag, 512),
             Some((4096, (stream as u64) << 20))
         );
         s.take(Kind::Small, tag, 4096, (stream as u64) << 20);
@@ -188,7 +193,7 @@ fn random_churn_agrees_with_an_ordered_model() {
                 .range((kind, tag, size, 0)..=(kind, tag, usize::MAX, DevicePtr::MAX))
                 .next()
                 .copied();
-            let got = s.free.fit(kind, tag, size);
+            let got = s.fit(kind, tag, size);
             assert_eq!(got.map(|g| g.0), want.map(|w| w.2), "the fit's size");
             if let Some((have, p)) = got {
                 assert!(
@@ -201,7 +206,7 @@ fn random_churn_agrees_with_an_ordered_model() {
         let bytes: usize = model.iter().map(|b| b.2).sum();
         assert_eq!(s.free.bytes, bytes);
     }
-    let mut tagged = s.free.tagged(&s.blocks);
+    let mut tagged = s.tagged();
     tagged.sort();
     let want: Vec<_> = model.iter().filter(|b| b.1 != ANY).copied().collect();
     assert_eq!(tagged, want);
@@ -228,17 +233,17 @@ fn a_small_and_a_large_bin_of_one_size_stay_apart() {
     s.put(Kind::Small, 0x5000, 2 * MIB, 0x1000_0000);
     s.put(Kind::Large, 0x5000, 2 * MIB, 0x2000_0000);
     assert_eq!(
-        s.free.fit(Kind::Small, 0x5000, MIB),
+        s.fit(Kind::Small, 0x5000, MIB),
         Some((2 * MIB, 0x1000_0000))
     );
     assert_eq!(
-        s.free.fit(Kind::Large, 0x5000, MIB),
+        s.fit(Kind::Large, 0x5000, MIB),
         Some((2 * MIB, 0x2000_0000))
     );
     s.take(Kind::Small, 0x5000, 2 * MIB, 0x1000_0000);
-    assert_eq!(s.free.fit(Kind::Small, 0x5000, MIB), None);
+    assert_eq!(s.fit(Kind::Small, 0x5000, MIB), None);
     assert_eq!(
-        s.free.fit(Kind::Large, 0x5000, MIB),
+        s.fit(Kind::Large, 0x5000, MIB),
         Some((2 * MIB, 0x2000_0000))
     );
 }

@@ -95,7 +95,14 @@ impl Pool {
                 a.promote(self.fencer.done());
             }
             if let Some(mut g) = ask.take(&mut a, ask.home, ask.tag) {
-                g.ahead = ask.tag == ANY && self.wants_ahead(&mut a);
+                // A hit asks for growth ahead only once half a growth's
+                // worth of frees waits for a fence: a busy GPU's churn
+                // passes it within a few dozen frees, and an idle GPU's
+                // tight loop (a batch or two waiting) skips the look at
+                // the fence thread's clock, a shared line and a clock read
+                // on every hit.
+                let held_back = a.waiting_bytes() >= self.config.ahead_bytes / 2;
+                g.ahead = ask.tag == ANY && held_back && self.wants_ahead(&mut a);
                 return Ok(g);
             }
             // A miss: what waits in this arena is sealed for a fence now.

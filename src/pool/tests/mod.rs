@@ -413,6 +413,48 @@ fn a_busy_gpus_churn_grows_in_large_segments_and_asks_for_growth_ahead() {
     assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
 }
 
+/// A hit asks for growth ahead on a busy GPU only once half a growth's
+/// worth of frees waits for a fence (an idle GPU's tight loop, with a
+/// batch or two waiting, never looks at the fence thread's clock): no ask
+/// below it, and an ask at the first hit past it.
+#[test]
+fn a_hit_asks_for_growth_ahead_once_half_a_growth_waits() {
+    let (sim, ctx, pool) = pool(1 << 30);
+    let half = PoolConfig::default().ahead_bytes / 2;
+    // Stock free for anyone, under a growth's worth, made while idle.
+    let stock: Vec<_> = (0..40).map(|_| alloc(&pool, ctx, MIB, None)).collect();
+    stock
+        .into_iter()
+        .for_each(|b| pool.release(ctx, back(b, MIB), None, || true));
+    assert!(pool.flush(ctx));
+    let k = alloc(&pool, ctx, MIB, Some(S));
+    sim.queue_write(S, k.address, &[1; 4]).unwrap();
+    pool.release(ctx, back(k, MIB), Some(S), || true);
+    let (mut waiting, mut first_ask) = (Vec::new(), None);
+    for i in 0..38 {
+        let w = pool.stats().pending_bytes;
+        let b = alloc(&pool, ctx, MIB, None);
+        assert!(b.new_allocation.is_none(), "a hit");
+        waiting.push(w);
+        if b.ahead && first_ask.is_none() {
+            first_ask = Some(i);
+        }
+        pool.release(ctx, back(b, MIB), None, || true);
+        if i == 0 {
+            // The fence now spins behind the kernel: a busy GPU's.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    sim.complete(None);
+    let i = first_ask.expect("a hit past half a growth waiting asks");
+    assert!(waiting[..i].iter().all(|&w| w < half), "{waiting:?} {i}");
+    assert!(
+        waiting[i] >= half && waiting[i] < half + 2 * MIB,
+        "{waiting:?} {i}"
+    );
+    assert!(pool.flush(ctx));
+}
+
 /// The pool counts its segments as PyTorch does: small (its small pool's)
 /// and large, with peaks and totals, and a trim or a forget takes them
 /// away.

@@ -95,13 +95,15 @@ impl Pool {
                 a.promote(self.fencer.done());
             }
             if let Some(mut g) = ask.take(&mut a, ask.home, ask.tag) {
-                // A hit asks for growth ahead only once half a growth's
-                // worth of frees waits for a fence: a busy GPU's churn
-                // passes it within a few dozen frees, and an idle GPU's
-                // tight loop (a batch or two waiting) skips the look at
-                // the fence thread's clock, a shared line and a clock read
-                // on every hit.
-                let held_back = a.waiting_bytes() >= self.config.ahead_bytes / 2;
+                // A hit asks for growth ahead only once the frees waiting
+                // for a fence match what is left free for anyone, or half
+                // a growth: a busy GPU's churn gets there with half its
+                // stock left, and an idle GPU's tight loop (its fences
+                // return blocks within a few frees) mostly skips the look
+                // at the fence thread's clock, a shared line and a clock
+                // read.
+                let mark = a.free_any_bytes().min(self.config.ahead_bytes / 2);
+                let held_back = a.waiting_bytes() >= mark;
                 g.ahead = ask.tag == ANY && held_back && self.wants_ahead(&mut a);
                 return Ok(g);
             }

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod arena;
+mod audit;
 mod class;
 mod fence;
 mod freeset;
@@ -413,46 +414,57 @@ fn a_busy_gpus_churn_grows_in_large_segments_and_asks_for_growth_ahead() {
     assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
 }
 
-/// A hit asks for growth ahead on a busy GPU only once half a growth's
-/// worth of frees waits for a fence (an idle GPU's tight loop, with a
-/// batch or two waiting, never looks at the fence thread's clock): no ask
-/// below it, and an ask at the first hit past it.
+/// A hit asks for growth ahead on a busy GPU once the frees waiting for
+/// a fence match what is left free for anyone, or half a growth (an idle
+/// GPU's tight loop then mostly skips the fence thread's clock): no ask
+/// below that mark, an ask at the first hit past it, and, with a stock
+/// under half a growth, an ask well before the stock runs out.
 #[test]
-fn a_hit_asks_for_growth_ahead_once_half_a_growth_waits() {
-    let (sim, ctx, pool) = pool(1 << 30);
+fn a_hit_asks_for_growth_ahead_once_frees_waiting_match_the_stock_left() {
     let half = PoolConfig::default().ahead_bytes / 2;
-    // Stock free for anyone, under a growth's worth, made while idle.
-    let stock: Vec<_> = (0..40).map(|_| alloc(&pool, ctx, MIB, None)).collect();
-    stock
-        .into_iter()
-        .for_each(|b| pool.release(ctx, back(b, MIB), None, || true));
-    assert!(pool.flush(ctx));
-    let k = alloc(&pool, ctx, MIB, Some(S));
-    sim.queue_write(S, k.address, &[1; 4]).unwrap();
-    pool.release(ctx, back(k, MIB), Some(S), || true);
-    let (mut waiting, mut first_ask) = (Vec::new(), None);
-    for i in 0..38 {
-        let w = pool.stats().pending_bytes;
-        let b = alloc(&pool, ctx, MIB, None);
-        assert!(b.new_allocation.is_none(), "a hit");
-        waiting.push(w);
-        if b.ahead && first_ask.is_none() {
-            first_ask = Some(i);
+    for stock_mib in [16, 40] {
+        let (sim, ctx, pool) = pool(1 << 30);
+        let stock: Vec<_> = (0..stock_mib)
+            .map(|_| alloc(&pool, ctx, MIB, None))
+            .collect();
+        stock
+            .into_iter()
+            .for_each(|b| pool.release(ctx, back(b, MIB), None, || true));
+        assert!(pool.flush(ctx));
+        let k = alloc(&pool, ctx, MIB, Some(S));
+        sim.queue_write(S, k.address, &[1; 4]).unwrap();
+        pool.release(ctx, back(k, MIB), Some(S), || true);
+        // (waiting, free for anyone once the hit took its block) at each
+        // hit; `k`'s block is free on its stream alone.
+        let (mut seen, mut first_ask) = (Vec::new(), None);
+        for i in 0..stock_mib - 2 {
+            let st = pool.stats();
+            let free = st.cached_bytes - st.pending_bytes - MIB - MIB;
+            let b = alloc(&pool, ctx, MIB, None);
+            assert!(b.new_allocation.is_none(), "a hit");
+            seen.push((st.pending_bytes, free.min(half)));
+            if b.ahead && first_ask.is_none() {
+                first_ask = Some(i);
+            }
+            pool.release(ctx, back(b, MIB), None, || true);
+            if i == 0 {
+                // The fence now spins behind the kernel: a busy GPU's.
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
-        pool.release(ctx, back(b, MIB), None, || true);
-        if i == 0 {
-            // The fence now spins behind the kernel: a busy GPU's.
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        sim.complete(None);
+        let i = first_ask.expect("a hit past the mark asks");
+        assert!(seen[..i].iter().all(|&(w, mark)| w < mark), "{seen:?} {i}");
+        assert!(
+            seen[i].0 >= seen[i].1 && seen[i].0 < seen[i].1 + 2 * MIB,
+            "{seen:?} {i}"
+        );
+        assert!(
+            i <= stock_mib / 2 + 1,
+            "asked with half the stock left: {i} of {stock_mib}"
+        );
+        assert!(pool.flush(ctx));
     }
-    sim.complete(None);
-    let i = first_ask.expect("a hit past half a growth waiting asks");
-    assert!(waiting[..i].iter().all(|&w| w < half), "{waiting:?} {i}");
-    assert!(
-        waiting[i] >= half && waiting[i] < half + 2 * MIB,
-        "{waiting:?} {i}"
-    );
-    assert!(pool.flush(ctx));
 }
 
 /// The pool counts its segments as PyTorch does: small (its small pool's)

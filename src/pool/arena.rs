@@ -99,23 +99,23 @@ pub(super) enum State {
 }
 
 /// A batch of blocks freed without a stream, waiting for fence `seq`.
-struct Batch {
-    seq: u64,
-    blocks: Vec<Slot>,
-    bytes: usize,
+pub(super) struct Batch {
+    pub(super) seq: u64,
+    pub(super) blocks: Vec<Slot>,
+    pub(super) bytes: usize,
 }
 
 /// One arena (see the module documentation).
 pub(crate) struct Arena {
     pub(super) blocks: Blocks,
     /// Free blocks by kind, tag and size.
-    free: FreeSet,
+    pub(super) free: FreeSet,
     /// Freed without a stream, not yet sealed into a batch.
-    pending: Vec<Slot>,
-    pending_bytes: usize,
+    pub(super) pending: Vec<Slot>,
+    pub(super) pending_bytes: usize,
     /// Sealed batches, oldest first.
-    sealed: VecDeque<Batch>,
-    sealed_bytes: usize,
+    pub(super) sealed: VecDeque<Batch>,
+    pub(super) sealed_bytes: usize,
     /// Emptied batch vectors, reused (no allocation per batch).
     spare: Vec<Vec<Slot>>,
     // Statistics, kept under the lock every allocation takes anyway.

@@ -53,9 +53,9 @@ impl Info {
 /// for the blocks' owners, updated only when a block is cut or joined.
 #[derive(Default)]
 pub(super) struct Blocks {
-    table: Vec<Info>,
-    vacant: Vec<Slot>,
-    index: FastMap<DevicePtr, Slot>,
+    pub(super) table: Vec<Info>,
+    pub(super) vacant: Vec<Slot>,
+    pub(super) index: FastMap<DevicePtr, Slot>,
 }
 
 impl Blocks {

@@ -28,7 +28,7 @@ pub(super) const BIN_MAX: usize = 32 << 20;
 /// Bins per kind and tag (one per multiple of [`MIN_BLOCK`] up to
 /// [`BIN_MAX`]), and the words of their bitmap's two levels.
 const BINS: usize = BIN_MAX / MIN_BLOCK;
-const WORDS: usize = BINS / 64;
+pub(super) const WORDS: usize = BINS / 64;
 const SUMMARY: usize = WORDS.div_ceil(64);
 
 /// Bitmaps of kinds and tags that emptied are kept, up to this many in all
@@ -44,12 +44,12 @@ fn bin(size: usize) -> usize {
 }
 
 /// Which exact bins of one kind and tag hold a block.
-struct BinMap {
-    kind: Kind,
-    tag: Tag,
+pub(super) struct BinMap {
+    pub(super) kind: Kind,
+    pub(super) tag: Tag,
     /// Bit `w` of word `w / 64`: word `w` of `words` is not zero.
-    summary: [u64; SUMMARY],
-    words: Box<[u64; WORDS]>,
+    pub(super) summary: [u64; SUMMARY],
+    pub(super) words: Box<[u64; WORDS]>,
 }
 
 impl BinMap {
@@ -112,18 +112,18 @@ impl BinMap {
 pub(super) struct FreeSet {
     /// The first block of each exact bin, by tag and size (with the kind
     /// in its top bit, which the table's hash keeps: no size reaches it).
-    heads: FastMap<(Tag, usize), Slot>,
-    maps: Vec<BinMap>,
+    pub(super) heads: FastMap<(Tag, usize), Slot>,
+    pub(super) maps: Vec<BinMap>,
     /// Blocks over [`BIN_MAX`] bytes by (kind, tag, size, address), with
     /// their slots.
-    big: BTreeSet<(Kind, Tag, usize, DevicePtr, Slot)>,
+    pub(super) big: BTreeSet<(Kind, Tag, usize, DevicePtr, Slot)>,
     /// Bytes of free blocks, all tags; and of those free for anyone.
     pub(super) bytes: usize,
     pub(super) any_bytes: usize,
 }
 
 #[inline]
-fn key(kind: Kind, tag: Tag, size: usize) -> (Tag, usize) {
+pub(super) fn key(kind: Kind, tag: Tag, size: usize) -> (Tag, usize) {
     (tag, size | (kind as usize) << (usize::BITS - 1))
 }
 

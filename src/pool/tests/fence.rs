@@ -100,3 +100,54 @@ fn a_waiter_for_a_fence_not_yet_started_goes_on_when_a_capture_begins() {
         "{stuck} of {caught} waiters stayed through a capture"
     );
 }
+
+/// After a fence someone asked for, the fence thread (with a spare CPU
+/// and no pace) asks for the next one itself as that one starts: a free
+/// that seals meanwhile finds a fence asked for and not started, and takes
+/// its number without a write to the line the fence thread reads. With
+/// one CPU it asks for nothing itself.
+#[test]
+fn the_fence_thread_asks_for_the_next_fence_itself_after_one_asked_for() {
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 20)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let f = Fencer::new(sim.clone(), Duration::ZERO);
+    let n = f.request(ctx);
+    assert!(f.wait(n));
+    let requested = f.ext().requested.load(Ordering::SeqCst);
+    if std::thread::available_parallelism().is_ok_and(|c| c.get() > 1) {
+        assert!(requested > n, "fence {n} done, {requested} asked for");
+    } else {
+        assert_eq!(requested, n);
+    }
+}
+
+/// With nothing asked for, the fence thread sleeps until a request wakes
+/// it, within a few milliseconds of its last fence: it runs fences back to
+/// back for a while after one asked for, spins for a request, then polls
+/// until 2 ms after that fence (a busy loop asks again within
+/// microseconds, and then needs no wake-up), and no longer: spinning or
+/// polling on would keep a CPU from the threads that allocate. The
+/// fastest of five rounds must sleep within 50 ms (a loaded host delays
+/// some; delays only shorten the poll, measured from its start).
+#[test]
+fn an_idle_fence_thread_sleeps_within_milliseconds_of_its_last_fence() {
+    let sim = Arc::new(SimDriver::new(SimConfig::new(1, 1 << 20)));
+    let ctx = sim.primary_context_retain(0).unwrap();
+    let f = Fencer::new(sim.clone(), Duration::ZERO);
+    let mut fastest = Duration::MAX;
+    for _ in 0..5 {
+        assert!(f.wait(f.request(ctx)));
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(300) {
+            if f.helper.lock().sleeping {
+                fastest = fastest.min(t.elapsed());
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    assert!(
+        fastest < Duration::from_millis(50),
+        "the fence thread stayed awake (fastest sleep: {fastest:?})"
+    );
+}

@@ -151,6 +151,37 @@ fn bitmaps_of_streams_with_no_free_block_do_not_pile_up() {
     assert_eq!(s.free.bytes, 0);
 }
 
+/// Streams whose blocks come and go keep their bitmaps while the arena
+/// holds a few: two streams beside memory without a stream, each with
+/// small and large blocks (six bitmaps), build none again when their last
+/// free block is taken and the next one freed (a bitmap is 8 KiB to clear).
+#[test]
+fn streams_whose_blocks_come_and_go_keep_their_bitmaps() {
+    let mut s = Set::default();
+    s.put(Kind::Small, ANY, 4096, 1 << 20);
+    s.put(Kind::Large, ANY, 2 * MIB, 64 << 20);
+    let streams = [1usize << 12, 2 << 12];
+    for round in 0..50 {
+        for (i, &tag) in streams.iter().enumerate() {
+            let at = ((i as u64) + 2) << 30;
+            s.put(Kind::Small, tag, 4096, at);
+            s.put(Kind::Large, tag, 2 * MIB, at + (64 << 20));
+        }
+        assert_eq!(s.free.maps_held(), 6, "round {round}");
+        for (i, &tag) in streams.iter().enumerate() {
+            let at = ((i as u64) + 2) << 30;
+            s.take(Kind::Small, tag, 4096, at);
+            s.take(Kind::Large, tag, 2 * MIB, at + (64 << 20));
+        }
+        assert_eq!(
+            s.free.maps_held(),
+            6,
+            "round {round}: a stream's bitmap went with its last free block"
+        );
+    }
+    assert_eq!(s.free.bytes, 4096 + 2 * MIB);
+}
+
 /// Random inserts and removes of blocks on three tags and two kinds, over
 /// sizes inside and above the bins, taken by a fit or from anywhere: every fit is the model's smallest
 /// block of that kind and tag that fits (an equal-size block of the

@@ -583,3 +583,137 @@ fn a_large_miss_within_the_budget_waits_for_an_idle_fence_rather_than_grow() {
     assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
     assert_eq!(sim.live_bytes(), 0);
 }
+
+/// Growth ahead leaves a quarter of the device's memory free (as
+/// [`PoolConfig::ahead_total`] says): it goes on while a growth leaves more
+/// than a quarter, and stops where it would leave less, so that it is never
+/// why another allocation runs out of memory, and still stocks a device
+/// three quarters full.
+#[test]
+fn growth_ahead_goes_on_until_it_would_leave_less_than_a_quarter_free() {
+    const MEMORY: usize = 1 << 30;
+    let ahead = PoolConfig::default().ahead_bytes;
+    for (free, grows) in [
+        (MEMORY / 4 + ahead + 2 * MIB, true),
+        (MEMORY / 4 + ahead - 2 * MIB, false),
+    ] {
+        let (sim, ctx, pool) = pool(MEMORY);
+        // SAFETY: a live context of the simulator; freed below.
+        let filler = unsafe { sim.mem_alloc(ctx, MEMORY - free) }.unwrap();
+        let grown = pool.grow_ahead(ctx, 0, Kind::Large, |_| {});
+        assert_eq!(
+            grown.is_some(),
+            grows,
+            "{} MiB free of {} MiB",
+            free / MIB,
+            MEMORY / MIB
+        );
+        assert_eq!(*lock(&pool.ahead), None, "the request is over");
+        // SAFETY: allocated above, no longer used.
+        unsafe { sim.mem_free(ctx, filler) }.unwrap();
+        assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+        assert_eq!(sim.live_bytes(), 0);
+    }
+}
+
+/// Out of memory while a growth stays in transit (its memory never lands),
+/// an allocation waits for it two rounds, the first and one retry (as
+/// PyTorch's allocator retries once), each of `transit_wait`, and then
+/// fails: not a round more for every growth that might yet land. (The
+/// bound has a round and a half of slack, 150 ms, for a slow host:
+/// valgrind added 87 ms to the two rounds.)
+#[test]
+fn out_of_memory_with_a_growth_stuck_in_transit_fails_after_one_retry() {
+    const MEMORY: usize = 64 << 20;
+    let (sim, ctx, mut pool) = pool(MEMORY);
+    pool.transit_wait = Duration::from_millis(100);
+    let held = pool.grow(ctx, 0, 2 * MIB, Kind::Large).unwrap();
+    // SAFETY: a live context of the simulator; freed below.
+    let filler = unsafe { sim.mem_alloc(ctx, MEMORY - 2 * MIB) }.unwrap();
+    let t = Instant::now();
+    let r = pool.alloc(ctx, 16 * MIB, None, 0, Client::Direct, || true);
+    let took = t.elapsed();
+    assert!(r.is_err_and(|e| e.is_oom()));
+    assert!(
+        took >= 2 * pool.transit_wait,
+        "{took:?}: fewer than 2 rounds"
+    );
+    assert!(
+        took < 7 * pool.transit_wait / 2,
+        "{took:?}: more than 2 rounds"
+    );
+    pool.arena(0).add_segment(held.base, held.bytes, held.kind);
+    drop(held);
+    // SAFETY: allocated above, no longer used.
+    unsafe { sim.mem_free(ctx, filler) }.unwrap();
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    assert_eq!(sim.live_bytes(), 0);
+}
+
+/// A large miss waits for a fence that has not spun a growth's cost (here
+/// a fence that never ends, beside a growth taken to cost 10 s: a fence
+/// thread that waits for a CPU, or a driver that blocks rather than spins)
+/// only for a bounded while ([`FENCE_WAIT_MAX`](super::FENCE_WAIT_MAX)):
+/// longer than the 1 ms that let a 3 MiB loop grow to 58 MiB beside a
+/// spinning process, and about one period of Linux's scheduler (6 ms), in
+/// which a runnable fence thread gets its turn; then it grows. The fastest
+/// of three misses must be done within 100 ms (a slow host delays some).
+#[test]
+fn a_miss_waits_for_a_fence_that_does_not_spin_a_few_milliseconds_then_grows() {
+    let (sim, ctx, pool) = pool(1 << 30);
+    pool.grow_ns
+        .store(10_000_000_000, std::sync::atomic::Ordering::Relaxed);
+    let k = alloc(&pool, ctx, MIB, Some(S));
+    // Queued work that never ends (until completed below): no fence ends.
+    sim.queue_write(S, k.address, &[1; 4]).unwrap();
+    let first = alloc(&pool, ctx, 16 * MIB, None);
+    pool.release(ctx, back(first, 16 * MIB), None, || true);
+    let mut fastest = Duration::MAX;
+    for _ in 0..3 {
+        let calls = sim.calls(CallKind::MemAlloc);
+        let t = Instant::now();
+        let b = alloc(&pool, ctx, 16 * MIB, None);
+        let took = t.elapsed();
+        assert!(b.new_allocation.is_some() && sim.calls(CallKind::MemAlloc) == calls + 1);
+        assert!(took > Duration::from_millis(1), "waited only {took:?}");
+        fastest = fastest.min(took);
+        pool.release(ctx, back(b, 16 * MIB), None, || true);
+    }
+    sim.complete(None);
+    assert!(
+        fastest < Duration::from_millis(100),
+        "a miss waited {fastest:?} for a fence that never ends"
+    );
+    pool.release(ctx, back(k, MIB), Some(S), || true);
+    assert!(pool.flush(ctx));
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    assert_eq!(sim.live_bytes(), 0);
+}
+
+/// Before the pool has measured a growth of its own, one is taken to cost
+/// what a `cuMemAlloc` took on a GPU: 39-99 µs on an H100 while kernels
+/// ran, 40-60 µs on an idle H200. Less, and an idle GPU's fence would
+/// read as a busy one's; more, and a busy GPU's first misses would wait
+/// for its fences.
+#[test]
+fn a_growth_is_taken_to_cost_a_gpus_driver_allocation_before_one_is_measured() {
+    let (_sim, _ctx, pool) = pool(64 << 20);
+    let first = pool.grow_cost();
+    assert!(first >= Duration::from_micros(39), "{first:?}");
+    assert!(first <= Duration::from_micros(99), "{first:?}");
+}
+
+/// A driver measured at 1 µs a growth (faster than any GPU's: a fast
+/// simulator's) still makes a growth cost at least 20 µs, the least an
+/// idle H200's `cuMemAlloc` took; and the floor stays under the 39 µs
+/// that the fastest one took on a busy H100, so that a GPU's own
+/// measurements still count.
+#[test]
+fn a_driver_faster_than_any_gpus_makes_a_growth_cost_20_us_at_least() {
+    let (_sim, _ctx, pool) = pool(64 << 20);
+    pool.grow_ns
+        .store(1_000, std::sync::atomic::Ordering::Relaxed);
+    let least = pool.grow_cost();
+    assert!(least >= Duration::from_micros(20), "{least:?}");
+    assert!(least < Duration::from_micros(39), "{least:?}");
+}

@@ -450,21 +450,16 @@ impl Arena {
         let mut out = Vec::new();
         let mut gone = std::collections::HashSet::new();
         for &(base, size) in segments {
-            let blocks = self.segment_blocks(base, size);
-            let cached = |&(at, _, _): &(DevicePtr, usize, BlockState)| match self
-                .blocks
-                .get(at)
-                .map(|i| i.state)
-            {
-                Some(State::Free(_)) => true,
-                Some(State::Waiting) => waiting,
-                _ => false,
+            let blocks = self.segment_slots(base, size);
+            let cached = |&s: &Slot| match self.blocks[s].state {
+                State::Free(_) => true,
+                State::Waiting => waiting,
+                State::Used | State::Claimed => false,
             };
             if blocks.is_empty() || !blocks.iter().all(cached) {
                 continue;
             }
-            for (at, _, _) in blocks {
-                let s = self.blocks.slot(at).expect("a block of the segment");
+            for s in blocks {
                 let i = self.blocks[s];
                 match i.state {
                     State::Free(t) => self.free.remove(&mut self.blocks, i.kind, t, i.size, s),

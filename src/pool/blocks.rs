@@ -62,7 +62,10 @@ impl Blocks {
     /// A new block's entry; its slot.
     pub(super) fn add(&mut self, info: Info) -> Slot {
         let s = match self.vacant.pop() {
-            Some(s) => s,
+            Some(s) => {
+                self.table[s as usize] = info;
+                s
+            }
             None => {
                 if self.table.is_empty() {
                     self.table
@@ -73,7 +76,6 @@ impl Blocks {
                 Slot::try_from(self.table.len() - 1).expect("fewer than 2^32 blocks")
             }
         };
-        self.table[s as usize] = info;
         self.index.insert(info.at, s);
         s
     }
@@ -92,6 +94,7 @@ impl Blocks {
     }
 
     /// The block at `at`.
+    #[cfg(test)]
     pub(super) fn get(&self, at: DevicePtr) -> Option<&Info> {
         self.slot(at).map(|s| &self[s])
     }

@@ -1,32 +1,39 @@
 //! An arena's books: its counts by size class and client, and what a
 //! memory snapshot or a wrap sees of its blocks.
 
-use super::arena::{Arena, BlockState, State};
+use super::arena::{Arena, BlockState, Slot, State};
 use super::class::{class_index, class_of_index, size_class, ClassCount, FastMap};
 use crate::driver::DevicePtr;
 use crate::stats::Client;
 
 impl Arena {
-    /// The blocks of the segment at `base` of `size` bytes, in address
-    /// order, with their sizes and states (memory snapshots). Empty if the
-    /// arena holds no block at `base`.
+    /// The blocks of the segment at `base` of `size` bytes, with their sizes
+    /// and states (memory snapshots), as [`Arena::segment_slots`] orders them.
     pub(crate) fn segment_blocks(
         &self,
         base: DevicePtr,
         size: usize,
     ) -> Vec<(DevicePtr, usize, BlockState)> {
-        let mut out = Vec::new();
-        let end = base + size as u64;
+        let state = |s: State| match s {
+            State::Used => BlockState::Used,
+            State::Free(_) => BlockState::Free,
+            State::Waiting | State::Claimed => BlockState::Waiting,
+        };
+        let info = |s: Slot| &self.blocks[s];
+        let slots = self.segment_slots(base, size).into_iter();
+        slots
+            .map(info)
+            .map(|i| (i.at, i.size, state(i.state)))
+            .collect()
+    }
+
+    /// The segment's blocks' slots, in address order (none if none is at `base`).
+    pub(super) fn segment_slots(&self, base: DevicePtr, size: usize) -> Vec<Slot> {
+        let (mut out, end) = (Vec::new(), base + size as u64);
         let mut s = self.blocks.slot(base).unwrap_or(0);
         while s != 0 && self.blocks[s].at < end {
-            let i = &self.blocks[s];
-            let state = match i.state {
-                State::Used => BlockState::Used,
-                State::Free(_) => BlockState::Free,
-                State::Waiting | State::Claimed => BlockState::Waiting,
-            };
-            out.push((i.at, i.size, state));
-            s = i.next;
+            out.push(s);
+            s = self.blocks[s].next;
         }
         out
     }

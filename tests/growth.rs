@@ -81,7 +81,11 @@ fn test_growth_under_a_busy_fence_takes_64_mib_a_driver_call() {
     drop(ctx.alloc(1 << 20).unwrap());
     // Let it spin long enough to read as busy whatever the host's load:
     // misses before that grow a segment or a few at a time.
-    std::thread::sleep(std::time::Duration::from_millis(30));
+    let t = std::time::Instant::now();
+    while !rt.pool_reads_busy(0) && t.elapsed() < std::time::Duration::from_secs(5) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(rt.pool_reads_busy(0), "the fence behind the kernel spins");
     let calls = drv.calls(CallKind::MemAlloc);
     let blocks: Vec<_> = (0..300).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
     // 64 MiB a call (the miss's own, or the helper's growth ahead), not

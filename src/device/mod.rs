@@ -435,6 +435,11 @@ impl DeviceState {
         self.pool.as_ref().map_or(0, Pool::held_blocks)
     }
 
+    /// Whether the pool reads its GPU as busy now (false without a pool).
+    pub(crate) fn pool_reads_busy(&self) -> bool {
+        self.pool.as_ref().is_some_and(Pool::gpu_busy)
+    }
+
     /// The pool by size class (empty without a pool).
     pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
         self.pool

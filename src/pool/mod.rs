@@ -321,7 +321,7 @@ impl Pool {
     /// [`Fencer::spun`]): work queued on the GPU holds fenced frees back,
     /// and waiting for them would cost more than the driver.
     #[inline]
-    fn gpu_busy(&self) -> bool {
+    pub(crate) fn gpu_busy(&self) -> bool {
         self.fencer.spun(self.grow_cost())
     }
 

@@ -98,6 +98,16 @@ impl Runtime {
         self.devices.get(device).map_or(0, |d| d.pool_held_blocks())
     }
 
+    /// Whether `device`'s pool reads its GPU as busy now: its fence has
+    /// spun on its CPU longer than a growth costs, work queued on the GPU
+    /// holding fenced frees back. Misses then grow by a whole growth ahead,
+    /// and the helper grows ahead of demand. False without a pool.
+    pub fn pool_reads_busy(&self, device: usize) -> bool {
+        self.devices
+            .get(device)
+            .is_some_and(|d| d.pool_reads_busy())
+    }
+
     /// Wait for the fence covering every block freed so far on `device`, so
     /// they are ready for reuse (the allocator never needs this; tests and
     /// callers about to measure do). `false` if the fence failed.

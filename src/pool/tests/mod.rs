@@ -379,6 +379,17 @@ fn an_idle_churn_waits_for_its_fences_rather_than_grow() {
     assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
 }
 
+/// Whether the pool reads its GPU as busy within 5 s (the fence behind a
+/// queued kernel spins): at once on an idle host, later on one whose other
+/// threads hold the fence thread off its CPU.
+fn reads_busy(pool: &Pool) -> bool {
+    let t = Instant::now();
+    while !pool.gpu_busy() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    pool.gpu_busy()
+}
+
 /// Past a growth's cost (a busy GPU: a kernel holds every fenced free
 /// back), a miss grows at once, by at least `ahead_bytes`, and hand-outs
 /// ask for growth ahead.
@@ -393,7 +404,7 @@ fn a_busy_gpus_churn_grows_in_large_segments_and_asks_for_growth_ahead() {
     // host schedules.
     let b = alloc(&pool, ctx, MIB, None);
     pool.release(ctx, back(b, MIB), None, || true);
-    std::thread::sleep(Duration::from_millis(50));
+    assert!(reads_busy(&pool), "the fence behind the kernel spins");
     let held = sim.live_bytes();
     let mut asked = false;
     for _ in 0..100 {
@@ -449,7 +460,7 @@ fn a_hit_asks_for_growth_ahead_once_frees_waiting_match_the_stock_left() {
             pool.release(ctx, back(b, MIB), None, || true);
             if i == 0 {
                 // The fence now spins behind the kernel: a busy GPU's.
-                std::thread::sleep(Duration::from_millis(50));
+                assert!(reads_busy(&pool), "the fence behind the kernel spins");
             }
         }
         sim.complete(None);

@@ -53,6 +53,14 @@ fn pool(memory: usize) -> (Arc<SimDriver>, RawContext, Pool) {
     pool_with(memory, config)
 }
 
+/// The end of a test: every block freed so far past its fence, every
+/// segment given back, the driver holding nothing of the pool's.
+fn emptied(sim: &SimDriver, ctx: RawContext, pool: &Pool) {
+    assert!(pool.flush(ctx));
+    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    assert_eq!((pool.held_blocks(), sim.live_bytes()), (0, 0));
+}
+
 fn alloc(pool: &Pool, ctx: RawContext, size: usize, stream: Option<usize>) -> Grant {
     pool.alloc(ctx, size, stream, 0, Client::Direct, || true)
         .unwrap()
@@ -172,9 +180,7 @@ fn a_block_freed_on_a_stream_is_reused_there_at_once() {
         pool.release(ctx, back(g, 6 * MIB), s, || true);
     }
     sim.complete(None);
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
-    assert_eq!(sim.live_bytes(), 0);
+    emptied(&sim, ctx, &pool);
 }
 
 /// Out of memory, a request takes memory another stream freed, after the
@@ -217,8 +223,7 @@ fn a_block_freed_without_a_stream_is_safe_from_every_streams_queued_work() {
     }
     sim.complete(None);
     assert_eq!(sim.lost_writes(), 0);
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    emptied(&sim, ctx, &pool);
 }
 
 /// With no trim to fall back on: a thread out of memory while other
@@ -277,9 +282,7 @@ fn a_miss_waits_for_the_helpers_growth_of_its_arena_then_takes_from_it() {
     let c = alloc(&pool, ctx, 2 * MIB, None);
     assert!(t.elapsed() >= AHEAD_WAIT && c.new_allocation.is_some());
     pool.release(ctx, back(c, 2 * MIB), None, || true);
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
-    assert_eq!(sim.live_bytes(), 0);
+    emptied(&sim, ctx, &pool);
 }
 
 /// The bound of that wait is ten times the slowest driver allocation
@@ -345,9 +348,7 @@ fn out_of_memory_waits_for_a_growth_in_transit_then_takes_from_it() {
     drop(held);
     // SAFETY: allocated above, no longer used.
     unsafe { sim.mem_free(ctx, filler) }.unwrap();
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
-    assert_eq!(sim.live_bytes(), 0, "nothing lost");
+    emptied(&sim, ctx, &pool);
 }
 
 /// A miss waits for a fence under way while it has run less than a growth
@@ -375,8 +376,7 @@ fn an_idle_churn_waits_for_its_fences_rather_than_grow() {
     // valgrind) lets a few more grow.
     let idle = sim.live_bytes();
     assert!(idle <= 16 * MIB, "{idle} bytes held for 3 MiB churned");
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    emptied(&sim, ctx, &pool);
 }
 
 /// Whether the pool reads its GPU as busy within 5 s (the fence behind a
@@ -421,8 +421,7 @@ fn a_busy_gpus_churn_grows_in_large_segments_and_asks_for_growth_ahead() {
         "{} driver allocations for 100 MiB churned",
         sim.calls(CallKind::MemAlloc)
     );
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
+    emptied(&sim, ctx, &pool);
 }
 
 /// A hit asks for growth ahead on a busy GPU once the frees waiting for
@@ -564,9 +563,7 @@ fn a_reservation_serves_later_requests_without_the_driver() {
     for b in g {
         pool.release(ctx, back(b, MIB), None, || true);
     }
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
-    assert_eq!(sim.live_bytes(), 0);
+    emptied(&sim, ctx, &pool);
 }
 
 /// Within the budget, a large request's miss without a stream waits for
@@ -590,9 +587,7 @@ fn a_large_miss_within_the_budget_waits_for_an_idle_fence_rather_than_grow() {
     // valgrind) may add one or two.
     assert!(grown <= 3, "{grown} growths for one 16 MiB block churned");
     pool.release(ctx, back(live, 300 * MIB), None, || true);
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
-    assert_eq!(sim.live_bytes(), 0);
+    emptied(&sim, ctx, &pool);
 }
 
 /// Growth ahead leaves a quarter of the device's memory free (as
@@ -696,9 +691,7 @@ fn a_miss_waits_for_a_fence_that_does_not_spin_a_few_milliseconds_then_grows() {
         "a miss waited {fastest:?} for a fence that never ends"
     );
     pool.release(ctx, back(k, MIB), Some(S), || true);
-    assert!(pool.flush(ctx));
-    assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
-    assert_eq!(sim.live_bytes(), 0);
+    emptied(&sim, ctx, &pool);
 }
 
 /// Before the pool has measured a growth of its own, one is taken to cost

@@ -102,9 +102,9 @@ impl Pool {
                 // return blocks within a few frees) mostly skips the look
                 // at the fence thread's clock, a shared line and a clock
                 // read.
-                let mark = a.free_any_bytes().min(self.config.ahead_bytes / 2);
-                let held_back = a.waiting_bytes() >= mark;
-                g.ahead = ask.tag == ANY && held_back && self.wants_ahead(&mut a);
+                g.ahead = ask.tag == ANY
+                    && a.waiting_bytes() >= a.free_any_bytes().min(self.config.ahead_bytes / 2)
+                    && self.wants_ahead(&mut a);
                 return Ok(g);
             }
             // A miss: what waits in this arena is sealed for a fence now.

@@ -224,9 +224,14 @@ impl Arena {
     /// The slot of `at` if it is a block this arena handed out.
     #[inline]
     pub(crate) fn used(&self, at: DevicePtr) -> Option<Slot> {
-        self.blocks
-            .slot(at)
-            .filter(|&s| self.blocks[s].state == State::Used)
+        self.slot_in(at, State::Used)
+    }
+
+    /// The slot of the block at `at`, if it is in `state`.
+    #[inline]
+    fn slot_in(&self, at: DevicePtr, state: State) -> Option<Slot> {
+        let s = self.blocks.slot(at)?;
+        (self.blocks[s].state == state).then_some(s)
     }
 
     /// The block handed out at `at` comes back free on `tag` (see
@@ -351,22 +356,18 @@ impl Arena {
     /// The block claimed at `at`, its fence done, handed out: whether it
     /// still was (a reset may have forgotten it meanwhile).
     pub(crate) fn take_claimed(&mut self, at: DevicePtr) -> bool {
-        match self.blocks.slot(at) {
-            Some(s) if self.blocks[s].state == State::Claimed => {
-                self.blocks[s].state = State::Used;
-                true
-            }
-            _ => false,
+        let claimed = self.slot_in(at, State::Claimed);
+        if let Some(s) = claimed {
+            self.blocks[s].state = State::Used;
         }
+        claimed.is_some()
     }
 
     /// The block claimed at `at` waits for the next fence again (its fence
     /// failed).
     pub(crate) fn unclaim(&mut self, at: DevicePtr) {
-        if let Some(s) = self.blocks.slot(at) {
-            if self.blocks[s].state == State::Claimed {
-                self.wait_slot(s);
-            }
+        if let Some(s) = self.slot_in(at, State::Claimed) {
+            self.wait_slot(s);
         }
     }
 
@@ -447,8 +448,7 @@ impl Arena {
         segments: &[(DevicePtr, usize)],
         waiting: bool,
     ) -> Vec<DevicePtr> {
-        let mut out = Vec::new();
-        let mut gone = std::collections::HashSet::new();
+        let (mut out, mut waited) = (Vec::new(), false);
         for &(base, size) in segments {
             let blocks = self.segment_slots(base, size);
             let cached = |&s: &Slot| match self.blocks[s].state {
@@ -463,18 +463,18 @@ impl Arena {
                 let i = self.blocks[s];
                 match i.state {
                     State::Free(t) => self.free.remove(&mut self.blocks, i.kind, t, i.size, s),
-                    _ => {
-                        gone.insert(s);
-                    }
+                    _ => waited = true,
                 }
                 self.blocks.remove(s);
             }
             out.push(base);
         }
-        if !gone.is_empty() {
-            self.pending.retain(|s| !gone.contains(s));
+        if waited {
+            // Slots removed above are vacant now; the lists keep the rest.
+            let live = |s: &Slot| self.blocks[*s].at != 0;
+            self.pending.retain(live);
             for b in &mut self.sealed {
-                b.blocks.retain(|s| !gone.contains(s));
+                b.blocks.retain(live);
             }
             self.recount_waiting();
         }

@@ -21,19 +21,39 @@ fn test_pool_reuses_freed_blocks_best_fit_after_a_fence() {
     assert!(held
         .windows(2)
         .all(|w| w[1].address() == w[0].address() + 1024));
+    let (base, freed): (u64, Vec<u64>) = (
+        held[0].address(),
+        held.iter().map(|m| m.address()).collect(),
+    );
     let syncs = drv.calls(CallKind::Synchronize);
     drop(held);
     assert!(rt.flush_pool(0).unwrap());
     assert!(drv.calls(CallKind::Synchronize) > syncs, "a fence ran");
     assert_eq!(rt.stats()[0].pending_bytes, 0);
-    // Freed and fenced, the segment is one free block again: any size up
-    // to 1 MiB is served from it, with no driver call.
+    // Freed and fenced, the blocks come back: a request of a freed block's
+    // size takes the one freed last back whole (the quick list), and other
+    // sizes up to 1 MiB are cut from the rest, merged again, with no
+    // driver call.
     let again: Vec<_> = [900, 5000, 1 << 20]
         .iter()
         .map(|&n| ctx.alloc(n).unwrap())
         .collect();
     assert_eq!(drv.calls(CallKind::MemAlloc), 1, "served from the pool");
-    assert_eq!(again[1].address(), again[0].address() + 1024);
+    assert_eq!(
+        again[0].address(),
+        freed[freed.len() - 1],
+        "taken back whole"
+    );
+    assert_eq!(
+        again[1].address(),
+        base,
+        "the rest merged: best fit from its start"
+    );
+    assert_eq!(
+        again[2].address(),
+        freed[freed.len() - 1] + 1024,
+        "the only free block left that fits 1 MiB: the segment's end"
+    );
     let s = rt.stats()[0];
     assert!(s.pool_hits >= 3 && s.fences >= 1);
     // A request over 1 MiB never takes a small segment's memory.

@@ -96,12 +96,9 @@ impl Pool {
             }
             if let Some(mut g) = ask.take(&mut a, ask.home, ask.tag) {
                 // A hit asks for growth ahead only once the frees waiting
-                // for a fence match what is left free for anyone, or half
-                // a growth: a busy GPU's churn gets there with half its
-                // stock left, and an idle GPU's tight loop (its fences
-                // return blocks within a few frees) mostly skips the look
-                // at the fence thread's clock, a shared line and a clock
-                // read.
+                // for a fence match what is left free for anyone, or half a
+                // growth: an idle GPU's tight loop then mostly skips the
+                // look at the fence thread's clock (a shared line).
                 g.ahead = ask.tag == ANY
                     && a.waiting_bytes() >= a.free_any_bytes().min(self.config.ahead_bytes / 2)
                     && self.wants_ahead(&mut a);
@@ -191,9 +188,7 @@ impl Pool {
         (1..n).find_map(|d| {
             let i = (ask.home + d) & (n - 1);
             let mut a = self.arenas[i].0.try_lock().ok()?;
-            if a.has_sealed() {
-                a.promote(done);
-            }
+            a.promote(done);
             let found = ask.take(&mut a, i, ANY);
             if found.is_none() && !a.has_sealed() && a.pending_count() > 0 {
                 // Its own thread may never free again: start its fence.

@@ -1,21 +1,12 @@
 //! An arena: one lock's share of a pool, a best-fit allocator over the
 //! driver allocations (*segments*) it owns, as PyTorch's caching allocator
-//! keeps its blocks.
-//!
-//! A segment is cut into blocks that tile it, linked to their neighbours.
-//! A block is *used* (handed out), *free* on a stream, free for anyone
-//! ([`ANY`]: fresh memory, or memory a fence has made safe), or *waiting*
-//! for a fence (freed without a stream). A request takes the smallest free
-//! block of its kind that it may use and fits, splits off the rest when the
-//! rest is worth keeping, and a freed block merges with its free
-//! neighbours, so a segment whose blocks are all free is one block again.
-//!
-//! Requests of at most 1 MiB (*small*) and larger ones (*large*) never
-//! share a segment: PyTorch's two pools, which keep small, short-lived
-//! blocks from cutting up the large segments.
-//!
-//! Nothing here calls the driver or waits: the pool ([`super::Pool`])
-//! does, outside the arena's lock.
+//! keeps its blocks. A segment is cut into blocks that tile it. A block is
+//! *used*, *free* on a stream or for anyone ([`ANY`]), *waiting* for a
+//! fence (freed without a stream), or on the quick list (`quick.rs`). A
+//! request takes the smallest free block of its kind that it may use and
+//! splits off the rest worth keeping; a freed block merges with its free
+//! neighbours. Small requests (at most 1 MiB) and large ones never share a
+//! segment (PyTorch's two pools). Nothing here calls the driver or waits.
 
 use std::collections::VecDeque;
 
@@ -96,6 +87,8 @@ pub(super) enum State {
     /// Waiting, and claimed by an allocation out of memory that waits for
     /// the fence ([`Arena::claim_waiting`]): no one else takes or frees it.
     Claimed,
+    /// Free for anyone, kept whole on the quick list (`quick.rs`).
+    Quick,
 }
 
 /// A batch of blocks freed without a stream, waiting for fence `seq`.
@@ -118,6 +111,9 @@ pub(crate) struct Arena {
     pub(super) sealed_bytes: usize,
     /// Emptied batch vectors, reused (no allocation per batch).
     spare: Vec<Vec<Slot>>,
+    /// Blocks a fence freed, kept whole, oldest first (`quick.rs`).
+    pub(super) quick: VecDeque<Slot>,
+    pub(super) quick_bytes: usize,
     // Statistics, kept under the lock every allocation takes anyway.
     pub(crate) live_bytes: usize,
     pub(crate) live_count: usize,
@@ -144,6 +140,8 @@ impl Default for Arena {
             sealed: VecDeque::new(),
             sealed_bytes: 0,
             spare: Vec::new(),
+            quick: VecDeque::new(),
+            quick_bytes: 0,
             live_bytes: 0,
             live_count: 0,
             peak_bytes: 0,
@@ -195,6 +193,15 @@ impl Arena {
     /// fit, split when the rest is worth keeping. Its address and size.
     pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(size);
+        if !self.quick.is_empty() {
+            // Only a request without a stream takes from the list: a
+            // stream's best fit prefers its own blocks on a tie.
+            let quick = (tag == ANY).then(|| self.quick_take(kind, size));
+            if let Some(s) = quick.flatten() {
+                return Some((self.blocks[s].at, size));
+            }
+            self.flush_quick();
+        }
         let (t, have, s) = self.best_fit(kind, tag, size)?;
         self.free.remove(&mut self.blocks, kind, t, have, s);
         let mut info = self.blocks[s];
@@ -232,13 +239,6 @@ impl Arena {
     fn slot_in(&self, at: DevicePtr, state: State) -> Option<Slot> {
         let s = self.blocks.slot(at)?;
         (self.blocks[s].state == state).then_some(s)
-    }
-
-    /// The block handed out at `at` comes back free on `tag` (see
-    /// [`Arena::free_slot`]).
-    #[cfg(test)]
-    pub(crate) fn free(&mut self, at: DevicePtr, tag: Tag) {
-        self.free_slot(self.blocks.slot(at).expect("a block of this arena"), tag);
     }
 
     /// A block handed out comes back free on `tag` (a stream, or [`ANY`]
@@ -286,13 +286,6 @@ impl Arena {
             State::Free(t) => merged(tag, t).map(|m| (m, t)),
             _ => None,
         }
-    }
-
-    /// The block handed out at `at` comes back freed without a stream
-    /// (see [`Arena::wait_slot`]).
-    #[cfg(test)]
-    pub(crate) fn wait(&mut self, at: DevicePtr) {
-        self.wait_slot(self.blocks.slot(at).expect("a block of this arena"));
     }
 
     /// A block handed out comes back freed without a stream: it waits for
@@ -411,7 +404,7 @@ impl Arena {
             let mut batch = self.sealed.pop_front().expect("checked");
             self.sealed_bytes -= batch.bytes;
             for s in batch.blocks.drain(..) {
-                self.free_slot(s, ANY);
+                self.quick_push(s);
             }
             self.spare.push(batch.blocks);
             self.fences += 1;
@@ -448,13 +441,14 @@ impl Arena {
         segments: &[(DevicePtr, usize)],
         waiting: bool,
     ) -> Vec<DevicePtr> {
+        self.flush_quick();
         let (mut out, mut waited) = (Vec::new(), false);
         for &(base, size) in segments {
             let blocks = self.segment_slots(base, size);
             let cached = |&s: &Slot| match self.blocks[s].state {
                 State::Free(_) => true,
                 State::Waiting => waiting,
-                State::Used | State::Claimed => false,
+                State::Used | State::Claimed | State::Quick => false,
             };
             if blocks.is_empty() || !blocks.iter().all(cached) {
                 continue;
@@ -506,6 +500,7 @@ impl Arena {
     pub(crate) fn forget_all(&mut self) {
         self.blocks = Blocks::default();
         self.free.clear();
+        (self.quick, self.quick_bytes) = (VecDeque::new(), 0);
         self.pending.clear();
         self.pending_bytes = 0;
         self.sealed.clear();
@@ -523,12 +518,12 @@ impl Arena {
     /// Bytes of free blocks (any tag).
     #[inline]
     pub(crate) fn free_bytes(&self) -> usize {
-        self.free.bytes
+        self.free.bytes + self.quick_bytes
     }
 
     /// Bytes of free blocks anyone may take.
     #[inline]
     pub(crate) fn free_any_bytes(&self) -> usize {
-        self.free.any_bytes
+        self.free.any_bytes + self.quick_bytes
     }
 }

@@ -93,20 +93,9 @@ impl Blocks {
         self.index.get(&at).copied()
     }
 
-    /// The block at `at`.
-    #[cfg(test)]
-    pub(super) fn get(&self, at: DevicePtr) -> Option<&Info> {
-        self.slot(at).map(|s| &self[s])
-    }
-
     /// Every block.
     pub(super) fn iter(&self) -> impl Iterator<Item = &Info> {
         self.table.iter().filter(|i| i.at != 0)
-    }
-
-    #[cfg(test)]
-    pub(super) fn is_empty(&self) -> bool {
-        self.index.is_empty()
     }
 }
 

@@ -8,15 +8,17 @@ use crate::stats::Client;
 
 impl Arena {
     /// The blocks of the segment at `base` of `size` bytes, with their sizes
-    /// and states (memory snapshots), as [`Arena::segment_slots`] orders them.
+    /// and states (memory snapshots), as [`Arena::segment_slots`] orders them,
+    /// as eager merging leaves them (the quick list merged first).
     pub(crate) fn segment_blocks(
-        &self,
+        &mut self,
         base: DevicePtr,
         size: usize,
     ) -> Vec<(DevicePtr, usize, BlockState)> {
+        self.flush_quick();
         let state = |s: State| match s {
             State::Used => BlockState::Used,
-            State::Free(_) => BlockState::Free,
+            State::Free(_) | State::Quick => BlockState::Free,
             State::Waiting | State::Claimed => BlockState::Waiting,
         };
         let info = |s: Slot| &self.blocks[s];

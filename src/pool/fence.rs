@@ -344,13 +344,10 @@ const LOG_LONG: Duration = Duration::from_micros(20);
 const FENCE_SPIN: Duration = Duration::from_micros(100);
 
 /// For this long after a fence that someone asked for, the fence thread
-/// (with a spare CPU) asks for the next one itself as each starts: fences
-/// run back to back, and a free that seals finds a fence asked for that
-/// has not started, which covers it, and takes its number without a write
-/// to the lines the fence thread reads. An idle GPU's fence takes about
-/// 0.3 µs on an H200, and a request that wrote `requested` cost the
-/// allocating thread the cache line's trips to the fence thread's core and
-/// back. Past the window the fence thread waits for a request again.
+/// (with a spare CPU) asks for the next one itself as each starts, so a
+/// free that seals finds a fence asked for and not started and takes its
+/// number without writing the lines the fence thread reads (an idle GPU's
+/// fence takes about 0.3 µs on an H200; a write costs the line's trips).
 const FENCE_HOT: Duration = Duration::from_micros(100);
 
 /// Spin (yielding the CPU now and then, so that one CPU still runs the

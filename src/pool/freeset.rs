@@ -1,18 +1,10 @@
-//! The free blocks of one arena, by kind and tag ([`FreeSet`]): what the
-//! best fit is looked up in on every request, and what every split and
-//! merge updates.
-//!
-//! Blocks of at most [`BIN_MAX`] bytes (every small block, and large ones
-//! up to a 20 MiB segment's) are kept in *exact bins*, one per kind, tag
-//! and size: a list threaded through the blocks' own [`Info`] (newest
-//! first), with a two-level bitmap per kind and tag of the bins that hold
-//! a block. The best fit is then the first set bit at or above the
-//! request's bin, and taking or putting back a block touches a few words
-//! and hash entries, where an ordered set of every free block (as PyTorch
-//! keeps) walks a tree. Larger blocks, few in number, stay in such a set.
-//!
-//! Within one bin the block freed last is taken first (CuPy's pool does
-//! so too); across bins the fit is exact, as before.
+//! The free blocks of one arena, by kind and tag ([`FreeSet`]). Blocks of
+//! at most [`BIN_MAX`] bytes sit in *exact bins*, one per kind, tag and
+//! size: a list threaded through the blocks' own [`Info`] (newest first,
+//! as CuPy's pool takes them), with a two-level bitmap per kind and tag of
+//! the bins that hold a block, so the best fit is the first set bit at or
+//! above the request's bin. Larger blocks, few in number, stay in an
+//! ordered set.
 
 use std::collections::BTreeSet;
 
@@ -254,12 +246,6 @@ impl FreeSet {
             }
         }
         out
-    }
-
-    /// How many bitmaps of kinds and tags are held.
-    #[cfg(test)]
-    pub(super) fn maps_held(&self) -> usize {
-        self.maps.len()
     }
 
     /// Empty the set.

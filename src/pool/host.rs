@@ -1,19 +1,12 @@
-//! The pool's cache of pinned host memory (`cuMemHostAlloc`), beside the
-//! device cache: the same size classes, the same shard type, and the same
-//! reuse rule through the same fence. A freed host block is *pending* until
-//! the device's fence thread has seen `cuCtxSynchronize` return after the
-//! free (an asynchronous copy queued before the free, on any stream of the
-//! context, may still read or write it), then *ready*.
-//!
-//! One shard per flag combination (mapped, portable, write-combined), so a
-//! block made with one combination never serves a request for another.
-//! Registered memory (`cuMemHostRegister`) is someone else's and is never
-//! cached. The cache holds at most [`PoolConfig::host_cache_bytes`]: a free
-//! past it gives ready blocks back to the driver, and when what passes it
-//! is still waiting for its fence, the owner has the pool's helper give
-//! back what is ready past the cap once that fence is done (a settle:
-//! [`Pool::host_settle_seal`], [`Pool::host_settle`]); classes larger than
-//! it are not cached at all.
+//! The pool's cache of pinned host memory (`cuMemHostAlloc`): size
+//! classes, one shard per flag combination (mapped, portable,
+//! write-combined), and the device cache's reuse rule through the same
+//! fence: a freed block is *pending* until the fence thread has seen
+//! `cuCtxSynchronize` return after the free (a copy queued before it may
+//! still use it), then *ready*. Registered memory is never cached. The
+//! cache holds at most [`PoolConfig::host_cache_bytes`]: a free past it
+//! gives ready blocks back, and what passes it while still pending is given
+//! back by the helper once its fence is done ([`Pool::host_settle`]).
 //!
 //! [`PoolConfig::host_cache_bytes`]: super::PoolConfig::host_cache_bytes
 

@@ -24,31 +24,23 @@
 //!   *waits* until a fence has run after its free. The device's fence
 //!   thread calls `cuCtxSynchronize`, which returns once every task queued
 //!   before it, on every stream, is done (`fence.rs`); the block is then
-//!   free for anyone. One fence per arena is asked for as soon as a block
-//!   waits and none is under way; frees meanwhile gather for the next.
+//!   free for anyone, kept whole on the arena's quick list for a request of
+//!   its size (`quick.rs`). One fence per arena is asked for as soon as a
+//!   block waits and none is under way; frees meanwhile gather for the next.
 //!
 //! **A miss, top to bottom** ([`Pool::alloc`]):
 //! 1. the best fit in the caller's arena;
 //! 2. (no stream) memory anyone may use in another arena;
 //! 3. for a large request (over 1 MiB) without a stream, or past the
 //!    pool's budget (`max(1.5 x live, 32 MiB)`), a fence under way: wait
-//!    for it and reuse what it frees (an idle GPU's fence takes
-//!    microseconds), unless it has spun longer than a growth costs (the
-//!    pool's own `cuMemAlloc` time, measured) on its thread's CPU: a busy
-//!    GPU. Within the budget a small request's miss grows at once (a 2 MiB
-//!    segment): a tight loop gets the stock that covers its fences; so
-//!    does a stream's, as its library's own pool grows. A large segment
-//!    would stay held as long as the pool: on the seeded mixed trace (b)
-//!    replayed without a stream on the simulator, growing within the
-//!    budget held a median 2.03x the live peak in five runs, waiting
-//!    2.01x (1.90x at best);
+//!    for it and reuse what it frees, unless it has spun longer than a
+//!    growth costs (the pool's own `cuMemAlloc` time, measured): a busy
+//!    GPU. Within the budget a small request's miss grows at once;
 //! 4. the growth helper allocating for this arena: wait for it;
-//! 5. grow by one segment. While a fence has spun longer than a growth costs
-//!    (a busy GPU holds every fenced free back), memory freed without a
-//!    stream cannot come back soon: such a growth is at least
-//!    [`PoolConfig::ahead_bytes`], and the helper grows the arena ahead of
-//!    demand (`ahead.rs`), so the allocating thread rarely waits for a busy
-//!    GPU's `cuMemAlloc`;
+//! 5. grow by one segment. While a fence has spun longer than a growth
+//!    costs, memory freed without a stream cannot come back soon: such a
+//!    growth is at least [`PoolConfig::ahead_bytes`], and the helper grows
+//!    the arena ahead of demand (`ahead.rs`);
 //! 6. the driver refused: seal every arena, wait for the fence that covers
 //!    it all, make every free block free for anyone, and take the best fit
 //!    anywhere; the device then gives free segments back and asks again
@@ -56,11 +48,9 @@
 //!
 //! **Arenas.** The cache is split into arenas, each behind its own lock:
 //! stream-ordered requests go to the arena of their stream, others to the
-//! arena of their thread (threads are dealt out round-robin), so threads
-//! rarely queue on one mutex. A block goes back to the arena it came from.
-//!
-//! The pool talks to the driver alone (no [`Runtime`](crate::Runtime)), so
-//! it is tested on a bare simulator.
+//! arena of their thread (dealt out round-robin). A block goes back to the
+//! arena it came from. The pool talks to the driver alone (no
+//! [`Runtime`](crate::Runtime)), so it is tested on a bare simulator.
 
 mod ahead;
 mod alloc;
@@ -72,6 +62,7 @@ mod fence;
 mod freeset;
 mod helper;
 mod host;
+mod quick;
 mod segments;
 mod spin;
 #[cfg(test)]
@@ -121,11 +112,9 @@ pub struct PoolConfig {
     /// size on a helper thread, so that an allocation finds a block rather
     /// than wait for the driver. Zero: off.
     pub ahead_bytes: usize,
-    /// The most bytes the pool holds, at least, before a miss of memory
-    /// freed without a stream waits for its fence rather than grow (a
-    /// request over 1 MiB without a stream always waits): its
-    /// budget is `max(1.5 x live, headroom_bytes)`, `live` being what its
-    /// users hold. Within it a tight loop's misses cost no wait; past it
+    /// The pool's budget is `max(1.5 x live, headroom_bytes)`: past it a
+    /// miss of memory freed without a stream waits for its fence rather
+    /// than grow (a request over 1 MiB without a stream always waits), so
     /// an idle GPU's pool stays close to what is live.
     pub headroom_bytes: usize,
     /// The most bytes free for anyone the pool holds before it stops
@@ -424,11 +413,12 @@ impl Pool {
             Some(s) => a.free_slot(slot, s),
             None => {
                 a.wait_slot(slot);
-                if a.has_sealed() {
-                    a.promote(self.fencer.done());
-                }
                 // One fence under way per arena: the first free asks for
-                // it, and the frees while it runs gather for the next.
+                // it, and the frees while it runs gather for the next. A
+                // finished fence's blocks are promoted by the next
+                // allocation, not here: the fence thread writes `done`
+                // after each fence, and a look at it costs a free a cache
+                // miss while the fence thread runs.
                 if !a.has_sealed()
                     || a.pending_count() >= self.config.fence_count
                     || a.pending_bytes() >= self.config.fence_bytes

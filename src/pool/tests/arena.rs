@@ -13,7 +13,7 @@ fn arena_with(base: DevicePtr, size: usize) -> Arena {
 }
 
 /// Every block of the segment at `base`: sizes tile it, links agree.
-fn check_tiles(a: &Arena, base: DevicePtr, size: usize) {
+fn check_tiles(a: &mut Arena, base: DevicePtr, size: usize) {
     let blocks = a.segment_blocks(base, size);
     let total: usize = blocks.iter().map(|b| b.1).sum();
     assert_eq!(total, size, "blocks tile the segment: {blocks:?}");
@@ -43,10 +43,10 @@ fn a_small_request_splits_and_the_free_merges_the_segment_back() {
     assert_eq!((p, n), (1 << 32, 4096));
     let (q, _) = a.take(ANY, 8192).unwrap();
     assert_eq!(q, (1 << 32) + 4096, "the rest of the split serves the next");
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     a.free(p, ANY);
     a.free(q, ANY);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(
         a.segment_blocks(1 << 32, 2 * MIB).len(),
         1,
@@ -67,7 +67,7 @@ fn best_fit_takes_the_smallest_block_that_fits() {
     a.free(blocks[3], ANY);
     let (p, _) = a.take(ANY, 3000 / 512 * 512 + 512).unwrap();
     assert_eq!(p, blocks[1], "the 4096-byte hole, not the 8192 one");
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
 }
 
 #[test]
@@ -128,7 +128,7 @@ fn memory_anyone_may_use_merges_into_a_streams_block() {
     // The rest of the segment is fresh memory, free for anyone.
     assert_eq!(a.free_any_bytes(), 2 * MIB - 4096);
     a.free(p, s);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
     assert_eq!(
         a.free_any_bytes(),
@@ -147,13 +147,13 @@ fn two_streams_blocks_never_merge() {
     let (q, _) = a.take(t, MIB).unwrap();
     a.free(p, s);
     a.free(q, t);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 2);
     a.wait_all_tagged();
     a.seal(1);
     assert_eq!(a.take(s, 4096), None, "both wait for the fence");
     a.promote(1);
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     assert_eq!(
         a.segment_blocks(1 << 32, 2 * MIB).len(),
         1,
@@ -253,7 +253,7 @@ fn random_churn_keeps_the_books() {
             .sum();
         assert_eq!(in_use + a.free_bytes(), 2 * MIB);
     }
-    check_tiles(&a, 1 << 32, 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
     for (p, t) in used {
         a.free(p, t);
     }
@@ -262,4 +262,93 @@ fn random_churn_keeps_the_books() {
     a.promote(1);
     assert_eq!(a.segment_blocks(1 << 32, 2 * MIB).len(), 1);
     assert_eq!(a.free_any_bytes(), 2 * MIB);
+}
+
+/// `sizes` taken without a stream from a fresh 2 MiB segment at `base`,
+/// then freed without a stream and their fence run: they sit on the quick
+/// list. Their addresses.
+fn fenced(a: &mut Arena, sizes: &[usize]) -> Vec<DevicePtr> {
+    let got: Vec<_> = sizes.iter().map(|&n| a.take(ANY, n).unwrap().0).collect();
+    for &p in &got {
+        a.wait(p);
+    }
+    a.seal(1);
+    assert!(a.promote(1));
+    got
+}
+
+#[test]
+fn a_fenced_block_is_taken_back_whole_by_a_request_of_its_size() {
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    let got = fenced(&mut a, &[4096, 8192, 4096]);
+    assert_eq!(a.quick.len(), 3, "whole, on the quick list");
+    assert_eq!(a.free_bytes(), 2 * MIB, "counted as free");
+    assert_eq!(a.free_any_bytes(), 2 * MIB, "for anyone");
+    // Four blocks still (three whole, the rest): nothing merged or split.
+    assert_eq!(a.blocks.iter().count(), 4);
+    assert_eq!(
+        a.take(ANY, 4096),
+        Some((got[2], 4096)),
+        "the newest of its size"
+    );
+    assert_eq!(a.take(ANY, 8192), Some((got[1], 8192)));
+    assert_eq!(a.take(ANY, 4096), Some((got[0], 4096)));
+    assert!(a.quick.is_empty());
+    assert_eq!(a.blocks.iter().count(), 4, "no split either");
+}
+
+#[test]
+fn a_request_of_another_size_merges_the_quick_list_first() {
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    fenced(&mut a, &[4096, 8192]);
+    // 12 KiB is on the list only in two pieces: merged, the segment is one
+    // block again, and best fit cuts it from the start.
+    assert_eq!(a.take(ANY, 12288), Some((1 << 32, 12288)));
+    assert!(a.quick.is_empty());
+    assert_eq!(a.quick_bytes, 0);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    assert_eq!(a.free_bytes(), 2 * MIB - 12288);
+}
+
+#[test]
+fn a_streams_request_never_takes_from_the_quick_list() {
+    let s = 0x1000;
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    let got = fenced(&mut a, &[4096]);
+    // A block of the stream's own, freed on it, beside the merged rest.
+    let (p, _) = a.take(s, 4096).unwrap();
+    assert!(a.quick.is_empty(), "the list merged first");
+    assert_eq!(p, got[0], "best fit on the merged segment: its start");
+    a.free(p, s);
+    assert_eq!(a.take(s, 4096), Some((p, 4096)), "the stream's own block");
+}
+
+#[test]
+fn the_quick_list_keeps_at_most_its_length_and_merges_the_oldest() {
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    let n = super::super::quick::QUICK + 3;
+    let got = fenced(&mut a, &vec![4096; n]);
+    assert_eq!(a.quick.len(), super::super::quick::QUICK);
+    // The three freed first merged into one block at the segment's start.
+    let first = a.blocks.get(got[0]).unwrap();
+    assert_eq!((first.size, first.state), (3 * 4096, State::Free(ANY)));
+    assert_eq!(a.free_bytes(), 2 * MIB);
+    check_tiles(&mut a, 1 << 32, 2 * MIB);
+    assert_eq!(
+        a.blocks.iter().count(),
+        1,
+        "the segment one block again once the view merged"
+    );
+}
+
+#[test]
+fn a_trim_takes_out_a_segment_whose_blocks_are_on_the_quick_list() {
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    fenced(&mut a, &[4096, 8192]);
+    assert_eq!(
+        a.take_free_segments(&[(1 << 32, 2 * MIB)], false),
+        vec![1 << 32]
+    );
+    assert!(a.quick.is_empty() && a.blocks.is_empty());
+    assert_eq!((a.free_bytes(), a.quick_bytes), (0, 0));
 }

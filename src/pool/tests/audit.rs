@@ -9,6 +9,7 @@ use std::collections::{HashMap, HashSet};
 use super::super::arena::*;
 use super::super::blocks::Blocks;
 use super::super::freeset::{key, FreeSet, BIN_MAX, WORDS};
+use super::super::quick::QUICK;
 use crate::driver::DevicePtr;
 
 const MIB: usize = 1 << 20;
@@ -163,6 +164,20 @@ fn audit(a: &Arena, segments: &[(DevicePtr, usize, Kind)]) {
         listed.keys().copied().collect::<HashSet<_>>(),
         waiting,
         "waiting lists"
+    );
+    let quick: HashSet<Slot> = a.quick.iter().copied().collect();
+    assert_eq!(
+        quick.len(),
+        a.quick.len(),
+        "a block twice on the quick list"
+    );
+    assert!(a.quick.len() <= QUICK, "the quick list's length");
+    assert_eq!(a.quick.iter().map(size).sum::<usize>(), a.quick_bytes);
+    let marked = live.iter().filter(|(_, i)| i.state == State::Quick);
+    assert_eq!(
+        marked.map(|&(s, _)| s).collect::<HashSet<_>>(),
+        quick,
+        "the quick list is the blocks marked so"
     );
 }
 

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod access;
 mod arena;
 mod audit;
 mod class;

@@ -211,7 +211,7 @@ fn size_of(r: &mut Rng) -> usize {
 
 /// `steps` random steps on one arena (`calm`: fewer segments taken out),
 /// audited after each; how many of each kind ran.
-fn run(seed: u64, steps: usize, calm: bool) -> [usize; 6] {
+fn run(seed: u64, steps: usize, calm: bool) -> [usize; 7] {
     let mut r = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
     let mut a = Arena::default();
     let mut segs: Vec<(DevicePtr, usize, Kind)> = Vec::new();
@@ -221,7 +221,7 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 6] {
     let mut stale: Vec<DevicePtr> = Vec::new();
     let (mut seq, mut done) = (0u64, 0u64);
     let tags = [ANY, 1, 2, 3];
-    let mut c = [0usize; 6];
+    let mut c = [0usize; 7];
     for step in 0..steps {
         let op = r.below(100);
         let ctx = format!("seed {seed} step {step} op {op}");
@@ -241,8 +241,24 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 6] {
             6..=35 => {
                 let tag = tags[r.below(4)];
                 let want = round(size_of(&mut r));
+                let quick =
+                    |s: &Slot| a.blocks[*s].size == want && a.blocks[*s].kind == Kind::of(want);
+                let newest = a
+                    .quick
+                    .iter()
+                    .rev()
+                    .find(|s| quick(s))
+                    .map(|&s| a.blocks[s].at);
                 if let Some((p, n)) = a.take(tag, want) {
                     assert!(n >= want, "{ctx}");
+                    if let (ANY, Some(q)) = (tag, newest) {
+                        assert_eq!(
+                            (p, n),
+                            (q, want),
+                            "{ctx}: the quick list's newest fit, whole"
+                        );
+                        c[6] += 1;
+                    }
                     assert!(used.insert(p, n).is_none(), "{ctx}: handed out twice");
                     c[0] += 1;
                     if n > BIN_MAX {
@@ -373,7 +389,7 @@ fn random_steps_keep_every_invariant_of_the_arena() {
         env("GPUPTR_FUZZ_SEEDS", 3) as u64,
         env("GPUPTR_FUZZ_STEPS", 1000),
     );
-    let mut ran = [0; 6];
+    let mut ran = [0; 7];
     for seed in 1..=seeds {
         for calm in [false, true] {
             ran.iter_mut()
@@ -382,7 +398,7 @@ fn random_steps_keep_every_invariant_of_the_arena() {
         }
     }
     // Each kind of step ran: takes, takes over BIN_MAX, claims, claims
-    // taken, segments taken out, stale releases refused.
+    // taken, segments taken out, stale releases refused, quick-list takes.
     assert!(ran.iter().all(|&n| n > 0), "steps run: {ran:?}");
 }
 

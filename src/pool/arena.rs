@@ -194,8 +194,7 @@ impl Arena {
     pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(size);
         if !self.quick.is_empty() {
-            // Only a request without a stream takes from the list: a
-            // stream's best fit prefers its own blocks on a tie.
+            // Not a stream's request: its best fit prefers its own blocks.
             let quick = (tag == ANY).then(|| self.quick_take(kind, size));
             if let Some(s) = quick.flatten() {
                 return Some((self.blocks[s].at, size));
@@ -245,6 +244,11 @@ impl Arena {
     /// for memory a fence made safe): it merges with its free neighbours
     /// where their tags allow ([`merged`]).
     pub(crate) fn free_slot(&mut self, s: Slot, tag: Tag) {
+        if tag != ANY {
+            // The quick list first, as its blocks merged when their fence
+            // ended: a stream's block never takes a tag they had not.
+            self.flush_quick();
+        }
         let Info {
             at,
             mut size,
@@ -417,6 +421,7 @@ impl Arena {
     /// block freed without a stream does: once it has run, every stream's
     /// work queued before it is done, and the block is free for anyone.
     pub(crate) fn wait_all_tagged(&mut self) {
+        self.flush_quick();
         let tagged = self.free.tagged(&self.blocks);
         for (kind, tag, size, s) in tagged {
             self.free.remove(&mut self.blocks, kind, tag, size, s);

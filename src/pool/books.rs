@@ -7,9 +7,8 @@ use crate::driver::DevicePtr;
 use crate::stats::Client;
 
 impl Arena {
-    /// The blocks of the segment at `base` of `size` bytes, with their sizes
-    /// and states (memory snapshots), as [`Arena::segment_slots`] orders them,
-    /// as eager merging leaves them (the quick list merged first).
+    /// The blocks of the segment at `base` of `size` bytes, sizes and states
+    /// (snapshots), in address order, the quick list merged first.
     pub(crate) fn segment_blocks(
         &mut self,
         base: DevicePtr,
@@ -99,9 +98,10 @@ impl Arena {
         }
     }
 
-    /// Live and peak blocks per size class, with the cached blocks by the
-    /// size class of their sizes, into `out` (class → (live, peak, cached)).
-    pub(crate) fn class_counts(&self, out: &mut FastMap<usize, (usize, usize, usize)>) {
+    /// Live and peak blocks per size class, with the cached blocks (quick
+    /// list merged) by size class, into `out` (class → (live, peak, cached)).
+    pub(crate) fn class_counts(&mut self, out: &mut FastMap<usize, (usize, usize, usize)>) {
+        self.flush_quick();
         let small = self
             .class_live
             .iter()

@@ -413,12 +413,9 @@ impl Pool {
             Some(s) => a.free_slot(slot, s),
             None => {
                 a.wait_slot(slot);
+                a.promote(self.fencer.done());
                 // One fence under way per arena: the first free asks for
-                // it, and the frees while it runs gather for the next. A
-                // finished fence's blocks are promoted by the next
-                // allocation, not here: the fence thread writes `done`
-                // after each fence, and a look at it costs a free a cache
-                // miss while the fence thread runs.
+                // it, and the frees while it runs gather for the next.
                 if !a.has_sealed()
                     || a.pending_count() >= self.config.fence_count
                     || a.pending_bytes() >= self.config.fence_bytes

@@ -1,17 +1,14 @@
-//! The quick list: blocks a fence freed, kept whole (not merged) for a
-//! request of exactly their size, as dlmalloc's fast bins keep small
-//! chunks, so a loop that frees without a stream and asks for the same
-//! size again skips a merge at the fence and a split at the take. A block
-//! on the list is free for anyone and counted so, but not in the free set;
-//! anything else that looks at the free blocks merges the list first
-//! (oldest first), and sees what eager merging leaves.
+//! The quick list (as dlmalloc's fast bins): blocks a fence freed, kept
+//! whole for a request without a stream of exactly their size, which skips
+//! a merge at the fence and a split at the take. Free for anyone, counted
+//! so, not in the free set: any other look at the free blocks, and a free
+//! on a stream, merges the list first (oldest first), as eager merging.
 
 use super::arena::{Arena, Kind, State, ANY};
 use super::blocks::Slot;
 
-/// Blocks on an arena's list at most: a batch of one fence in a tight loop
-/// (the blocks of a pass of numba's temporaries), few enough that what
-/// stays unmerged is a few blocks.
+/// Blocks on an arena's list at most: a whole batch of a tight loop's
+/// fence (`PoolConfig::fence_count` seals one at 64 blocks by default).
 pub(super) const QUICK: usize = 64;
 
 impl Arena {
@@ -19,8 +16,7 @@ impl Arena {
     /// blocks the oldest merges into the free set.
     pub(super) fn quick_push(&mut self, s: Slot) {
         if self.quick.len() == QUICK {
-            let old = self.quick.pop_front().expect("a full list");
-            self.quick_merge(old);
+            self.quick_merge_oldest();
         }
         self.blocks[s].state = State::Quick;
         self.quick_bytes += self.blocks[s].size;
@@ -40,13 +36,16 @@ impl Arena {
 
     /// Every block on the list merges into the free set, oldest first.
     pub(crate) fn flush_quick(&mut self) {
-        while let Some(s) = self.quick.pop_front() {
-            self.quick_merge(s);
-        }
+        while self.quick_merge_oldest() {}
     }
 
-    fn quick_merge(&mut self, s: Slot) {
+    /// The oldest block on the list merges into the free set; whether one did.
+    fn quick_merge_oldest(&mut self) -> bool {
+        let Some(s) = self.quick.pop_front() else {
+            return false;
+        };
         self.quick_bytes -= self.blocks[s].size;
         self.free_slot(s, ANY);
+        true
     }
 }

@@ -419,8 +419,8 @@ impl Pool {
     }
 
     /// The segments the pool holds, by address, each with its blocks:
-    /// address, size and state (memory snapshots). One lock at a time;
-    /// nothing changes.
+    /// address, size and state (memory snapshots). One lock at a time; the
+    /// quick lists merge first.
     pub(crate) fn allocations(&self) -> Vec<SegmentView> {
         let all: Vec<(Allocation, usize)> = lock(&self.held).segments.values().copied().collect();
         all.into_iter()

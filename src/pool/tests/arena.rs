@@ -314,13 +314,71 @@ fn a_request_of_another_size_merges_the_quick_list_first() {
 fn a_streams_request_never_takes_from_the_quick_list() {
     let s = 0x1000;
     let mut a = arena_with(1 << 32, 2 * MIB);
-    let got = fenced(&mut a, &[4096]);
-    // A block of the stream's own, freed on it, beside the merged rest.
+    let got = fenced(&mut a, &[4096, 4096]);
+    // From the list it would be the newest, got[1]; merged, best fit cuts
+    // the segment from its start.
     let (p, _) = a.take(s, 4096).unwrap();
     assert!(a.quick.is_empty(), "the list merged first");
     assert_eq!(p, got[0], "best fit on the merged segment: its start");
     a.free(p, s);
     assert_eq!(a.take(s, 4096), Some((p, 4096)), "the stream's own block");
+}
+
+#[test]
+fn a_quick_block_serves_only_its_own_kind() {
+    // A whole small segment waits (a failed free brings it back so) and
+    // reaches the list: 2 MiB, the size of a large request of 2 MiB.
+    let mut a = Arena::default();
+    a.add_waiting_segment(1 << 32, 2 * MIB, Kind::Small);
+    a.seal(1);
+    assert!(a.promote(1));
+    assert_eq!(a.quick.len(), 1);
+    assert_eq!(
+        a.take(ANY, 2 * MIB),
+        None,
+        "a large request, no large block"
+    );
+    assert_eq!(a.take(ANY, MIB), Some((1 << 32, MIB)), "a small one fits");
+}
+
+#[test]
+fn a_free_on_a_stream_merges_the_quick_list_as_the_fence_would_have() {
+    // x, q, y side by side; y freed on s2, q fenced (on the list), then x
+    // freed on s1: eagerly, q merged into y's block (s2) when its fence
+    // ended, and x stays alone on s1.
+    let (s1, s2) = (0x1000, 0x2000);
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    let (x, _) = a.take(ANY, 4096).unwrap();
+    let (q, _) = a.take(ANY, 4096).unwrap();
+    let (y, _) = a.take(ANY, 4096).unwrap();
+    a.free(y, s2);
+    a.wait(q);
+    a.seal(1);
+    assert!(a.promote(1));
+    a.free(x, s1);
+    assert!(a.quick.is_empty());
+    let first = a.blocks.get(x).unwrap();
+    assert_eq!((first.size, first.state), (4096, State::Free(s1)));
+    let rest = a.blocks.get(q).unwrap();
+    assert_eq!((rest.size, rest.state), (2 * MIB - 4096, State::Free(s2)));
+}
+
+#[test]
+fn wait_all_tagged_merges_the_quick_list_first() {
+    // q on the list beside t, free on a stream: eagerly they were one
+    // block of the stream's, which waits as a whole.
+    let t = 0x1000;
+    let mut a = arena_with(1 << 32, 2 * MIB);
+    let (q, _) = a.take(ANY, 4096).unwrap();
+    let (p, _) = a.take(ANY, 4096).unwrap();
+    a.free(p, t);
+    a.wait(q);
+    a.seal(1);
+    assert!(a.promote(1));
+    a.wait_all_tagged();
+    assert!(a.quick.is_empty());
+    assert_eq!(a.blocks.get(q).unwrap().state, State::Waiting);
+    assert_eq!(a.waiting_bytes(), 2 * MIB, "the whole segment, one block");
 }
 
 #[test]

@@ -729,3 +729,58 @@ fn a_driver_faster_than_any_gpus_makes_a_growth_cost_20_us_at_least() {
     assert!(least >= Duration::from_micros(20), "{least:?}");
     assert!(least < Duration::from_micros(39), "{least:?}");
 }
+
+/// Until fence `newest_sealed` of the one arena is done (at most 5 s).
+fn until_fenced(pool: &Pool) {
+    let since = Instant::now();
+    while pool.fencer.done() < pool.arena(0).newest_sealed() {
+        assert!(
+            since.elapsed() < Duration::from_secs(5),
+            "a fence never ended"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A thread that only frees without a stream, one free at a time after
+/// the last fence ended, has each free fenced: a free promotes the batch
+/// whose fence is done and seals itself for the next (were it left to the
+/// next allocation, a thread that never allocates again would leave its
+/// frees unfenced, pending, for good).
+#[test]
+fn frees_without_an_allocation_between_them_are_each_fenced() {
+    let (sim, ctx, pool) = pool(256 << 20);
+    let g: Vec<_> = (0..10).map(|_| alloc(&pool, ctx, MIB, None)).collect();
+    for grant in g {
+        until_fenced(&pool);
+        pool.release(ctx, back(grant, MIB), None, || true);
+    }
+    until_fenced(&pool);
+    assert_eq!(pool.stats().pending_bytes, 0, "every free fenced");
+    emptied(&sim, ctx, &pool);
+}
+
+/// The counts by size class see the quick list merged, as a snapshot
+/// does, and read the same before and after one.
+#[test]
+fn class_counts_see_the_quick_list_merged() {
+    let (sim, ctx, pool) = pool(256 << 20);
+    let g: Vec<_> = [4096, 8192, 4096]
+        .iter()
+        .map(|&n| (alloc(&pool, ctx, n, None), n))
+        .collect();
+    for (grant, n) in g {
+        pool.release(ctx, back(grant, n), None, || true);
+    }
+    assert!(pool.flush(ctx));
+    let cached = |p: &Pool| {
+        p.class_stats()
+            .iter()
+            .map(|c| c.cached_blocks)
+            .sum::<usize>()
+    };
+    assert_eq!(cached(&pool), 1, "the segment, one free block");
+    assert_eq!(pool.allocations()[0].1.len(), 1);
+    assert_eq!(cached(&pool), 1);
+    emptied(&sim, ctx, &pool);
+}

@@ -413,7 +413,9 @@ impl Pool {
             Some(s) => a.free_slot(slot, s),
             None => {
                 a.wait_slot(slot);
-                a.promote(self.fencer.done());
+                if a.has_sealed() {
+                    a.promote(self.fencer.done());
+                }
                 // One fence under way per arena: the first free asks for
                 // it, and the frees while it runs gather for the next.
                 if !a.has_sealed()

@@ -7,8 +7,7 @@
 use super::arena::{Arena, Kind, State, ANY};
 use super::blocks::Slot;
 
-/// Blocks on an arena's list at most: a whole batch of a tight loop's
-/// fence (`PoolConfig::fence_count` seals one at 64 blocks by default).
+/// Blocks on an arena's list at most: one batch (`fence_count`, 64 blocks).
 pub(super) const QUICK: usize = 64;
 
 impl Arena {
@@ -23,8 +22,7 @@ impl Arena {
         self.quick.push_back(s);
     }
 
-    /// The newest block on the list of exactly `size` bytes and `kind`,
-    /// handed out; its slot.
+    /// The newest listed block of exactly `size` bytes and `kind`, handed out.
     pub(super) fn quick_take(&mut self, kind: Kind, size: usize) -> Option<Slot> {
         let fits = |&s: &Slot| self.blocks[s].size == size && self.blocks[s].kind == kind;
         let i = self.quick.iter().rposition(fits)?;

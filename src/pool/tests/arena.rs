@@ -341,6 +341,14 @@ fn a_quick_block_serves_only_its_own_kind() {
     assert_eq!(a.take(ANY, MIB), Some((1 << 32, MIB)), "a small one fits");
 }
 
+/// The block handed out at `at` freed without a stream and its fence run:
+/// it joins the quick list.
+fn to_quick_list(a: &mut Arena, at: DevicePtr) {
+    a.wait(at);
+    a.seal(1);
+    assert!(a.promote(1));
+}
+
 #[test]
 fn a_free_on_a_stream_merges_the_quick_list_as_the_fence_would_have() {
     // x, q, y side by side; y freed on s2, q fenced (on the list), then x
@@ -352,9 +360,7 @@ fn a_free_on_a_stream_merges_the_quick_list_as_the_fence_would_have() {
     let (q, _) = a.take(ANY, 4096).unwrap();
     let (y, _) = a.take(ANY, 4096).unwrap();
     a.free(y, s2);
-    a.wait(q);
-    a.seal(1);
-    assert!(a.promote(1));
+    to_quick_list(&mut a, q);
     a.free(x, s1);
     assert!(a.quick.is_empty());
     let first = a.blocks.get(x).unwrap();
@@ -372,9 +378,7 @@ fn wait_all_tagged_merges_the_quick_list_first() {
     let (q, _) = a.take(ANY, 4096).unwrap();
     let (p, _) = a.take(ANY, 4096).unwrap();
     a.free(p, t);
-    a.wait(q);
-    a.seal(1);
-    assert!(a.promote(1));
+    to_quick_list(&mut a, q);
     a.wait_all_tagged();
     assert!(a.quick.is_empty());
     assert_eq!(a.blocks.get(q).unwrap().state, State::Waiting);

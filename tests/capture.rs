@@ -160,14 +160,12 @@ fn test_no_fence_runs_during_a_capture_and_blocks_freed_then_wait_for_the_one_af
 fn test_a_capture_that_begins_while_a_fence_runs_waits_for_it() {
     let (drv, rt) = pooled(64 << 20);
     let ctx = rt.context(0).unwrap();
-    // 4 MiB: a quarter of the pool's `fence_bytes`, so that its free alone
-    // asks for a fence.
-    let p = ctx.alloc(4 << 20).unwrap();
+    let p = ctx.alloc(4096).unwrap();
     let at = p.address();
     drv.queue_write(NON_BLOCKING, p.address(), &[1; 8]).unwrap();
     let syncs = drv.calls(gpuptr::CallKind::Synchronize);
-    // The free asks for a fence at once, and the fence thread runs it: it
-    // waits for the queued write. (The fence watched is this one, so no
+    // The first free asks for a fence at once, and the fence thread runs it:
+    // it waits for the queued write. (The fence watched is this one, so no
     // other thread's request can be held back by the capture instead.)
     drop(p);
     while drv.calls(gpuptr::CallKind::Synchronize) == syncs {
@@ -196,7 +194,7 @@ fn test_a_capture_that_begins_while_a_fence_runs_waits_for_it() {
         // The fence the capture waited for finished: its block is reusable
         // during the capture, with no fence running in it.
         let during = drv.calls(gpuptr::CallKind::Synchronize);
-        let q = ctx.alloc(4 << 20).unwrap();
+        let q = ctx.alloc(4096).unwrap();
         assert_eq!(q.address(), at, "the fenced block is reused");
         assert_eq!(drv.calls(gpuptr::CallKind::Synchronize), during);
         drop(q);

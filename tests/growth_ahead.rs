@@ -189,13 +189,13 @@ fn test_growth_ahead_leaves_a_quarter_of_a_busy_device_free() {
     // A failed assertion ends the kernel first: the context's teardown
     // (its cuMemFree) would wait for it forever.
     let _ends = EndsKernels(&drv);
-    // 4 MiB, a quarter of `fence_bytes`: its free alone asks for a fence,
-    // which spins while the kernel runs, long enough to read as a busy
-    // GPU's.
-    let a = ctx.alloc(4 << 20).unwrap();
+    let a = ctx.alloc(1 << 20).unwrap();
     drv.queue_write(NON_BLOCKING, a.address(), &[7; 64])
         .unwrap();
     drop(a);
+    // A miss seals A's block: the fence starts, and spins while the kernel
+    // runs, long enough to read as a busy GPU's.
+    drop(ctx.alloc(1 << 20).unwrap());
     std::thread::sleep(Duration::from_millis(30));
     for _ in 0..20 {
         for mib in [4, 5, 6, 7, 8] {

@@ -33,7 +33,7 @@ pub(super) const AHEAD_WAIT: Duration = Duration::from_millis(5);
 /// one at a time, so the driver's allocation (90-270 µs on a busy H200) is
 /// never made by the thread that allocates.
 pub(super) struct Grower {
-    pub(super) helper: Helper<GrowState, ()>,
+    helper: Helper<GrowState, ()>,
 }
 
 #[derive(Default)]
@@ -70,6 +70,12 @@ impl Grower {
         if !st.shutdown {
             self.helper.start(&mut st, grow_loop);
         }
+    }
+
+    /// Whether the helper's thread was started.
+    #[cfg(test)]
+    pub(super) fn started(&self) -> bool {
+        self.helper.lock().spawned
     }
 
     pub(super) fn post(&self, job: GrowJob) {

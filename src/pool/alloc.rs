@@ -91,9 +91,7 @@ impl Pool {
             if !valid() {
                 return Err(reset());
             }
-            // Finished batches join the quick list unless its newest fits
-            // (a fence's number is on a line the fence thread writes).
-            if a.has_sealed() && !(ask.tag == ANY && a.quick_fits(ask.want)) {
+            if a.has_sealed() {
                 a.promote(self.fencer.done());
             }
             if let Some(mut g) = ask.take(&mut a, ask.home, ask.tag) {

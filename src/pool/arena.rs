@@ -195,7 +195,7 @@ impl Arena {
         let kind = Kind::of(size);
         if !self.quick.is_empty() {
             // Not a stream's request: its best fit prefers its own blocks.
-            let quick = (tag == ANY).then(|| self.quick_take(size));
+            let quick = (tag == ANY).then(|| self.quick_take(kind, size));
             if let Some(s) = quick.flatten() {
                 return Some((self.blocks[s].at, size));
             }
@@ -354,9 +354,10 @@ impl Arena {
     /// still was (a reset may have forgotten it meanwhile).
     pub(crate) fn take_claimed(&mut self, at: DevicePtr) -> bool {
         let claimed = self.slot_in(at, State::Claimed);
-        claimed
-            .map(|s| self.blocks[s].state = State::Used)
-            .is_some()
+        if let Some(s) = claimed {
+            self.blocks[s].state = State::Used;
+        }
+        claimed.is_some()
     }
 
     /// The block claimed at `at` waits for the next fence again (its fence

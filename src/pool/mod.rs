@@ -25,9 +25,8 @@
 //!   thread calls `cuCtxSynchronize`, which returns once every task queued
 //!   before it, on every stream, is done (`fence.rs`); the block is then
 //!   free for anyone, kept whole on the arena's quick list for a request of
-//!   its size (`quick.rs`). Frees gather into batches, one fence each: a
-//!   batch is sealed once a quarter of [`PoolConfig::fence_bytes`] waits
-//!   and none of the arena's is sealed, once a whole batch waits, or at a miss.
+//!   its size (`quick.rs`). One fence per arena is asked for as soon as a
+//!   block waits and none is under way; frees meanwhile gather for the next.
 //!
 //! **A miss, top to bottom** ([`Pool::alloc`]):
 //! 1. the best fit in the caller's arena;
@@ -94,16 +93,18 @@ pub(crate) use segments::{Allocation, Block, Grant, SegmentView};
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
     /// An arena seals its blocks freed without a stream into a batch for a
-    /// fence once this many are pending, ...
+    /// fence as soon as no batch of it waits for one, and once this many
+    /// are pending in any case.
     pub fence_count: usize,
-    /// ... or this many bytes (a quarter while none of its batches waits).
+    /// ... or once this many bytes are.
     pub fence_bytes: usize,
     /// Number of arenas, rounded up to a power of two. The default is the
     /// number of CPUs, at most 16.
     pub shards: usize,
-    /// The least time between the starts of two fences: after each the
+    /// The least time between the starts of two fences: after each one the
     /// fence thread rests this long (unless an out-of-memory waiter needs
-    /// the next), so frees gather into fewer fences. Zero: back to back.
+    /// the next), so frees gather into fewer fences. Zero (the default):
+    /// back to back.
     pub fence_pace: Duration,
     /// Growth ahead of demand for memory freed without a stream: while a
     /// busy GPU holds such frees back, an arena that churns them keeps at
@@ -116,12 +117,14 @@ pub struct PoolConfig {
     /// than grow (a request over 1 MiB without a stream always waits), so
     /// an idle GPU's pool stays close to what is live.
     pub headroom_bytes: usize,
-    /// The most bytes free for anyone the pool holds growing ahead; nor
-    /// does it leave less than a quarter of the device's memory free.
+    /// The most bytes free for anyone the pool holds before it stops
+    /// growing ahead. Growth ahead also stops while it would leave less
+    /// than a quarter of the device's memory free.
     pub ahead_total: usize,
     /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
     /// caches for reuse, under the same fence as device memory; classes
-    /// larger are not cached. Zero: none (every free goes to the driver).
+    /// larger than this are not cached. Zero: no host cache (every free
+    /// goes to the driver).
     pub host_cache_bytes: usize,
 }
 
@@ -410,10 +413,15 @@ impl Pool {
             Some(s) => a.free_slot(slot, s),
             None => {
                 a.wait_slot(slot);
-                // Frees gather for one fence (a request reads lines the
-                // fence thread writes); a miss seals the rest (rungs 1, 2).
-                let bytes = self.config.fence_bytes / if a.has_sealed() { 1 } else { 4 };
-                if a.pending_count() >= self.config.fence_count || a.pending_bytes() >= bytes {
+                if a.has_sealed() {
+                    a.promote(self.fencer.done());
+                }
+                // One fence under way per arena: the first free asks for
+                // it, and the frees while it runs gather for the next.
+                if !a.has_sealed()
+                    || a.pending_count() >= self.config.fence_count
+                    || a.pending_bytes() >= self.config.fence_bytes
+                {
                     a.seal(self.fencer.request(context));
                 }
             }

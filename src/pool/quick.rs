@@ -22,23 +22,14 @@ impl Arena {
         self.quick.push_back(s);
     }
 
-    /// The newest listed block that serves `size` bytes, handed out.
-    pub(super) fn quick_take(&mut self, size: usize) -> Option<Slot> {
-        let i = self.quick.iter().rposition(|&s| self.serves(s, size))?;
+    /// The newest listed block of exactly `size` bytes and `kind`, handed out.
+    pub(super) fn quick_take(&mut self, kind: Kind, size: usize) -> Option<Slot> {
+        let fits = |&s: &Slot| self.blocks[s].size == size && self.blocks[s].kind == kind;
+        let i = self.quick.iter().rposition(fits)?;
         let s = self.quick.remove(i).expect("found");
         self.quick_bytes -= size;
         self.blocks[s].state = State::Used;
         Some(s)
-    }
-
-    /// Whether the newest listed block serves a request of `size` bytes.
-    pub(super) fn quick_fits(&self, size: usize) -> bool {
-        self.quick.back().is_some_and(|&s| self.serves(s, size))
-    }
-
-    /// Whether block `s` is of exactly `size` bytes and their kind.
-    fn serves(&self, s: Slot, size: usize) -> bool {
-        self.blocks[s].size == size && self.blocks[s].kind == Kind::of(size)
     }
 
     /// Every block on the list merges into the free set, oldest first.

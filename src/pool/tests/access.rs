@@ -1,6 +1,5 @@
 //! Ways into the arena's parts that only tests take.
 
-use super::super::ahead::Grower;
 use super::super::arena::{Arena, Blocks, Info, Tag};
 use super::super::freeset::FreeSet;
 use crate::driver::DevicePtr;
@@ -34,12 +33,5 @@ impl FreeSet {
     /// How many bitmaps of kinds and tags are held.
     pub(crate) fn maps_held(&self) -> usize {
         self.maps.len()
-    }
-}
-
-impl Grower {
-    /// Whether the helper's thread was started.
-    pub(crate) fn started(&self) -> bool {
-        self.helper.lock().spawned
     }
 }

@@ -407,12 +407,11 @@ fn a_busy_gpus_churn_grows_in_large_segments_and_asks_for_growth_ahead() {
     let k = alloc(&pool, ctx, MIB, Some(S));
     sim.queue_write(S, k.address, &[1; 4]).unwrap();
     pool.release(ctx, back(k, MIB), Some(S), || true);
-    // A free without a stream of a quarter of `fence_bytes` asks for a
-    // fence, which spins while the kernel runs: long enough to read as a
-    // busy GPU's however slowly the host schedules.
-    let quarter = PoolConfig::default().fence_bytes / 4;
-    let b = alloc(&pool, ctx, quarter, None);
-    pool.release(ctx, back(b, quarter), None, || true);
+    // A free without a stream asks for a fence, which spins while the
+    // kernel runs: long enough to read as a busy GPU's however slowly the
+    // host schedules.
+    let b = alloc(&pool, ctx, MIB, None);
+    pool.release(ctx, back(b, MIB), None, || true);
     assert!(reads_busy(&pool), "the fence behind the kernel spins");
     let held = sim.live_bytes();
     let mut asked = false;
@@ -442,13 +441,7 @@ fn a_busy_gpus_churn_grows_in_large_segments_and_asks_for_growth_ahead() {
 fn a_hit_asks_for_growth_ahead_once_frees_waiting_match_the_stock_left() {
     let half = PoolConfig::default().ahead_bytes / 2;
     for stock_mib in [16, 40] {
-        // Each free asks for its fence (one block a batch).
-        let config = PoolConfig {
-            shards: 1,
-            fence_count: 1,
-            ..PoolConfig::default()
-        };
-        let (sim, ctx, pool) = pool_with(1 << 30, config);
+        let (sim, ctx, pool) = pool(1 << 30);
         let stock: Vec<_> = (0..stock_mib)
             .map(|_| alloc(&pool, ctx, MIB, None))
             .collect();
@@ -749,92 +742,21 @@ fn until_fenced(pool: &Pool) {
     }
 }
 
-/// Frees without a stream gather: the first batch is sealed for a fence
-/// once a quarter of `fence_bytes` waits, the next (while one is sealed)
-/// once `fence_bytes` or `fence_count` blocks wait; a miss in another
-/// arena seals what is left, so a thread that only frees leaves nothing
-/// unfenced for good.
+/// A thread that only frees without a stream, one free at a time after
+/// the last fence ended, has each free fenced: a free promotes the batch
+/// whose fence is done and seals itself for the next (were it left to the
+/// next allocation, a thread that never allocates again would leave its
+/// frees unfenced, pending, for good).
 #[test]
-fn frees_without_a_stream_gather_into_batches_that_a_miss_elsewhere_seals() {
-    let (sim, ctx, pool) = pool_with(
-        1 << 30,
-        PoolConfig {
-            shards: 2,
-            ..PoolConfig::default()
-        },
-    );
-    let fence_bytes = PoolConfig::default().fence_bytes;
-    let quarter = fence_bytes / MIB / 4;
-    let home = pool.arena_for(None);
-    let g: Vec<_> = (0..quarter + 3)
-        .map(|_| alloc(&pool, ctx, MIB, None))
-        .collect();
-    let sealed = |p: &Pool| p.arena(home).newest_sealed();
-    let mut g = g.into_iter();
-    for (i, grant) in g.by_ref().take(quarter).enumerate() {
-        assert_eq!(sealed(&pool), 0, "{i} MiB wait, unsealed");
-        pool.release(ctx, back(grant, MIB), None, || true);
-    }
-    let first = sealed(&pool);
-    assert!(first > 0, "a quarter of fence_bytes: sealed");
-    // One batch sealed: the next gathers up to the whole of fence_bytes.
+fn frees_without_an_allocation_between_them_are_each_fenced() {
+    let (sim, ctx, pool) = pool(256 << 20);
+    let g: Vec<_> = (0..10).map(|_| alloc(&pool, ctx, MIB, None)).collect();
     for grant in g {
+        until_fenced(&pool);
         pool.release(ctx, back(grant, MIB), None, || true);
     }
-    assert_eq!(sealed(&pool), first);
-    assert_eq!(pool.arena(home).pending_bytes(), 3 * MIB);
-    // Once the first batch's fence is done, a miss in the other arena
-    // (another thread's) seals them.
-    let since = Instant::now();
-    while pool.fencer.done() < first {
-        assert!(since.elapsed() < Duration::from_secs(5), "no fence");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let elsewhere = || {
-        let other = pool.arena_for(None) != home;
-        if other {
-            let big = alloc(&pool, ctx, 64 * MIB, None);
-            pool.release(ctx, back(big, 64 * MIB), None, || true);
-        }
-        other
-    };
-    while !std::thread::scope(|s| s.spawn(elsewhere).join().unwrap()) {}
-    assert_eq!(pool.arena(home).pending_bytes(), 0, "sealed by the miss");
-    assert!(sealed(&pool) > first);
-    emptied(&sim, ctx, &pool);
-}
-
-/// A request that the quick list's newest block serves takes it and
-/// leaves a batch whose fence is done sealed: it does not look at the
-/// fence's number (a line the fence thread writes) while the list serves.
-#[test]
-fn a_request_the_quick_list_serves_leaves_a_finished_batch_sealed() {
-    let config = PoolConfig {
-        shards: 1,
-        fence_count: 1,
-        ..PoolConfig::default()
-    };
-    let (sim, ctx, pool) = pool_with(1 << 30, config);
-    let [x, y, z] = [0; 3].map(|_| alloc(&pool, ctx, MIB, None));
-    let (xa, ya) = (x.address, y.address);
-    pool.release(ctx, back(x, MIB), None, || true);
-    pool.release(ctx, back(y, MIB), None, || true);
     until_fenced(&pool);
-    let again = alloc(&pool, ctx, MIB, None);
-    assert_eq!(again.address, ya, "the list's newest");
-    pool.release(ctx, back(z, MIB), None, || true);
-    until_fenced(&pool);
-    let sealed = pool.arena(0).newest_sealed();
-    assert!(sealed > 0 && pool.fencer.done() >= sealed);
-    let from_list = alloc(&pool, ctx, MIB, None);
-    assert_eq!(from_list.address, xa);
-    assert_eq!(pool.arena(0).newest_sealed(), sealed, "still sealed");
-    // A request the list cannot serve promotes the batch.
-    let other = alloc(&pool, ctx, 2 * 4096, None);
-    assert_eq!(pool.arena(0).newest_sealed(), 0);
-    for (g, n) in [(again, MIB), (from_list, MIB), (other, 2 * 4096)] {
-        pool.release(ctx, back(g, n), None, || true);
-    }
+    assert_eq!(pool.stats().pending_bytes, 0, "every free fenced");
     emptied(&sim, ctx, &pool);
 }
 

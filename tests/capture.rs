@@ -301,3 +301,32 @@ fn test_an_unbalanced_end_capture_is_refused_and_closes_no_other_threads_gate() 
     rt.end_capture(0).unwrap();
     assert_eq!(rt.capturing(0), Ok(false));
 }
+
+/// A block freed without a stream on an idle GPU, well before a capture,
+/// is reusable inside it, where no fence may run: its free asked for a
+/// fence at once, and that fence ended before the capture began. (A pool
+/// that gathered small frees into batches, sealed only at a size or a
+/// miss, left it unfenced and ran out of memory here.)
+#[test]
+fn test_a_block_freed_long_before_a_capture_is_reusable_in_it() {
+    let drv = Arc::new(SimDriver::new(SimConfig::new(1, 8 << 20)));
+    let config = PoolConfig {
+        ahead_bytes: 0,
+        shards: 1,
+        ..PoolConfig::default()
+    };
+    let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
+    let ctx = rt.context(0).unwrap();
+    let held: Vec<_> = (0..3).map(|_| ctx.alloc(2 << 20).unwrap()).collect();
+    drop(ctx.alloc(2 << 20).unwrap());
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(rt.stats()[0].pending_bytes, 0, "fenced before the capture");
+    rt.begin_capture(0).unwrap();
+    drv.begin_capture(CAPTURING);
+    let got =
+        std::thread::scope(|s| s.spawn(|| ctx.alloc(2 << 20).map(|p| p.size())).join()).unwrap();
+    assert_eq!(drv.end_capture(CAPTURING), Ok(()));
+    rt.end_capture(0).unwrap();
+    drop(held);
+    assert_eq!(got.ok(), Some(2 << 20), "reused inside the capture");
+}

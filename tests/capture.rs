@@ -309,13 +309,7 @@ fn test_an_unbalanced_end_capture_is_refused_and_closes_no_other_threads_gate() 
 /// miss, left it unfenced and ran out of memory here.)
 #[test]
 fn test_a_block_freed_long_before_a_capture_is_reusable_in_it() {
-    let drv = Arc::new(SimDriver::new(SimConfig::new(1, 8 << 20)));
-    let config = PoolConfig {
-        ahead_bytes: 0,
-        shards: 1,
-        ..PoolConfig::default()
-    };
-    let rt = Runtime::with_pool(drv.clone(), Some(config)).unwrap();
+    let (drv, rt) = pooled(8 << 20);
     let ctx = rt.context(0).unwrap();
     let held: Vec<_> = (0..3).map(|_| ctx.alloc(2 << 20).unwrap()).collect();
     drop(ctx.alloc(2 << 20).unwrap());

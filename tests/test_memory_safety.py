@@ -415,6 +415,41 @@ def test_dlpack_capsules_are_consumed_on_import():
     assert arr.sum() == 6
 
 
+# A wrap of gpuptr's own memory, with its pointer as owner -----------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda m: gpuptr.wrap(m.device_pointer_value, m.size, owner=m),
+    lambda m: gpuptr.wrap(m.device_pointer_value + 512, 512, owner=m),
+    lambda m: gpuptr.MemoryPointer(m.context, m.device_pointer_value, m.size, owner=m),
+    lambda m: gpuptr.from_cuda_array_interface(m).pointer,
+], ids=["wrap", "wrap-part", "MemoryPointer", "cai"])
+def test_a_wrap_whose_owner_is_the_gpuptr_pointer_turns_stale_when_it_is_freed(make):
+    m = gpuptr.alloc(4096)
+    m.memset(0)
+    w = make(m)
+    w.memset(7)                     # while the owner lives, the wrap is its memory
+    assert m.copy_to_host().count(7) == w.size
+    m.free()
+    assert w.freed
+    gpuptr.flush_pool()
+    victim = gpuptr.alloc(4096)     # may take the freed block back
+    victim.memset(0x11)
+    for use in (lambda: w.memset(0xEE), lambda: w.copy_to_host(), lambda: w.view(0, 8).memset(1)):
+        with pytest.raises(gpuptr.InvalidPointerError, match="freed"):
+            use()
+    assert set(victim.copy_to_host()) == {0x11}
+    with pytest.raises(gpuptr.InvalidPointerError, match="freed"):
+        make(m)                     # a wrap made after the free is refused
+    victim.free()
+
+
+def test_a_wrap_past_its_gpuptr_owners_memory_is_refused():
+    m = gpuptr.alloc(4096)
+    with pytest.raises(gpuptr.InvalidPointerError):
+        gpuptr.wrap(m.device_pointer_value + 4096 - 8, 16, owner=m)
+    m.free()
+
+
 # The simulator's poison ---------------------------------------------------------------
 
 def test_no_stale_host_write_reached_freed_memory_during_these_tests():

@@ -297,9 +297,13 @@ def alloc(nbytes: int, device: Optional[int] = None, stream: _Stream = None) -> 
     streams it is used on).
     """
 def wrap(address: object, nbytes: int, owner: object = None, context: Optional[Context] = None) -> MemoryPointer:
-    """Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a
-    MemoryPointer that keeps ``owner`` alive. Without ``context``, the
-    context is resolved from the address itself, never from the current one.
+    """Wrap ``nbytes`` at ``address`` as a MemoryPointer that keeps ``owner``
+    alive. Without ``context``, the context is resolved from the address
+    itself, never from the current one. Where ``owner`` is a gpuptr pointer
+    whose memory holds the range, the wrap is a view of it: freeing
+    ``owner`` turns the wrap stale (``InvalidPointerError``), as it does
+    every view. Any other wrap is numba's non-owning MemoryPointer: its
+    memory is the caller's to keep alive.
     """
 def context_of(address: object) -> Context:
     """The context of the memory at ``address``: a registry lookup for memory

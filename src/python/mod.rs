@@ -124,9 +124,13 @@ fn _cuda_core_buffer<'py>(
     make.call1((address, size, &none, &none, owner))
 }
 
-/// Wrap ``nbytes`` at ``address`` (memory gpuptr does not own) as a
-/// MemoryPointer that keeps ``owner`` alive. Without ``context``, the
-/// context is resolved from the address itself, never from the current one.
+/// Wrap ``nbytes`` at ``address`` as a MemoryPointer that keeps ``owner``
+/// alive. Without ``context``, the context is resolved from the address
+/// itself, never from the current one. Where ``owner`` is a gpuptr pointer
+/// whose memory holds the range, the wrap is a view of it: freeing
+/// ``owner`` turns the wrap stale (``InvalidPointerError``), as it does
+/// every view. Any other wrap is numba's non-owning MemoryPointer: its
+/// memory is the caller's to keep alive.
 #[pyfunction]
 #[pyo3(signature = (address, nbytes, owner=None, context=None))]
 fn wrap(
@@ -138,6 +142,10 @@ fn wrap(
     let size = size_arg(nbytes, "nbytes")?;
     let address = pointer_arg(address)?;
     let ctx = context.map(|c| c.get().inner.clone());
+    let py = nbytes.py();
+    if let Some(p) = PyMemoryPointer::over_owner(py, owner.as_ref(), address, size, ctx.as_ref())? {
+        return Ok(p);
+    }
     let mem = runtime()?.wrap(address, size, ctx, None)?;
     Ok(PyMemoryPointer::wrapping(mem, owner, false))
 }

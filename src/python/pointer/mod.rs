@@ -73,7 +73,9 @@ impl Drop for PyFinalizer {
 /// wraps existing memory (numba's and PyArrow's call shape). ``context`` may
 /// be a gpuptr or numba context, or None to resolve it from the address;
 /// ``pointer`` an int, ``ctypes.c_void_p`` or ``CUdeviceptr``. A
-/// ``finalizer`` is called once when the memory is released.
+/// ``finalizer`` is called once when the memory is released. Without a
+/// finalizer, an ``owner`` that is a gpuptr pointer holding the range
+/// makes this a view of it, stale once ``owner`` is freed (see ``wrap``).
 #[pyclass(
     frozen,
     weakref,
@@ -118,6 +120,43 @@ impl PyMemoryPointer {
         managed: bool,
     ) -> Self {
         Self::new(View::from(mem), managed, owner, None)
+    }
+
+    /// A wrap of `[address, address + size)` with `owner`: where `owner` is
+    /// a gpuptr pointer (in `context`, if one is named) whose memory holds
+    /// that range, a view of it, so that freeing `owner` turns the wrap
+    /// stale as it does every view, rather than leave it over memory the
+    /// pool may hand to someone else; `InvalidPointer` if `owner` was freed
+    /// already. `None` for any other owner.
+    pub(crate) fn over_owner(
+        py: Python<'_>,
+        owner: Option<&Py<PyAny>>,
+        address: DevicePtr,
+        size: usize,
+        context: Option<&Arc<crate::Context>>,
+    ) -> PyResult<Option<Self>> {
+        let Some(owner) = owner else { return Ok(None) };
+        let Ok(o) = owner.bind(py).cast::<PyMemoryPointer>() else {
+            return Ok(None);
+        };
+        let v = &o.get().view;
+        let same = |c: &Arc<crate::Context>| c.raw() == v.context().raw();
+        let start = address
+            .checked_sub(v.address())
+            .and_then(|s| usize::try_from(s).ok());
+        let stop = start.and_then(|s| s.checked_add(size));
+        let (Some(start), Some(stop)) = (start, stop) else {
+            return Ok(None);
+        };
+        if stop > v.size() || !context.is_none_or(same) {
+            return Ok(None);
+        }
+        if v.parent().is_freed() {
+            let e = format!("the owner of [{address:#x}, +{size}) was freed");
+            return Err(Error::InvalidPointer(e).into());
+        }
+        let view = v.view(start, Some(stop))?;
+        Ok(Some(Self::over(view, Some(owner.clone_ref(py)))))
     }
 
     /// A non-owning pointer over an existing view.
@@ -175,6 +214,12 @@ impl PyMemoryPointer {
         let size = size_arg(size, "size")?;
         let address = pointer_arg(pointer)?;
         let ctx = context_arg(context)?;
+        if finalizer.is_none() {
+            let py = pointer.py();
+            if let Some(p) = Self::over_owner(py, owner.as_ref(), address, size, ctx.as_ref())? {
+                return Ok(p);
+            }
+        }
         let managed = finalizer.is_some();
         let keep = keep_finalizer(pointer.py(), finalizer)?;
         let mem = runtime()?.wrap(address, size, ctx, keep)?;

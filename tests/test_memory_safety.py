@@ -422,7 +422,8 @@ def test_dlpack_capsules_are_consumed_on_import():
     lambda m: gpuptr.wrap(m.device_pointer_value + 512, 512, owner=m),
     lambda m: gpuptr.MemoryPointer(m.context, m.device_pointer_value, m.size, owner=m),
     lambda m: gpuptr.from_cuda_array_interface(m).pointer,
-], ids=["wrap", "wrap-part", "MemoryPointer", "cai"])
+    lambda m: gpuptr.wrap(m.device_pointer_value, m.size, owner=m, context=gpuptr.context(1)),
+], ids=["wrap", "wrap-part", "MemoryPointer", "cai", "another-context"])
 def test_a_wrap_whose_owner_is_the_gpuptr_pointer_turns_stale_when_it_is_freed(make):
     m = gpuptr.alloc(4096)
     m.memset(0)
@@ -448,6 +449,19 @@ def test_a_wrap_past_its_gpuptr_owners_memory_is_refused():
     with pytest.raises(gpuptr.InvalidPointerError):
         gpuptr.wrap(m.device_pointer_value + 4096 - 8, 16, owner=m)
     m.free()
+
+
+def test_a_cycle_through_a_wrap_of_a_pointer_with_a_finalizer_is_collected():
+    g = gpuptr.alloc(4096)
+    before = gpuptr.stats()[0]["live_bytes"]
+    fired, kept = [], []
+    p = gpuptr.MemoryPointer(g.context, g.device_pointer_value, 4096, owner=g,
+                             finalizer=lambda kept=kept: fired.append(1))
+    kept.append(gpuptr.wrap(g.device_pointer_value, 4096, owner=p))   # kept -> wrap -> p -> finalizer -> kept
+    del g, p, kept
+    gc.collect()
+    assert fired == [1]
+    assert gpuptr.stats()[0]["live_bytes"] == before - 4096
 
 
 # The simulator's poison ---------------------------------------------------------------

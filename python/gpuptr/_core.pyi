@@ -244,8 +244,9 @@ class MemoryPointer:
         """
     def ipc_handle(self) -> IpcHandle:
         """A picklable ``IpcHandle`` another process opens to use this memory
-        (device memory gpuptr allocated; not managed, host or wrapped
-        memory, which raise ``InvalidArgumentError``, as pool memory does
+        (device memory gpuptr allocated, or a wrap of it with its pointer as
+        owner; not managed, host or other wrapped memory, which raise
+        ``InvalidArgumentError``, as pool memory does
         when no liveness record is left: 65,536 allocations exported and
         live at once, or no ``/dev/shm``). Every handle of one allocation
         shares its record; an empty view's handle opens to an empty view.
@@ -300,10 +301,11 @@ def wrap(address: object, nbytes: int, owner: object = None, context: Optional[C
     """Wrap ``nbytes`` at ``address`` as a MemoryPointer that keeps ``owner``
     alive. Without ``context``, the context is resolved from the address
     itself, never from the current one. Where ``owner`` is a gpuptr pointer
-    whose memory holds the range, the wrap is a view of it: freeing
-    ``owner`` turns the wrap stale (``InvalidPointerError``), as it does
-    every view. Any other wrap is numba's non-owning MemoryPointer: its
-    memory is the caller's to keep alive.
+    over memory gpuptr allocated that holds the range, the wrap is a view
+    of it, in its context: freeing ``owner`` turns the wrap stale
+    (``InvalidPointerError``), as it does every view. Any other wrap is
+    numba's non-owning MemoryPointer: its memory is the caller's to keep
+    alive.
     """
 def context_of(address: object) -> Context:
     """The context of the memory at ``address``: a registry lookup for memory

@@ -204,7 +204,7 @@ pub(crate) fn _import_cai<'py>(
     // `over_owner`): freeing the pointer turns the array stale.
     let start = address.checked_add_signed(layout.lo).filter(|_| !readonly);
     let own = match start.filter(|_| layout.span > 0 && address != 0) {
-        Some(a) => PyMemoryPointer::over_owner(py, owner.as_ref(), a, layout.span, None)?,
+        Some(a) => PyMemoryPointer::over_owner(py, owner.as_ref(), a, layout.span)?,
         None => None,
     };
     let view = match own {

@@ -127,10 +127,11 @@ fn _cuda_core_buffer<'py>(
 /// Wrap ``nbytes`` at ``address`` as a MemoryPointer that keeps ``owner``
 /// alive. Without ``context``, the context is resolved from the address
 /// itself, never from the current one. Where ``owner`` is a gpuptr pointer
-/// whose memory holds the range, the wrap is a view of it: freeing
-/// ``owner`` turns the wrap stale (``InvalidPointerError``), as it does
-/// every view. Any other wrap is numba's non-owning MemoryPointer: its
-/// memory is the caller's to keep alive.
+/// over memory gpuptr allocated that holds the range, the wrap is a view
+/// of it, in its context: freeing ``owner`` turns the wrap stale
+/// (``InvalidPointerError``), as it does every view. Any other wrap is
+/// numba's non-owning MemoryPointer: its memory is the caller's to keep
+/// alive.
 #[pyfunction]
 #[pyo3(signature = (address, nbytes, owner=None, context=None))]
 fn wrap(
@@ -143,7 +144,7 @@ fn wrap(
     let address = pointer_arg(address)?;
     let ctx = context.map(|c| c.get().inner.clone());
     let py = nbytes.py();
-    if let Some(p) = PyMemoryPointer::over_owner(py, owner.as_ref(), address, size, ctx.as_ref())? {
+    if let Some(p) = PyMemoryPointer::over_owner(py, owner.as_ref(), address, size)? {
         return Ok(p);
     }
     let mem = runtime()?.wrap(address, size, ctx, None)?;

@@ -123,24 +123,29 @@ impl PyMemoryPointer {
     }
 
     /// A wrap of `[address, address + size)` with `owner`: where `owner` is
-    /// a gpuptr pointer (in `context`, if one is named) whose memory holds
-    /// that range, a view of it, so that freeing `owner` turns the wrap
-    /// stale as it does every view, rather than leave it over memory the
-    /// pool may hand to someone else; `InvalidPointer` if `owner` was freed
-    /// already. `None` for any other owner.
+    /// a gpuptr pointer over memory gpuptr allocated (pool or driver, no
+    /// finalizer) that holds that range, a view of it, in its context, so
+    /// that freeing `owner` turns the wrap stale as it does every view,
+    /// rather than leave it over memory the pool may hand to someone else;
+    /// `InvalidPointer` if `owner` was freed already. `None` for any other
+    /// owner (the caller keeps its memory alive, as numba's rule is).
     pub(crate) fn over_owner(
         py: Python<'_>,
         owner: Option<&Py<PyAny>>,
         address: DevicePtr,
         size: usize,
-        context: Option<&Arc<crate::Context>>,
     ) -> PyResult<Option<Self>> {
         let Some(owner) = owner else { return Ok(None) };
         let Ok(o) = owner.bind(py).cast::<PyMemoryPointer>() else {
             return Ok(None);
         };
-        let v = &o.get().view;
-        let same = |c: &Arc<crate::Context>| c.raw() == v.context().raw();
+        let (v, parent) = (&o.get().view, o.get().view.parent());
+        // A finalizer (a keepalive) is traversed by the garbage collector
+        // only while its pointer is the sole holder: a view would hide it.
+        let ours = matches!(
+            parent.origin(),
+            crate::Origin::Pool(_) | crate::Origin::Driver
+        ) && parent.inspect_keepalive(|_| ()).is_none();
         let start = address
             .checked_sub(v.address())
             .and_then(|s| usize::try_from(s).ok());
@@ -148,10 +153,10 @@ impl PyMemoryPointer {
         let (Some(start), Some(stop)) = (start, stop) else {
             return Ok(None);
         };
-        if stop > v.size() || !context.is_none_or(same) {
+        if stop > v.size() || !ours {
             return Ok(None);
         }
-        if v.parent().is_freed() {
+        if parent.is_freed() {
             let e = format!("the owner of [{address:#x}, +{size}) was freed");
             return Err(Error::InvalidPointer(e).into());
         }
@@ -216,7 +221,7 @@ impl PyMemoryPointer {
         let ctx = context_arg(context)?;
         if finalizer.is_none() {
             let py = pointer.py();
-            if let Some(p) = Self::over_owner(py, owner.as_ref(), address, size, ctx.as_ref())? {
+            if let Some(p) = Self::over_owner(py, owner.as_ref(), address, size)? {
                 return Ok(p);
             }
         }

@@ -174,6 +174,20 @@ def test_reserve_fills_the_pool_ahead_of_demand_and_trim_gives_it_back(no_leaks)
     assert _driver_bytes() == base
 
 
+def test_a_reservation_the_pool_limit_leaves_no_room_for_names_the_limit(no_leaks):
+    gpuptr.trim()
+    base = gpuptr.stats()[0]["pool_bytes"]
+    gpuptr.set_pool_limit(base + (4 << 20))
+    try:
+        assert gpuptr.reserve(16 << 20) == 4 << 20      # stopped part way by the limit
+        with pytest.raises(gpuptr.OutOfMemoryError, match=r"its limit is"):
+            gpuptr.reserve(16 << 20)                    # no room left: nothing reserved
+        assert gpuptr.stats()[0]["pool_bytes"] == base + (4 << 20)
+    finally:
+        gpuptr.set_pool_limit(None)
+        gpuptr.trim()
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [

@@ -535,7 +535,8 @@ def reserve(nbytes: Union[int, float, str], block_size: Union[int, str, None] = 
     ``nbytes`` is an int, a size (``"2GiB"``) or a share of what the device
     has free (``0.5``, ``"50%"``). More than the device has free raises
     ``OutOfMemoryError`` and reserves nothing. Returns the bytes reserved
-    (fewer if the pool limit stops it part way); ``trim()`` gives them back.
+    (fewer if the pool limit stops it part way; none at all raises
+    ``OutOfMemoryError``, naming the limit); ``trim()`` gives them back.
     """
 def pool_classes(device: int) -> list[ClassStats]:
     """The pool of ``device`` by size class: a list of dicts with ``class``

@@ -137,6 +137,9 @@ impl DeviceState {
             // Out of memory part way: what was reserved stays; say so only
             // when nothing could be.
             Err(e) if e.is_oom() && reserved > 0 => Ok(reserved),
+            // Nothing: the message an allocation's would be (what the pool
+            // holds, its limit, what the device has free).
+            Err(e) if e.is_oom() => Err(self.out_of_memory(ctx, bytes)),
             r => r.map(|()| reserved),
         }
     }

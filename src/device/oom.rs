@@ -129,7 +129,7 @@ impl DeviceState {
     /// (in use, cached, kept by CUDA graphs), its limit if one is set, and
     /// what the device has free, as PyTorch's message does.
     #[cold]
-    fn out_of_memory(&self, ctx: &impl Handle, size: usize) -> Error {
+    pub(super) fn out_of_memory(&self, ctx: &impl Handle, size: usize) -> Error {
         use crate::error::bytes;
         let mut detail = String::new();
         if let Some(pool) = &self.pool {

@@ -406,7 +406,8 @@ fn set_pool_limit(
 /// ``nbytes`` is an int, a size (``"2GiB"``) or a share of what the device
 /// has free (``0.5``, ``"50%"``). More than the device has free raises
 /// ``OutOfMemoryError`` and reserves nothing. Returns the bytes reserved
-/// (fewer if the pool limit stops it part way); ``trim()`` gives them back.
+/// (fewer if the pool limit stops it part way; none at all raises
+/// ``OutOfMemoryError``, naming the limit); ``trim()`` gives them back.
 #[pyfunction]
 #[pyo3(signature = (nbytes, block_size=None, device=None))]
 fn reserve(

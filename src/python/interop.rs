@@ -201,14 +201,14 @@ pub(crate) fn _import_cai<'py>(
     };
     let layout = Layout::new(shape_of(&shape)?, strides, itemsize)?;
     // A writable array of a gpuptr pointer's memory is a view of it (see
-    // `over_owner`): freeing the pointer turns the array stale.
-    let start = address.checked_add_signed(layout.lo).filter(|_| !readonly);
-    let own = match start.filter(|_| layout.span > 0 && address != 0) {
-        Some(a) => PyMemoryPointer::over_owner(py, owner.as_ref(), a, layout.span)?,
+    // `owner_view`): freeing the pointer turns the array stale.
+    let start = address.checked_add_signed(layout.lo);
+    let own = match start.filter(|_| !readonly && layout.span > 0 && address != 0) {
+        Some(a) => PyMemoryPointer::owner_view(py, owner.as_ref(), a, layout.span)?,
         None => None,
     };
     let view = match own {
-        Some(p) => p.view.view((-layout.lo) as usize, None)?,
+        Some(v) => v.view((-layout.lo) as usize, None)?,
         None => runtime()?.wrap_layout(address, &layout, readonly, None)?,
     };
     if let (Some(stream), true) = (stream, sync) {

@@ -144,8 +144,8 @@ fn wrap(
     let address = pointer_arg(address)?;
     let ctx = context.map(|c| c.get().inner.clone());
     let py = nbytes.py();
-    if let Some(p) = PyMemoryPointer::over_owner(py, owner.as_ref(), address, size)? {
-        return Ok(p);
+    if let Some(view) = PyMemoryPointer::owner_view(py, owner.as_ref(), address, size)? {
+        return Ok(PyMemoryPointer::over(view, owner));
     }
     let mem = runtime()?.wrap(address, size, ctx, None)?;
     Ok(PyMemoryPointer::wrapping(mem, owner, false))

@@ -122,46 +122,42 @@ impl PyMemoryPointer {
         Self::new(View::from(mem), managed, owner, None)
     }
 
-    /// A wrap of `[address, address + size)` with `owner`: where `owner` is
-    /// a gpuptr pointer over memory gpuptr allocated (pool or driver, no
-    /// finalizer) that holds that range, a view of it, in its context, so
-    /// that freeing `owner` turns the wrap stale as it does every view,
+    /// The view a wrap of `[address, address + size)` with `owner` is:
+    /// where `owner` is a gpuptr pointer over memory gpuptr allocated (pool
+    /// or driver) that holds that range, the range of it, in its context,
+    /// so that freeing `owner` turns the wrap stale as it does every view,
     /// rather than leave it over memory the pool may hand to someone else;
     /// `InvalidPointer` if `owner` was freed already. `None` for any other
     /// owner (the caller keeps its memory alive, as numba's rule is).
-    pub(crate) fn over_owner(
+    /// Wraps are excluded: they may carry a finalizer, which the garbage
+    /// collector traverses only while its pointer is the sole holder, and
+    /// a view would hide it.
+    pub(crate) fn owner_view(
         py: Python<'_>,
         owner: Option<&Py<PyAny>>,
         address: DevicePtr,
         size: usize,
-    ) -> PyResult<Option<Self>> {
-        let Some(owner) = owner else { return Ok(None) };
-        let Ok(o) = owner.bind(py).cast::<PyMemoryPointer>() else {
+    ) -> PyResult<Option<View>> {
+        let Some(o) = owner.and_then(|o| o.bind(py).cast::<PyMemoryPointer>().ok()) else {
             return Ok(None);
         };
-        let (v, parent) = (&o.get().view, o.get().view.parent());
-        // A finalizer (a keepalive) is traversed by the garbage collector
-        // only while its pointer is the sole holder: a view would hide it.
+        let v = &o.get().view;
         let ours = matches!(
-            parent.origin(),
+            v.parent().origin(),
             crate::Origin::Pool(_) | crate::Origin::Driver
-        ) && parent.inspect_keepalive(|_| ()).is_none();
+        );
         let start = address
             .checked_sub(v.address())
             .and_then(|s| usize::try_from(s).ok());
-        let stop = start.and_then(|s| s.checked_add(size));
-        let (Some(start), Some(stop)) = (start, stop) else {
+        let range = start.and_then(|s| Some((s, s.checked_add(size)?)));
+        let Some((start, stop)) = range.filter(|&(_, stop)| ours && stop <= v.size()) else {
             return Ok(None);
         };
-        if stop > v.size() || !ours {
-            return Ok(None);
-        }
-        if parent.is_freed() {
+        if v.parent().is_freed() {
             let e = format!("the owner of [{address:#x}, +{size}) was freed");
             return Err(Error::InvalidPointer(e).into());
         }
-        let view = v.view(start, Some(stop))?;
-        Ok(Some(Self::over(view, Some(owner.clone_ref(py)))))
+        Ok(Some(v.view(start, Some(stop))?))
     }
 
     /// A non-owning pointer over an existing view.
@@ -221,8 +217,8 @@ impl PyMemoryPointer {
         let ctx = context_arg(context)?;
         if finalizer.is_none() {
             let py = pointer.py();
-            if let Some(p) = Self::over_owner(py, owner.as_ref(), address, size)? {
-                return Ok(p);
+            if let Some(view) = Self::owner_view(py, owner.as_ref(), address, size)? {
+                return Ok(Self::over(view, owner));
             }
         }
         let managed = finalizer.is_some();

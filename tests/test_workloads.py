@@ -44,12 +44,12 @@ def _child_module() -> Any:
 
 def child(workload: str, allocator: str, round_: Optional[int] = None, *, median: float = 10.0,
           lib: Optional[int] = 1 << 30, live: Optional[int] = 1 << 29, dev: Optional[int] = 2 << 30,
-          end: Optional[int] = 3 << 29, **more: Any) -> Dict[str, Any]:
+          end: Optional[int] = 3 << 29, released: Optional[int] = 1 << 28, **more: Any) -> Dict[str, Any]:
     """A child's JSON as children/workload.py prints it (trimmed)."""
     rec: Dict[str, Any] = {
         "workload": workload, "allocator": allocator, "steps_ms": [median - 1, median, median + 1],
         "median_ms": median, "peak_lib_bytes": lib, "peak_live_bytes": live, "device_lost_bytes": end,
-        "peak_device_lost_bytes": dev, "gpuptr": None, "stream_ordered": None, "skipped": None, "error": None,
+        "peak_device_lost_bytes": dev, "released_device_lost_bytes": released, "gpuptr": None, "stream_ordered": None, "skipped": None, "error": None,
         "step": "one training step",
     }
     if allocator in wl.GPUPTR_SIDES:
@@ -89,6 +89,39 @@ def test_the_child_parses_its_arguments_with_each_workloads_defaults():
     for bad in (["gpt3", "own"], ["gpt2", "tlsf"], ["numba", "own", "--steps", "0"]):
         with pytest.raises(SystemExit):
             c.parse(bad)
+
+
+class _Recorder:
+    """A stand-in for a library's module: every attribute path called is
+    recorded, in order."""
+
+    def __init__(self, calls: List[str], path: str = "") -> None:
+        self._calls, self._path = calls, path
+
+    def __getattr__(self, name: str) -> "_Recorder":
+        return _Recorder(self._calls, f"{self._path}.{name}" if self._path else name)
+
+    def __call__(self, *args: Any) -> "_Recorder":
+        self._calls.append(self._path)
+        return self
+
+
+@pytest.mark.parametrize("workload, gpuptr_on, expected", [
+    ("gpt2", False, ["cuda.synchronize", "cuda.empty_cache"]),
+    ("resnet", True, ["cuda.synchronize", "cuda.empty_cache"]),
+    ("cupy", True, ["cuda.Device", "cuda.Device.synchronize", "get_default_memory_pool",
+                    "get_default_memory_pool.free_all_blocks"]),
+    ("numba", False, ["synchronize", "current_context", "current_context.deallocations.clear"]),
+    ("numba", True, ["synchronize", "current_context", "current_context.deallocations.clear", "gpuptr:trim"]),
+])
+def test_the_child_gives_the_cache_back_as_each_librarys_users_do(workload, gpuptr_on, expected):
+    c = _child_module()
+    calls: List[str] = []
+    lib = _Recorder(calls)
+    g = _Recorder(calls, "gpuptr:") if gpuptr_on else None
+    said = c.release(workload, lib, g)
+    assert [x.replace(":.", ":") for x in calls] == expected
+    assert ("gpuptr.trim()" in said) == (workload == "numba" and gpuptr_on)
 
 
 def test_the_childs_stream_rules_are_gpuptr_installs_keywords():
@@ -359,7 +392,7 @@ def _records() -> List[Dict[str, Any]]:
                                                     (41.0, 45.0, 43.0, 42.0)], 1):
         recs.append(child("gpt2", "own", r, median=own, lib=8 << 30, dev=9 << 30))
         recs.append(child("gpt2", "rmm", r, median=rmm, lib=None, dev=70 << 30))
-        recs.append(child("gpt2", "gpuptr", r, median=mine, lib=(9 << 30) - r, dev=9 << 30))
+        recs.append(child("gpt2", "gpuptr", r, median=mine, lib=(9 << 30) - r, dev=9 << 30, released=(5 << 20) * r))
         recs.append(child("gpt2", "ordered", r, median=ordered, lib=8 << 30, dev=9 << 30))
     recs.append(child("cupy", "own", 1, median=300.0, lib=1 << 30, dev=1 << 30))
     recs.append(child("cupy", "gpuptr", 1, median=290.0, lib=1 << 29, dev=1 << 29, error=None))
@@ -379,6 +412,7 @@ def test_the_summary_is_the_median_of_the_rounds_medians_and_the_most_memory():
     assert wl.paired_ratio(g, s[("gpt2", "own")]) == pytest.approx(45 / 42)
     assert wl.paired_ratio(g, {"by_round": {4: 40.0}}) is None
     assert g["peak_lib_bytes"] == (9 << 30) - 1 and g["gpuptr"]["pool_misses"] == 10
+    assert g["released_device_lost_bytes"] == 15 << 20  # the most over rounds
     assert g["stream_ordered"] is False and s[("gpt2", "ordered")]["stream_ordered"] is True
     assert s[("gpt2", "rmm")]["peak_lib_bytes"] is None
     assert s[("cupy", "rmm")]["rounds"] == 0 and s[("cupy", "rmm")]["skipped"] == "rmm is not installed"
@@ -401,6 +435,10 @@ def test_the_table_gives_ratios_to_own_and_flags_gpuptr_only():
     assert "(all streams)" in mine and "1.07x!" in mine and "1.12x!" in mine and "1.00x " in mine
     assert mine.split()[8] == "1.07x!", mine  # by round: 45/42
     assert "1000 / 10 / 40" in mine
+    # The columns: at end (device), then released (device), the most over rounds.
+    assert "released (device)" in table.splitlines()[0]
+    assert mine.split()[-7:-5] == ["15.0", "MiB"] and own.split()[-2:] == ["256.0", "MiB"], (mine, own)
+    assert "released: still down once the objects went" in table
     assert "! a gpuptr allocator over 1.05x own's median step or 1.10x own's peak" in table
     assert "0.98x" in lines[("gpt2", "ordered")] and "(stream-ordered)" in lines[("gpt2", "ordered")]
     assert lines[("gpt2", "ordered")].split()[8] == "1.00x"  # 40/40, 40/42, 42/41

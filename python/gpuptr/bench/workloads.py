@@ -396,6 +396,7 @@ def summarize(records: Sequence[Record]) -> Dict[Tuple[str, str], Record]:
                 peak_live_bytes=_most([r.get("peak_live_bytes") for r in ok]),
                 device_lost_bytes=_most([r.get("device_lost_bytes") for r in ok]),
                 peak_device_lost_bytes=_most([r.get("peak_device_lost_bytes") for r in ok]),
+                released_device_lost_bytes=_most([r.get("released_device_lost_bytes") for r in ok]),
                 gpuptr=last.get("gpuptr"),
                 stream_ordered=last.get("stream_ordered"),
                 step=last.get("step"),
@@ -522,14 +523,15 @@ def format_table(
     summary: Dict[Tuple[str, str], Record], workloads: Sequence[str], allocators: Sequence[str]
 ) -> str:
     """One line per workload and allocator: the median step with its min
-    and max over rounds, the two peaks and the bytes still taken at the
-    end, each with its ratio to ``own`` (a gpuptr allocator over 1.05x
-    own's step, or 1.10x either of own's peaks, is flagged ``!``), and
-    gpuptr's allocations, misses and fences. A workload skipped under every
-    allocator for one reason is one line; reasons follow the table."""
+    and max over rounds and the two peaks, each with its ratio to ``own``
+    (a gpuptr allocator over 1.05x own's step, or 1.10x either of own's
+    peaks, is flagged ``!``); the bytes still taken at the end and once the
+    cache was given back; and gpuptr's allocations, misses and fences. A
+    workload skipped under every allocator for one reason is one line;
+    reasons follow the table."""
     header = ("workload", "allocator", "rounds", "median step", "min-max ms", "x own", "by round",
               "peak (library)", "x own", "peak (device)", "x own", "at end (device)",
-              "gpuptr allocs / misses / fences")
+              "released (device)", "gpuptr allocs / misses / fences")
     cells: List[Tuple[str, ...]] = []
     notes: List[str] = []
     flagged = False
@@ -571,6 +573,7 @@ def format_table(
                 _bytes(s["peak_device_lost_bytes"]),
                 _x(dev_x, PEAK_FLAG if mine else None),
                 _bytes(s["device_lost_bytes"]),
+                _bytes(s.get("released_device_lost_bytes")),
                 _counts(s.get("gpuptr")) if mine else "",
             ))
             if s["error"] or s["skipped"]:
@@ -581,7 +584,7 @@ def format_table(
     n = len(header)
     full = [c for c in cells if len(c) == n]
     w_ = [max(len(c[i]) for c in [header, *full]) for i in range(n)]
-    right = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
+    right = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}
 
     def line(c: Tuple[str, ...]) -> str:
         if len(c) != n:  # a skipped or failed pair: its reason after the rounds
@@ -600,7 +603,9 @@ def format_table(
     lines.append(
         "peak (library): the allocator's own count (torch max_memory_reserved, CuPy pool total_bytes, "
         "gpuptr peak_pool_bytes; '-': it keeps none); peak (device): the most free device memory went down "
-        "after the context existed; at end: still down after the timed steps (the most over rounds)"
+        "after the context existed; at end: still down after the timed steps (the most over rounds); "
+        "released: still down once the objects went and the cache was given back as the library's users do "
+        "(torch.cuda.empty_cache(), CuPy's free_all_blocks(), numba's pending frees and gpuptr.trim())"
     )
     if flagged:
         lines.append(f"! a gpuptr allocator over {STEP_FLAG:.2f}x own's median step or {PEAK_FLAG:.2f}x own's peak")

@@ -40,7 +40,12 @@ Memory, all in bytes:
   library loads outside its allocator (kernels, cuBLAS/cuDNN state).
   ``peak_device_lost_bytes``: the largest such drop, read after every step
   (and, for ``cupy`` and ``numba``, after every array or round of the
-  warm-up pass, whose sizes are those of the timed passes). Read through
+  warm-up pass, whose sizes are those of the timed passes).
+  ``released_device_lost_bytes``: the same drop once the workload's objects
+  are gone and the cache was given back as the library's users give it
+  back (``released_by`` names the calls: ``torch.cuda.empty_cache()``,
+  CuPy's ``free_all_blocks()``, numba's pending deallocations and, under
+  gpuptr, ``gpuptr.trim()``). Read through
   the driver because numba's ``get_memory_info()`` and the libraries' own
   calls differ under each allocator (gpuptr's counts its cache as free).
   None when cuda.bindings does not import or its calls fail for another
@@ -68,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -133,6 +139,8 @@ def blank(workload: str, allocator: str) -> Result:
         "peak_live_bytes": None,
         "device_lost_bytes": None,
         "peak_device_lost_bytes": None,
+        "released_device_lost_bytes": None,
+        "released_by": None,
         "device_total_bytes": None,
         "device_memory": None,
         "gpuptr": None,
@@ -625,7 +633,38 @@ def run(args: argparse.Namespace, result: Result) -> None:
             result["peak_lib_bytes"] = int(counts["peak_pool_bytes"])
         if counts.get("peak_bytes") is not None:
             result["peak_live_bytes"] = int(counts["peak_bytes"])
+    # Done with it: the objects go, and the cache goes back the way a user
+    # of the library gives it back.
     del alive
+    gc.collect()
+    try:
+        result["released_by"] = release(workload, lib, gpuptr)
+    except Exception as e:  # e.g. an allocator without the call: still read
+        result["released_by"] = f"failed: {type(e).__name__}: {e}"
+    if mem is not None:
+        result["released_device_lost_bytes"] = mem.baseline - mem.sample()
+
+
+def release(workload: str, lib: Any, gpuptr: Any) -> str:
+    """Give the allocator's cache back as the library's users do once done
+    with their objects: ``torch.cuda.empty_cache()``, CuPy's default pool's
+    ``free_all_blocks()`` (both reach gpuptr's pool under ``install()``),
+    numba's pending deallocations flushed (numba has no call that reaches a
+    plugin's cache, so under gpuptr ``gpuptr.trim()`` too). What it called."""
+    if workload in ("gpt2", "resnet"):
+        lib.cuda.synchronize()
+        lib.cuda.empty_cache()
+        return "torch.cuda.empty_cache()"
+    if workload == "cupy":
+        lib.cuda.Device().synchronize()
+        lib.get_default_memory_pool().free_all_blocks()
+        return "cupy.get_default_memory_pool().free_all_blocks()"
+    lib.synchronize()
+    lib.current_context().deallocations.clear()
+    if gpuptr is None:
+        return "numba: current_context().deallocations.clear()"
+    gpuptr.trim()
+    return "numba: current_context().deallocations.clear(), gpuptr.trim()"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

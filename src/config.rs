@@ -19,8 +19,10 @@
 //! that is no UTF-8 text, but for the path `GPUPTR_OOM_SNAPSHOT`, which is
 //! taken as the bytes it is (a Linux path need not be UTF-8).
 //!
-//! The Python package reads its own (`GPUPTR_LOG`, the CLI's choices) in
-//! Python; nothing in the crate reads the environment but this file.
+//! The Python package's CLI reads `GPUPTR_DRIVER` too, to say what a bad
+//! value is before the crate loads; records go to Python's `logging` under
+//! `gpuptr`, set up as any logger is. Nothing in the crate reads the
+//! environment but this file.
 
 use crate::error::{Error, Result};
 

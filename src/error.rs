@@ -5,6 +5,8 @@ use thiserror::Error;
 
 /// `CUDA_ERROR_INVALID_VALUE`
 pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+/// `cuMemHostRegister` of a range that overlaps one already registered.
+pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: i32 = 712;
 /// `CUDA_ERROR_OUT_OF_MEMORY`
 pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
 /// `CUDA_ERROR_NOT_INITIALIZED`

@@ -464,6 +464,107 @@ def test_a_cycle_through_a_wrap_of_a_pointer_with_a_finalizer_is_collected():
     assert gpuptr.stats()[0]["live_bytes"] == before - 4096
 
 
+# Wraps and loans of gpuptr's pinned and mapped host memory ---------------------------
+
+def _host_live() -> int:
+    return gpuptr.stats()[0]["host"]["live_count"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: gpuptr.wrap(m.device_pointer_value, 4096, owner=m),
+    lambda m: gpuptr.MemoryPointer(m.context, m.device_pointer_value, 4096, owner=m),
+    lambda m: gpuptr.MappedMemory(m.context, m.host_pointer, 4096, owner=m),
+    lambda m: gpuptr.MappedMemory(m.context, m.host_pointer + 1024, 1024, owner=m),
+    lambda m: gpuptr.from_cuda_array_interface(m).pointer,
+], ids=["wrap", "MemoryPointer", "MappedMemory", "MappedMemory-part", "cai"])
+def test_a_wrap_of_mapped_memory_with_it_as_owner_turns_stale_when_it_is_freed(make):
+    m = gpuptr.alloc_host(4096, mapped=True)
+    memoryview(m)[:] = bytes(4096)
+    w = make(m)
+    w.memset(7)                         # while the owner lives, the wrap is its memory
+    assert bytes(memoryview(m)).count(7) == w.size
+    m.free()
+    gpuptr.flush_pool()
+    victim = gpuptr.alloc_host(4096, mapped=True)   # the pinned cache may hand the block back
+    memoryview(victim)[:4] = b"SAFE"
+    with pytest.raises(gpuptr.InvalidPointerError):
+        w.memset(0x45, 4)
+    assert bytes(memoryview(victim)[:4]) == b"SAFE"
+    with pytest.raises(gpuptr.InvalidPointerError):
+        make(m)                         # made after the free: refused
+    victim.free()
+
+
+def test_a_pinned_wrap_with_gpuptr_pinned_memory_as_owner_shares_its_life():
+    h = gpuptr.alloc_host(4096)
+    w = gpuptr.PinnedMemory(h.context, h.ptr + 1024, 1024, owner=h)
+    memoryview(w)[:3] = b"abc"
+    assert bytes(memoryview(h)[1024:1027]) == b"abc"     # the same bytes
+    view = memoryview(w)
+    with pytest.raises(BufferError):
+        h.free()                        # the wrap's export counts on its owner
+    view.release()
+    h.free()
+    gpuptr.flush_pool()
+    victim = gpuptr.alloc_host(4096)
+    memoryview(victim)[:4] = b"SAFE"
+    with pytest.raises(gpuptr.InvalidPointerError, match="freed"):
+        memoryview(w)[:4] = b"EEEE"
+    assert bytes(memoryview(victim)[:4]) == b"SAFE"
+    with pytest.raises(gpuptr.InvalidPointerError, match="inside its owner"):
+        gpuptr.PinnedMemory(victim.context, victim.ptr + 4000, 200, owner=victim)
+    with pytest.raises(gpuptr.InvalidPointerError, match="mapped"):
+        gpuptr.MappedMemory(victim.context, victim.ptr, 64, owner=victim)   # not mapped
+    victim.free()
+
+
+def test_a_dlpack_loan_of_mapped_memory_keeps_its_host_memory_past_free():
+    m = gpuptr.alloc_host(4096, mapped=True)
+    before = _host_live()
+    t = gpuptr.from_dlpack(m)
+    m.free()                            # returns; the release waits for the consumer
+    gpuptr.flush_pool()
+    other = gpuptr.alloc_host(4096, mapped=True)
+    assert other.host_pointer != m.host_pointer
+    t.pointer.memset(1)                 # the consumer's memory is still its own
+    del t
+    gc.collect()
+    assert _host_live() == before       # `other` only: the loan's end released m
+    other.free()
+
+
+@pytest.mark.parametrize("release", [
+    lambda m: m.__exit__(None, None, None),
+    lambda m: m.own().free(),
+    lambda m: gpuptr.MemoryPointer.free(m),
+], ids=["with", "own", "base-free"])
+def test_every_free_of_mapped_memory_lets_its_host_memory_go(release):
+    before = _host_live()
+    m = gpuptr.alloc_host(4096, mapped=True)
+    view = memoryview(m)
+    with pytest.raises(BufferError):
+        release(m)                      # refused while exported, nothing released
+    assert not m.freed and _host_live() == before + 1
+    view.release()
+    release(m)
+    assert m.freed and _host_live() == before
+
+
+def test_with_on_mapped_registered_memory_unregisters_it():
+    ba = bytearray(4096)
+    with gpuptr.register_host(ba, mapped=True):
+        pass
+    ba.extend(b"x")                     # no export of `ba` is left
+
+
+def test_registering_a_range_twice_is_a_typed_error():
+    ba = bytearray(8192)
+    r = gpuptr.register_host(ba)
+    with pytest.raises(gpuptr.InvalidArgumentError, match="already registered"):
+        gpuptr.register_host(memoryview(ba)[4096:])
+    r.free()
+
+
 # The simulator's poison ---------------------------------------------------------------
 
 def test_no_stale_host_write_reached_freed_memory_during_these_tests():

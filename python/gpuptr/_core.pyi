@@ -240,7 +240,8 @@ class MemoryPointer:
         by others after a fence. Without it, the block is reused only once all
         work queued before now, on every stream, is done. While numpy arrays
         or memoryviews of host-reachable memory are alive this raises
-        ``BufferError``.
+        ``BufferError``. On mapped memory gpuptr pinned, or another handle of
+        it (``own()``), its host memory goes too, as ``MappedMemory.free()``.
         """
     def ipc_handle(self) -> IpcHandle:
         """A picklable ``IpcHandle`` another process opens to use this memory

@@ -78,6 +78,10 @@ pub struct HostMemory {
     generation: u64,
     life: Lifetime,
     keepalive: Mutex<Option<KeepAlive>>,
+    /// The gpuptr host memory a wrap lies in ([`HostMemory::wrap_within`]):
+    /// this is live only while that is, and each use and export of this
+    /// counts on that too, so its free waits for them or refuses.
+    within: Option<Arc<HostMemory>>,
 }
 
 impl std::fmt::Debug for HostMemory {
@@ -97,7 +101,19 @@ pub(crate) struct HostUse<'a>(&'a HostMemory);
 
 impl Drop for HostUse<'_> {
     fn drop(&mut self) {
-        self.0.life.end(Lifetime::OP, || self.0.release());
+        self.0.end(Lifetime::OP);
+    }
+}
+
+/// A hold on host memory for as long as a loan of its device side lasts
+/// (a DLPack export, [`DevicePointer::lend`](crate::DevicePointer::lend)):
+/// its free waits for the hold to go.
+#[derive(Debug)]
+pub(crate) struct HostHold(Arc<HostMemory>);
+
+impl Drop for HostHold {
+    fn drop(&mut self) {
+        self.0.end(Lifetime::OP);
     }
 }
 
@@ -140,6 +156,7 @@ impl HostMemory {
             generation: context.born(),
             life: Lifetime::default(),
             keepalive: Mutex::new(keepalive),
+            within: None,
         };
         if flags.mapped && size != 0 {
             // SAFETY: the context is retained; only the driver's tables are
@@ -243,8 +260,17 @@ impl HostMemory {
             unsafe {
                 context
                     .driver()
-                    .host_register(context.raw(), ptr, size, bits)?
-            };
+                    .host_register(context.raw(), ptr, size, bits)
+            }
+            .map_err(|e| match e.cuda_code() {
+                Some(crate::error::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) => {
+                    Error::InvalidArgument(format!(
+                        "[{ptr:#x}, +{size}) overlaps host memory that is already \
+                             registered (pinned): register a range once"
+                    ))
+                }
+                _ => e,
+            })?;
         }
         Self::new(context, ptr, size, HostKind::Registered, flags, keepalive)
     }
@@ -279,6 +305,43 @@ impl HostMemory {
             ..HostFlags::default()
         };
         Self::new(context, ptr, size, HostKind::Foreign, flags, keepalive)
+    }
+
+    /// A wrap of `size` bytes at `ptr` inside `within`, gpuptr host memory
+    /// (numba's constructor shape with a gpuptr object as owner): read-only
+    /// and mapped as `within` is, live only while `within` is, and each of
+    /// its uses and exports counts on `within` too. Safe: the range is
+    /// checked against `within`, which holds the bytes. `Err` if the range
+    /// is not inside it, `mapped` is asked of memory that is not, or
+    /// `within` is not live.
+    pub fn wrap_within(
+        within: &Arc<HostMemory>,
+        ptr: HostPtr,
+        size: usize,
+        mapped: bool,
+    ) -> Result<Arc<Self>> {
+        crate::fork::check()?;
+        within.check_live()?;
+        let inside = ptr >= within.ptr
+            && ptr
+                .checked_add(size)
+                .is_some_and(|end| end <= within.ptr + within.size);
+        if !inside || (mapped && !within.mapped) {
+            return Err(Error::InvalidPointer(format!(
+                "[{ptr:#x}, +{size}) is not {}inside its owner's pinned memory [{:#x}, +{})",
+                if mapped { "mapped memory " } else { "" },
+                within.ptr,
+                within.size
+            )));
+        }
+        let flags = HostFlags {
+            mapped,
+            read_only: within.readonly,
+            ..HostFlags::default()
+        };
+        let mut mem = Self::new(&within.context, ptr, size, HostKind::Foreign, flags, None)?;
+        Arc::get_mut(&mut mem).expect("made just now").within = Some(within.clone());
+        Ok(mem)
     }
 
     /// The host address.
@@ -325,7 +388,8 @@ impl HostMemory {
     /// `Ok` while the memory may be used.
     pub fn check_live(&self) -> Result<()> {
         let stale = self.generation != self.context.generation();
-        check_live("host memory", self.ptr as u64, self.is_freed(), stale)
+        check_live("host memory", self.ptr as u64, self.is_freed(), stale)?;
+        self.within.as_ref().map_or(Ok(()), |w| w.check_live())
     }
 
     pub(crate) fn begin_use(&self) -> Result<HostUse<'_>> {
@@ -333,10 +397,35 @@ impl HostMemory {
         Ok(HostUse(self))
     }
 
+    /// Hold the memory until the [`HostHold`] drops (a loan of its device
+    /// side). `Err` if it is not live.
+    pub(crate) fn hold(self: &Arc<Self>) -> Result<HostHold> {
+        self.begin(Lifetime::OP)?;
+        Ok(HostHold(self.clone()))
+    }
+
+    /// Count `unit` (an operation or an export) here and on the memory
+    /// this lies in, if any.
     fn begin(&self, unit: u64) -> Result<()> {
         self.check_live()?;
+        if let Some(w) = &self.within {
+            w.begin(unit)?;
+        }
         let live = self.life.begin(unit, || self.release());
+        if !live {
+            if let Some(w) = &self.within {
+                w.end(unit);
+            }
+        }
         check_live("host memory", self.ptr as u64, !live, false)
+    }
+
+    /// End what [`HostMemory::begin`] counted.
+    fn end(&self, unit: u64) {
+        self.life.end(unit, || self.release());
+        if let Some(w) = &self.within {
+            w.end(unit);
+        }
     }
 
     /// Count a buffer export of the bytes: [`HostMemory::free`] refuses
@@ -347,7 +436,7 @@ impl HostMemory {
 
     /// End an export counted by [`HostMemory::begin_export`].
     pub fn end_export(&self) {
-        self.life.end(Lifetime::EXPORT, || self.release());
+        self.end(Lifetime::EXPORT);
     }
 
     /// Release now (free or unregister). `Ok(false)` if already released.

@@ -35,19 +35,24 @@ pub use view::View;
 /// Memory lent to a consumer outside gpuptr ([`DevicePointer::lend`]): it
 /// holds the allocation, and the release of a free asked for meanwhile runs
 /// when the last loan or operation ends. Dropping it never blocks on Python.
+/// Over mapped host memory, the loan holds that memory too, so that
+/// freeing it waits for the consumer as well.
 #[derive(Debug)]
-pub struct Loan(Arc<DevicePointer>);
+pub struct Loan {
+    ptr: Arc<DevicePointer>,
+    _host: Option<host::HostHold>,
+}
 
 impl Loan {
     /// The memory lent.
     pub fn pointer(&self) -> &Arc<DevicePointer> {
-        &self.0
+        &self.ptr
     }
 }
 
 impl Drop for Loan {
     fn drop(&mut self) {
-        let p = &self.0;
+        let p = &self.ptr;
         p.life.end(Lifetime::OP, || p.release());
     }
 }
@@ -272,8 +277,18 @@ impl DevicePointer {
     /// the memory is not live.
     pub fn lend(self: &Arc<Self>) -> Result<Loan> {
         self.check_live()?;
+        let host = self.host.as_ref().map(|h| h.hold()).transpose()?;
         self.begin(Lifetime::OP)?;
-        Ok(Loan(self.clone()))
+        Ok(Loan {
+            ptr: self.clone(),
+            _host: host,
+        })
+    }
+
+    /// The pinned host memory this is the device side of (mapped memory),
+    /// if any.
+    pub fn host(&self) -> Option<&Arc<HostMemory>> {
+        self.host.as_ref()
     }
 
     /// The stream the memory is ordered on (allocated or freed with one, and

@@ -256,8 +256,13 @@ impl Driver for SimDriver {
             .next_back()
             .is_some_and(|(s, b)| *s + b.len as u64 > start);
         // As the driver does, refuse memory that is not mapped in the process.
-        if size == 0 || ptr == 0 || overlaps || !host_range_mapped(ptr, size) {
-            // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED is 712; the sim keeps it simple.
+        if overlaps && size != 0 {
+            return Err(err(
+                "cuMemHostRegister",
+                crate::error::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+            ));
+        }
+        if size == 0 || ptr == 0 || !host_range_mapped(ptr, size) {
             return Err(err("cuMemHostRegister", CUDA_ERROR_INVALID_VALUE));
         }
         let mapped = flags & HOST_ALLOC_DEVICEMAP != 0;

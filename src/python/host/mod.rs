@@ -134,23 +134,49 @@ fn wrap_pinned(
         None => device_context(None)?,
     };
     let managed = finalizer.is_some();
+    let (ptr, bytes) = (pointer_arg(pointer)? as usize, size_arg(size, "size")?);
+    if let (Some(within), None) = (
+        owner
+            .as_ref()
+            .and_then(|o| gpuptr_host(o.bind(pointer.py()))),
+        &finalizer,
+    ) {
+        // Pinned memory of gpuptr's as owner: a wrap of it goes stale with
+        // it, rather than outlive its free over memory reused since.
+        let host = HostMemory::wrap_within(&within, ptr, bytes, mapped)?;
+        return Ok((
+            HostInner {
+                host,
+                owned: Owned::new(owner, None),
+            },
+            false,
+        ));
+    }
     let keep = keep_finalizer(pointer.py(), finalizer)?;
     let read_only = owner_is_read_only(pointer.py(), owner.as_ref());
     // SAFETY: numba's constructor shape: the caller's memory, pinned by its
     // owner, which `keep` and the Python object hold. The driver is asked
     // that the range is pinned (and mapped) host memory in one allocation.
-    let host = unsafe {
-        HostMemory::wrap(
-            &ctx,
-            pointer_arg(pointer)? as usize,
-            size_arg(size, "size")?,
-            mapped,
-            read_only,
-            keep,
-        )
-    }?;
+    let host = unsafe { HostMemory::wrap(&ctx, ptr, bytes, mapped, read_only, keep) }?;
     let owned = Owned::new(owner, None);
     Ok((HostInner { host, owned }, managed))
+}
+
+/// The pinned memory of `owner` if it is a gpuptr `PinnedMemory` or
+/// `MappedMemory` over memory gpuptr allocated or registered.
+fn gpuptr_host(owner: &Bound<'_, PyAny>) -> Option<Arc<HostMemory>> {
+    let host = if let Ok(p) = owner.cast::<PyPinnedMemory>() {
+        p.get().inner.host.clone()
+    } else {
+        owner
+            .cast::<PyMappedMemory>()
+            .ok()?
+            .get()
+            .inner
+            .host
+            .clone()
+    };
+    (host.kind() != crate::HostKind::Foreign).then_some(host)
 }
 
 /// The Python objects a host-memory object holds: the object whose memory
@@ -344,7 +370,10 @@ macro_rules! host_methods {
 
 /// Page-locked host memory (numba's ``PinnedMemory``). Its bytes are
 /// exported through the buffer protocol. ``PinnedMemory(context, pointer,
-/// size, owner=None, finalizer=None)`` wraps memory someone else pinned.
+/// size, owner=None, finalizer=None)`` wraps memory someone else pinned;
+/// with gpuptr's pinned memory as ``owner`` (and no finalizer) the wrap
+/// shares its owner's life: stale once it is freed, and its exports keep
+/// the owner's ``free()`` refusing.
 #[pyclass(frozen, module = "gpuptr._core", name = "PinnedMemory")]
 pub struct PyPinnedMemory {
     inner: HostInner,
@@ -421,7 +450,8 @@ host_methods!(
 
 /// Host memory mapped into the device (numba's ``MappedMemory``): a
 /// MemoryPointer over the device address, whose host bytes are exported
-/// through the buffer protocol.
+/// through the buffer protocol. Made with gpuptr's pinned memory as
+/// ``owner``, it shares that memory's life, as ``PinnedMemory`` does.
 #[pyclass(frozen, extends = PyMemoryPointer, module = "gpuptr._core", name = "MappedMemory")]
 pub struct PyMappedMemory {
     inner: HostInner,
@@ -440,7 +470,7 @@ impl PyMappedMemory {
     /// Release the host memory now (when this pointer manages it). While
     /// numpy arrays or memoryviews of it are alive this raises
     /// ``BufferError`` and releases nothing.
-    fn free(slf: &Bound<'_, Self>) -> PyResult<()> {
+    pub(crate) fn free(slf: &Bound<'_, Self>) -> PyResult<()> {
         let base = slf.as_super().get();
         if base.is_managed() {
             // The host memory first: it refuses while exports are alive, and

@@ -124,7 +124,8 @@ impl PyMemoryPointer {
 
     /// The view a wrap of `[address, address + size)` with `owner` is:
     /// where `owner` is a gpuptr pointer over memory gpuptr allocated (pool
-    /// or driver) that holds that range, the range of it, in its context,
+    /// or driver, or pinned host memory it allocated or registered, mapped)
+    /// that holds that range, the range of it, in its context,
     /// so that freeing `owner` turns the wrap stale as it does every view,
     /// rather than leave it over memory the pool may hand to someone else;
     /// `InvalidPointer` if `owner` was freed already. `None` for any other
@@ -142,10 +143,16 @@ impl PyMemoryPointer {
             return Ok(None);
         };
         let v = &o.get().view;
-        let ours = matches!(
-            v.parent().origin(),
-            crate::Origin::Pool(_) | crate::Origin::Driver
-        );
+        // The device side of pinned memory gpuptr allocated or registered
+        // is ours too (a wrapped one may hold a finalizer).
+        let ours = match v.parent().origin() {
+            crate::Origin::Pool(_) | crate::Origin::Driver => true,
+            crate::Origin::Foreign => v
+                .parent()
+                .host()
+                .is_some_and(|h| h.kind() != crate::HostKind::Foreign),
+            crate::Origin::Ipc => false,
+        };
         let start = address
             .checked_sub(v.address())
             .and_then(|s| usize::try_from(s).ok());
@@ -305,8 +312,8 @@ impl PyMemoryPointer {
 
     /// Free the memory (as ``free()``); exceptions from the block pass on.
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        self.free(py, None)?;
+    fn __exit__(slf: &Bound<'_, Self>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        Self::free(slf, None)?;
         Ok(false)
     }
 
@@ -480,16 +487,34 @@ impl PyMemoryPointer {
     /// by others after a fence. Without it, the block is reused only once all
     /// work queued before now, on every stream, is done. While numpy arrays
     /// or memoryviews of host-reachable memory are alive this raises
-    /// ``BufferError``.
+    /// ``BufferError``. On mapped memory gpuptr pinned, or another handle of
+    /// it (``own()``), its host memory goes too, as ``MappedMemory.free()``.
     #[pyo3(signature = (stream=None))]
-    fn free(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn free(slf: &Bound<'_, Self>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let py = slf.py();
         let _log = super::logging::Deliver(py);
         let stream = stream_arg(stream)?;
-        if self.managed {
-            let parent = self.view.parent();
-            let free = || match stream {
-                Some(s) => parent.free_on(s),
-                None => parent.free(),
+        if let Ok(mapped) = slf.cast::<super::host::PyMappedMemory>() {
+            // `with`, or the base class's method called on it: its host
+            // memory goes too, as its own ``free()`` lets it go.
+            return super::host::PyMappedMemory::free(mapped);
+        }
+        let me = slf.get();
+        if me.managed {
+            let parent = me.view.parent();
+            let free = || {
+                // Another handle (``own()``) of mapped memory gpuptr pinned:
+                // the host memory first, which refuses while exported.
+                if let Some(h) = parent
+                    .host()
+                    .filter(|h| h.kind() != crate::HostKind::Foreign)
+                {
+                    h.free()?;
+                }
+                match stream {
+                    Some(s) => parent.free_on(s),
+                    None => parent.free(),
+                }
             };
             // A pool block goes back to the cache without a driver call:
             // releasing the GIL would cost more than the free.

@@ -186,6 +186,13 @@ def test_bench_json_into_a_missing_directory_fails_before_measuring(tmp_path):
     assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
 
 
+def test_bench_json_naming_a_directory_fails_before_measuring(tmp_path):
+    out = _run("bench", "--quick", "--json", str(tmp_path))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"--json {tmp_path}: is a directory" in out.stderr
+    assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
+
+
 def test_bench_errors_go_through_the_clis_error_handling(monkeypatch, capsys):
     def fails(quick=False, out=None, only=None):
         raise gpuptr.InvalidArgumentError("the bench could not start")

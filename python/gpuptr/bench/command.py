@@ -49,6 +49,10 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
         if not path or (flag == "--json" and path == "-"):
             continue
         parent = Path(path).parent
+        if Path(path).is_dir():
+            return f"{flag} {path}: is a directory (name a file in it)"
+        if Path(path).exists() and not os.access(path, os.W_OK):
+            return f"{flag} {path}: the file cannot be written"
         if not parent.is_dir():
             return f"{flag} {path}: the directory {parent} does not exist"
         if not os.access(parent, os.W_OK):

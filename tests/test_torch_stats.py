@@ -304,6 +304,18 @@ def test_patch_answers_torchs_entry_points_from_gpuptr(fake_C):
         fake_C._cuda_memoryStats(7)
 
 
+def test_torchs_empty_cache_gives_the_pools_cache_back(fake_C):
+    _torch_stats.patch(fake_C)
+    p = t_alloc(4 * MiB, 0, None)
+    t_free(p, 4 * MiB, 0, None)
+    gpuptr.flush_pool()
+    assert device_stats()["cached_bytes"] > 0
+    fake_C._cuda_emptyCache()       # torch.cuda.empty_cache()
+    assert device_stats()["cached_bytes"] == 0
+    # reserved_bytes (torch.cuda.memory_reserved()) is what the pool still holds: nothing.
+    assert flatten(fake_C._cuda_memoryStats(0))["reserved_bytes.all.current"] == device_stats()["pool_bytes"] == 0
+
+
 def test_a_namespace_without_the_names_is_left_alone():
     ns = types.SimpleNamespace(_cuda_memoryStats=None)
     assert _torch_stats.patch(ns) == [] and ns._cuda_memoryStats is None

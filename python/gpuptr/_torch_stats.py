@@ -191,6 +191,12 @@ def entry_points(core: Any) -> Dict[str, Callable[..., Any]]:
     def _cuda_record_memory_history_legacy(*args: Any, **kwargs: Any) -> None:
         _record(True, args, kwargs)
 
+    def _cuda_emptyCache(*args: Any, **kwargs: Any) -> None:
+        # torch.cuda.empty_cache(): PyTorch's pluggable allocator calls a
+        # reset hook there that its Python API cannot set, so it reached
+        # nothing; the pool's cache goes back to the driver, as PyTorch's.
+        core.trim()
+
     return {
         f.__name__: f
         for f in (
@@ -200,6 +206,7 @@ def entry_points(core: Any) -> Dict[str, Callable[..., Any]]:
             _cuda_memorySnapshot,
             _cuda_record_memory_history,
             _cuda_record_memory_history_legacy,
+            _cuda_emptyCache,
         )
     }
 

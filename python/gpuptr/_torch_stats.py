@@ -8,8 +8,9 @@
 ``_cuda_resetPeakMemoryStats`` and ``_cuda_resetAccumulatedMemoryStats``;
 ``memory_snapshot``, ``_snapshot`` and ``_dump_snapshot`` call
 ``_cuda_memorySnapshot``; ``_record_memory_history`` calls
-``_cuda_record_memory_history`` (or ``…_legacy``). Under a pluggable
-allocator each of them raises "does not yet support". :func:`patch` puts
+``_cuda_record_memory_history`` (or ``…_legacy``); ``empty_cache`` calls
+``_cuda_emptyCache``. Under a pluggable allocator each of them raises
+"does not yet support" (``empty_cache`` does nothing). :func:`patch` puts
 gpuptr's answers there (``gpuptr.torch.install()`` calls it once PyTorch's
 allocator is gpuptr's, which is then for the life of the process).
 

@@ -170,3 +170,14 @@ def test_the_tables_cover_every_public_function_that_takes_bytes_or_an_address()
         if params & {"nbytes", "address", "pointer"} and name not in covered | {"ArrayView"}:
             missing.append(name)
     assert not missing, missing
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, c: gpuptr.MemoryPointer(c, m.device_pointer_value, 8),
+    lambda m, c: gpuptr.wrap(m.device_pointer_value, 8, context=c),
+    lambda m, c: gpuptr.PinnedMemory(c, 0x1000, 8),
+], ids=["MemoryPointer", "wrap", "PinnedMemory"])
+@pytest.mark.parametrize("context", [0, 1.5, "ctx", object()], ids=repr)
+def test_a_context_of_the_wrong_type_is_a_type_error(mem, make, context):
+    with pytest.raises(TypeError, match="context"):
+        make(mem, context)

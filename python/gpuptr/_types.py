@@ -38,7 +38,10 @@ class ClientStats(TypedDict):
 class HostStats(TypedDict):
     """A device's cache of pinned host memory, in ``DeviceStats["host"]``:
     ``alloc_host``, CuPy's pinned allocator and numba's pinned and mapped
-    arrays through gpuptr (registered memory is never cached)."""
+    arrays through gpuptr (registered memory is never cached). Pinned
+    memory of a size the cache does not keep (over ``cache_limit``, or
+    with the cache off) comes from the driver and goes back to it at its
+    free, and is not counted here."""
 
     #: Bytes of pinned blocks held from the driver (handed out or cached).
     held_bytes: int

@@ -9,7 +9,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::PyAny;
 
 use super::args::runtime;
-use crate::{Context, Error};
+use crate::Context;
 
 /// A device, as numba's `Device` is read: `.id`, plus its name and memory.
 #[pyclass(frozen, module = "gpuptr._core", name = "Device")]
@@ -318,9 +318,15 @@ pub(crate) fn context_arg(obj: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Context
         .and_then(|d| d.getattr("id"))
         .and_then(|i| i.extract())
         .map_err(|_| {
-            Error::InvalidArgument(
-                "context must be a gpuptr Context, a numba Context or None".into(),
-            )
+            // A value of the wrong type (the error rule): a TypeError.
+            let name = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "context must be a gpuptr Context, a numba Context or None, not {name}"
+            ))
         })?;
     Ok(Some(runtime()?.context(id)?))
 }

@@ -136,7 +136,7 @@ BAD_INPUT = [
         {"shape": (1,), "typestr": "<q9", "data": (m.device_pointer_value, False), "version": 3}), gpuptr.InvalidArgumentError),
     ("DLPack of a host array", lambda m: gpuptr.from_dlpack(__import__("numpy").zeros(3)), gpuptr.InvalidArgumentError),
     ("DLPack of a non-exporter", lambda m: gpuptr.from_dlpack(object()), gpuptr.InvalidArgumentError),
-    ("MemoryPointer bad context", lambda m: gpuptr.MemoryPointer("ctx", m.device_pointer_value, 8), gpuptr.InvalidArgumentError),
+    ("MemoryPointer bad context", lambda m: gpuptr.MemoryPointer("ctx", m.device_pointer_value, 8), TypeError),
     ("MemoryPointer bad pointer", lambda m: gpuptr.MemoryPointer(None, "addr", 8), TypeError),
     ("register a non-buffer", lambda m: gpuptr.register_host(object()), TypeError),
 ]

@@ -50,6 +50,16 @@ impl Layout {
     pub fn new(shape: Vec<usize>, strides: Option<Vec<i64>>, itemsize: usize) -> Result<Layout> {
         let overflow = || Error::InvalidArgument("the array's extent overflows".into());
         let itemsize_i64 = i64::try_from(itemsize).map_err(|_| overflow())?;
+        // Every dimension fits an i64 (as DLPack's do), and the element
+        // count a usize: `as i64` below would wrap one past 2**63.
+        if shape.iter().any(|&n| i64::try_from(n).is_err())
+            || shape
+                .iter()
+                .try_fold(1usize, |a, &n| a.checked_mul(n))
+                .is_none()
+        {
+            return Err(overflow());
+        }
         let strides = match strides {
             Some(s) if s.len() != shape.len() => {
                 return Err(Error::InvalidArgument(format!(
@@ -107,6 +117,21 @@ impl Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dimension_past_i64_or_an_element_count_past_usize_overflows() {
+        for shape in [vec![usize::MAX], vec![1 << 63], vec![1 << 40, 1 << 40]] {
+            let e = Layout::new(shape.clone(), None, 1).unwrap_err();
+            assert!(e.to_string().contains("overflows"), "{shape:?}: {e}");
+            let e = Layout::new(shape.clone(), Some(vec![1; shape.len()]), 1).unwrap_err();
+            assert!(
+                e.to_string().contains("overflows"),
+                "{shape:?} strided: {e}"
+            );
+        }
+        // With a zero dimension the count is 0 and nothing is reached.
+        assert_eq!(Layout::new(vec![0, 1 << 40], None, 1).unwrap().span, 0);
+    }
 
     #[test]
     fn typestrs() {

@@ -246,3 +246,64 @@ def test_dlpack_of_host_memory_address_is_invalid_pointer():
     buf = ctypes.create_string_buffer(64)
     with pytest.raises(gpuptr.InvalidPointerError):
         gpuptr.from_dlpack(FakeCudaTensor(ctypes.addressof(buf), (16,)))
+
+
+# From an attacker's pass ------------------------------------------------------
+
+
+def test_a_dimension_past_2_63_is_refused_not_wrapped(mem):
+    for shape in (2**64 - 1, 2**63, (2**40, 2**40)):
+        with pytest.raises(gpuptr.InvalidArgumentError, match="overflows"):
+            gpuptr.as_array(mem, shape, "uint8")
+
+
+def test_a_freed_pointer_hands_no_address_to_a_consumer():
+    p = gpuptr.alloc(64)
+    v = gpuptr.as_array(p, 64, "uint8")
+    part = p.view(8, 16)
+    p.free()
+    gpuptr.flush_pool()
+    q = gpuptr.alloc(64)            # may take the freed block back
+    q.memset(1)
+    for exporter in (p, part, v):
+        with pytest.raises(gpuptr.InvalidPointerError):
+            exporter.__cuda_array_interface__
+        with pytest.raises(gpuptr.InvalidPointerError):
+            gpuptr.from_cuda_array_interface(exporter)
+    with pytest.raises(gpuptr.InvalidPointerError):
+        p.record_stream(12345)      # a use declared after the free
+    assert set(q.copy_to_host()) == {1}
+    q.free()
+
+
+def test_a_crafted_capsule_not_on_a_cuda_device_is_refused(mem):
+    for device_type in (1, 4):       # CPU, OpenCL
+        t = FakeCudaTensor(mem.device_pointer_value, (4,), device_type=device_type)
+        with pytest.raises(gpuptr.InvalidArgumentError, match="not CUDA memory"):
+            gpuptr._core._import_dlpack(t.__dlpack__())
+
+
+@pytest.mark.parametrize("kw", [
+    {"max_version": (-1, 0)}, {"max_version": "1.0"}, {"dl_device": (2, 2**40)}, {"dl_device": 2}, {"stream": True},
+], ids=repr)
+def test_dlpack_arguments_out_of_their_range_are_typed(mem, kw):
+    with pytest.raises(gpuptr.InvalidArgumentError):
+        mem.__dlpack__(**kw)
+
+
+def test_what_a_stream_objects_own_code_raises_goes_on():
+    class Destroyed:
+        def __cuda_stream__(self):
+            raise RuntimeError("stream was destroyed")
+
+    class Interrupted:
+        @property
+        def cuda_stream(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(RuntimeError, match="stream was destroyed"):
+        gpuptr.alloc(64, stream=Destroyed())
+    with pytest.raises(KeyboardInterrupt):
+        gpuptr.alloc(64, stream=Interrupted())
+    with pytest.raises(gpuptr.InvalidArgumentError, match="stream must be"):
+        gpuptr.alloc(64, stream=object())   # no stream attribute at all: not a stream

@@ -115,6 +115,9 @@ class ArrayView:
 
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]:
+        # The pointer's own interface raises InvalidPointerError once its
+        # memory is freed or stale: no consumer gets an address reused since.
+        self.pointer.__cuda_array_interface__
         return {
             "version": 3,
             "shape": self.shape,

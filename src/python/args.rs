@@ -242,13 +242,20 @@ pub(crate) fn stream_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawS
     if obj.is_instance_of::<pyo3::types::PyInt>() {
         return handle(obj).map(Some);
     }
-    if let Ok(f) = obj.getattr("__cuda_stream__") {
-        let t = f.call0().map_err(|_| bad())?;
+    // What the object's own code raises (a destroyed stream, Ctrl-C) goes
+    // on as it is; only a missing attribute means "not a stream object".
+    let attr = |name: &str| match obj.getattr(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(obj.py()) => Ok(None),
+        Err(e) => Err(e),
+    };
+    if let Some(f) = attr("__cuda_stream__")? {
+        let t = f.call0()?;
         let (_version, h): (Bound<'_, PyAny>, Bound<'_, PyAny>) = t.extract().map_err(|_| bad())?;
         return handle(&h).map(Some);
     }
-    for attr in ["cuda_stream", "ptr", "handle"] {
-        if let Ok(h) = obj.getattr(attr) {
+    for name in ["cuda_stream", "ptr", "handle"] {
+        if let Some(h) = attr(name)? {
             return handle(&h).map(Some);
         }
     }

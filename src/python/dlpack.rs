@@ -298,6 +298,15 @@ pub(crate) fn describe(capsule: &Bound<'_, PyAny>) -> PyResult<Described> {
     if t.ndim < 0 || (t.ndim > 0 && t.shape.is_null()) {
         return Err(Error::InvalidArgument("malformed DLPack tensor".into()).into());
     }
+    // CUDA memory, pinned host memory (kDLCUDAHost) or managed memory
+    // (kDLCUDAManaged): what a CUDA address may name.
+    if !matches!(t.device.device_type, DEVICE_CUDA | 3 | 13) {
+        return Err(Error::InvalidArgument(format!(
+            "a DLPack tensor on device type {} is not CUDA memory",
+            t.device.device_type
+        ))
+        .into());
+    }
     let ndim = t.ndim as usize;
     // SAFETY: a well-formed DLTensor has `ndim` shape entries (checked non-null).
     let shape: Vec<i64> = (0..ndim).map(|i| unsafe { *t.shape.add(i) }).collect();
@@ -446,7 +455,11 @@ fn consumer_stream(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<RawStre
     let Some(s) = stream.filter(|s| !s.is_none()) else {
         return Ok(Some(crate::STREAM_LEGACY));
     };
-    match s.extract::<i64>() {
+    let handle = match s.is_instance_of::<pyo3::types::PyBool>() {
+        true => Err(()), // a bool is no handle (every stream= argument refuses it)
+        false => s.extract::<i64>().map_err(drop),
+    };
+    match handle {
         Ok(-1) => Ok(None),
         Ok(v) if v > 0 => Ok(Some(v as RawStream)),
         _ => Err(Error::InvalidArgument(format!(
@@ -481,7 +494,11 @@ pub(crate) fn export<'py>(
         return Err(buffer_error("gpuptr exports device memory without copying"));
     }
     if let Some(d) = dl_device.filter(|d| !d.is_none()) {
-        let (t, id): (i32, i32) = d.extract()?;
+        let (t, id): (i32, i32) = d.extract().map_err(|_| {
+            Error::InvalidArgument(format!(
+                "dl_device must be a (device type, device id) pair of C ints, got {d}"
+            ))
+        })?;
         if (t, id) != (DEVICE_CUDA, device) {
             return Err(buffer_error(format!(
                 "the memory is on CUDA device {device}; it cannot be exported to device ({t}, {id})"
@@ -489,7 +506,14 @@ pub(crate) fn export<'py>(
         }
     }
     let versioned = match max_version.filter(|v| !v.is_none()) {
-        Some(v) => v.extract::<(u32, u32)>()?.0 >= 1,
+        Some(v) => {
+            let (major, _minor) = v.extract::<(u32, u32)>().map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "max_version must be a (major, minor) pair of unsigned ints, got {v}"
+                ))
+            })?;
+            major >= 1
+        }
         None => false,
     };
     if spec.readonly && !versioned {

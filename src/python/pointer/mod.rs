@@ -334,9 +334,12 @@ impl PyMemoryPointer {
     /// The CUDA Array Interface (v3): the memory as a one-dimensional
     /// ``uint8`` array, so numba, CuPy and torch take it without a copy.
     /// ``stream`` is the stream to synchronize with before use (see
-    /// ``stream``), or None.
+    /// ``stream``), or None. Freed or stale memory raises
+    /// ``InvalidPointerError``: a consumer is never handed an address that
+    /// may be another allocation's by now.
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.view.parent().check_live()?;
         let d = PyDict::new(py);
         d.set_item(intern!(py, "version"), 3)?;
         d.set_item(intern!(py, "shape"), (self.view.size(),))?;
@@ -531,6 +534,8 @@ impl PyMemoryPointer {
     /// ``record_stream``): its block is then reused only after all work on
     /// every stream queued before its free is done.
     fn record_stream(&self, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        // A use declared after the free is the ordering mistake itself.
+        self.view.parent().check_live()?;
         if let Some(s) = stream_arg(Some(stream))? {
             self.view.parent().record_stream(s);
         }

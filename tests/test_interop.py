@@ -307,3 +307,16 @@ def test_what_a_stream_objects_own_code_raises_goes_on():
         gpuptr.alloc(64, stream=Interrupted())
     with pytest.raises(gpuptr.InvalidArgumentError, match="stream must be"):
         gpuptr.alloc(64, stream=object())   # no stream attribute at all: not a stream
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_a_capsule_exported_before_a_reset_does_not_import_after_it(versioned):
+    p = gpuptr.alloc(1024)
+    cap = p.__dlpack__(max_version=(1, 0)) if versioned else p.__dlpack__()
+    gpuptr._core.reset_context(0)
+    with pytest.raises(gpuptr.InvalidPointerError, match="reset"):
+        gpuptr._core._import_dlpack(cap)
+    del cap
+    fresh = gpuptr.alloc(1024)      # the new context's memory imports as before
+    assert gpuptr._core._import_dlpack(fresh.__dlpack__()).pointer.device_pointer_value == fresh.device_pointer_value
+    fresh.free()

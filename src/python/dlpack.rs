@@ -275,11 +275,14 @@ pub(crate) fn describe(capsule: &Bound<'_, PyAny>) -> PyResult<Described> {
             ))
             .into());
         }
+        check_ours(m)?;
         (&m.dl_tensor, m.flags & FLAG_READ_ONLY != 0)
     } else if let Ok(p) = capsule.pointer_checked(Some(LEGACY)) {
-        // SAFETY: a live "dltensor" capsule points at a DLManagedTensor whose
-        // first member is the DLTensor, kept alive by the held capsule.
-        (unsafe { &*(p.as_ptr() as *const DLTensor) }, false)
+        // SAFETY: a live "dltensor" capsule points at a DLManagedTensor, kept
+        // alive by the held capsule; its first member is the DLTensor.
+        let m = unsafe { &*(p.as_ptr() as *const DLManagedTensor) };
+        check_ours(m)?;
+        (&m.dl_tensor, false)
     } else {
         let got = capsule
             .name()
@@ -335,6 +338,29 @@ pub(crate) fn describe(capsule: &Bound<'_, PyAny>) -> PyResult<Described> {
         dtype,
         readonly,
     })
+}
+
+/// A tensor gpuptr exported (its deleter is ours) lends memory of a context
+/// that may have been reset since: its address may be another allocation's
+/// now, so it is refused as the exporting pointer is.
+fn check_ours<T: Managed>(m: &T) -> PyResult<()> {
+    let ours = m
+        .deleter()
+        .is_some_and(|d| std::ptr::fn_addr_eq(d, delete::<T> as unsafe extern "C" fn(*mut T)));
+    if ours {
+        // SAFETY: our deleter's tensor is the first field of an `Exported`
+        // box, its manager context, alive while its unconsumed capsule is.
+        let e = unsafe { &*(m.manager_ctx() as *const Exported<T>) };
+        let p = e._loan.pointer();
+        if p.is_stale() {
+            let at = p.address();
+            return Err(Error::InvalidPointer(format!(
+                "the tensor's memory at {at:#x} belongs to a context that was reset"
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------- export

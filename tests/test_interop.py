@@ -320,3 +320,11 @@ def test_a_capsule_exported_before_a_reset_does_not_import_after_it(versioned):
     fresh = gpuptr.alloc(1024)      # the new context's memory imports as before
     assert gpuptr._core._import_dlpack(fresh.__dlpack__()).pointer.device_pointer_value == fresh.device_pointer_value
     fresh.free()
+
+
+def test_an_empty_view_past_the_end_exports_through_dlpack_too():
+    m = gpuptr.alloc(64)
+    v = m.view(100, 100)                # numba's slicing asks for these
+    assert v.__cuda_array_interface__["shape"] == (0,)
+    assert gpuptr._core._import_dlpack(v.__dlpack__()).pointer.size == 0
+    m.free()

@@ -556,7 +556,9 @@ pub(crate) fn export<'py>(
         .and_then(|lo| usize::try_from(lo).ok())
         .and_then(|lo| lo.checked_add(layout.span))
         .is_some_and(|end| end <= view.parent().size());
-    if !fits {
+    // An empty array reaches no byte (its data pointer is null), wherever
+    // its view starts: numba asks for empty views past the end.
+    if !fits && layout.span != 0 {
         return Err(Error::InvalidArgument(format!(
             "the array ({} bytes, {} of them below element 0) does not fit in its allocation",
             layout.span, -layout.lo

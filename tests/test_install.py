@@ -285,7 +285,7 @@ def fake_cupy(monkeypatch):
 
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    names = ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr", "OutOfMemoryError")
+    names = ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr", "_oom")
     for name in names:
         monkeypatch.setattr(gc_mod, name, getattr(gc_mod, name))
     return fake
@@ -456,7 +456,7 @@ def test_cupy_allocator_keeps_the_python_hooks_where_cupy_would_take_an_error_fo
 
     fake = FakeCupy(c_errors=False)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for name in ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr"):
+    for name in ("_installed", "_stream_ordered", "_allocator", "_get_device", "_current_stream_ptr", "_oom"):
         monkeypatch.setattr(gc_mod, name, getattr(gc_mod, name))
     state = _core._hooks_state()
     gc_mod.install(pinned=False)
@@ -621,3 +621,24 @@ def test_torch_entry_points_in_a_forked_child_refuse_without_touching_the_parent
     before = client("torch")["live_bytes"]
     t_free(p, 1 << 20, 0, None)
     assert client("torch")["live_bytes"] == before - (1 << 20), "the parent's block was still its own"
+
+
+def test_cupys_out_of_memory_class_can_be_caught_before_install(fake_cupy):
+    import gpuptr.cupy
+
+    cls = gpuptr.cupy.OutOfMemoryError            # before install(): made now, not None
+    assert issubclass(cls, fake_cupy.cuda.memory.OutOfMemoryError) and issubclass(cls, gpuptr.OutOfMemoryError)
+    gpuptr.cupy.install()
+    assert gpuptr.cupy.OutOfMemoryError is cls    # the one the hook raises
+    with pytest.raises(cls):
+        _core._cupy_malloc(1 << 62, 0)
+
+
+def test_without_cupy_its_out_of_memory_class_is_gpuptrs(monkeypatch):
+    import gpuptr.cupy
+
+    monkeypatch.setattr(gpuptr.cupy, "_oom", None)
+    monkeypatch.setitem(sys.modules, "cupy", None)    # import cupy raises ImportError
+    assert gpuptr.cupy.OutOfMemoryError is gpuptr.OutOfMemoryError
+    with pytest.raises(AttributeError):
+        gpuptr.cupy.no_such_name

@@ -9,7 +9,7 @@ from typing import Dict, Tuple
 # The module each part of ``gpuptr.install()`` needs, and what to pip
 # install when it cannot be imported.
 NEEDS: Dict[str, Tuple[str, str]] = {
-    "numba": ("gpuptr.numba", '"gpuptr[numba]" (numba-cuda) or "gpuptr[numba-mlir]" (numba-cuda-mlir)'),
+    "numba": ("gpuptr.numba", '"numba-cuda[cu13]" (gpuptr\'s [numba] extra) or "numba-cuda-mlir[cu13]" ([numba-mlir])'),
     "cupy": ("cupy", "cupy-cuda13x (or cupy-cuda12x)"),
     "torch": ("torch", "torch"),
     "rmm": ("rmm", "rmm-cu13 (or rmm-cu12)"),

@@ -26,7 +26,7 @@ try:
     from cuda.core import Buffer as _Buffer
     from cuda.core import Stream as _Stream
 except ImportError as _e:
-    raise ImportError(f'gpuptr.cuda_core needs cuda.core: pip install "gpuptr[cuda-core]" ({_e})', name=_e.name) from _e
+    raise ImportError(f"gpuptr.cuda_core needs cuda.core: pip install cuda-core cuda-bindings (gpuptr's [cuda-core] extra) ({_e})", name=_e.name) from _e
 
 import gpuptr as _gpuptr
 from gpuptr import _core

@@ -218,12 +218,37 @@ def _answer_default_pool(cupy: Any) -> None:
         cupy.get_default_memory_pool = lambda: pool
 
 
-OutOfMemoryError: Any = None
-"""Out of device memory, as CuPy reports it: a subclass of both
-``cupy.cuda.memory.OutOfMemoryError`` and :class:`gpuptr.OutOfMemoryError`
-(so a ``MemoryError``), made when CuPy is first bound. Raised after gpuptr
-has waited for its fence and returned its cache; the message says what the
-pool held."""
+_oom: Any = None  # the class OutOfMemoryError names, made when CuPy is first bound
+
+
+def __getattr__(name: str) -> Any:
+    """``OutOfMemoryError``: out of device memory, as CuPy reports it, a
+    subclass of both ``cupy.cuda.memory.OutOfMemoryError`` and
+    :class:`gpuptr.OutOfMemoryError` (so a ``MemoryError``). Raised after
+    gpuptr has waited for its fence and returned its cache; the message says
+    what the pool held. Made when first asked for or when CuPy is bound, so
+    ``except gpuptr.cupy.OutOfMemoryError`` works before ``install()``;
+    without CuPy it is :class:`gpuptr.OutOfMemoryError`."""
+    if name != "OutOfMemoryError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from gpuptr._errors import OutOfMemoryError as plain
+
+    if _oom is None:
+        try:
+            import cupy
+        except ImportError:
+            return plain
+        _bind_oom(cupy)
+    return _oom if _oom is not None else plain
+
+
+def _bind_oom(cupy: Any) -> None:
+    """Make CuPy's hook raise :data:`OutOfMemoryError` (once): a CuPy
+    without ``cupy.cuda.memory.OutOfMemoryError`` keeps gpuptr's own."""
+    global _oom
+    if _oom is None and hasattr(getattr(cupy.cuda, "memory", None), "OutOfMemoryError"):
+        _oom = _oom_class(cupy)
+        _core._cupy_set_oom_error(_oom)
 
 
 def _oom_class(cupy: Any) -> Any:
@@ -250,11 +275,8 @@ def _oom_class(cupy: Any) -> Any:
 
 def _bind(cupy: Any) -> None:
     """Look up the CuPy functions gpuptr calls (once, not per call)."""
-    global _get_device, _current_stream_ptr, _pinned_pointer, OutOfMemoryError
-    if OutOfMemoryError is None and hasattr(getattr(cupy.cuda, "memory", None), "OutOfMemoryError"):
-        # A CuPy without it keeps gpuptr's own OutOfMemoryError.
-        OutOfMemoryError = _oom_class(cupy)
-        _core._cupy_set_oom_error(OutOfMemoryError)
+    global _get_device, _current_stream_ptr, _pinned_pointer
+    _bind_oom(cupy)
     try:
         _get_device = cupy.cuda.runtime.getDevice
         _pinned_pointer = cupy.cuda.PinnedMemoryPointer

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Union
 try:
     from distributed import WorkerPlugin
 except ImportError as _e:
-    raise ImportError(f'gpuptr.dask needs distributed: pip install "gpuptr[dask]" ({_e})', name=_e.name) from _e
+    raise ImportError(f"gpuptr.dask needs distributed: pip install distributed (gpuptr's [dask] extra) ({_e})", name=_e.name) from _e
 
 __all__ = ["GpuptrPlugin", "worker_reports", "worker_stats"]
 

@@ -127,7 +127,8 @@ def _backend(name: str) -> _Backend:
     except Exception as e:  # not installed, or (numba-cuda-mlir) no CUDA runtime to load
         extra = "numba" if name == "numba-cuda" else "numba-mlir"
         raise ImportError(
-            f'gpuptr.numba needs {name}: pip install "gpuptr[{extra}]" ({e})', name=getattr(e, "name", None)
+            f'gpuptr.numba needs {name}: pip install "{name}[cu13]" (gpuptr\'s [{extra}] extra) ({e})',
+            name=getattr(e, "name", None),
         ) from e
     with _backends_lock:
         return _backends.setdefault(name, _Backend(name, driver))
@@ -159,7 +160,8 @@ def _default_backend(hint: str = "") -> _Backend:
     # Each error's cause, not its message: the message repeats the hint.
     why = "; ".join(f"{name}: {e.__cause__ or e}" for name, e in zip(_DRIVERS, errors))
     raise ImportError(
-        f'gpuptr.numba needs numba-cuda or numba-cuda-mlir: pip install "gpuptr[numba]" or "gpuptr[numba-mlir]" ({why})',
+        f'gpuptr.numba needs numba-cuda or numba-cuda-mlir: pip install "numba-cuda[cu13]" or "numba-cuda-mlir[cu13]" '
+        f"(gpuptr's [numba] or [numba-mlir] extra) ({why})",
         name=errors[0].name,
     ) from errors[0]
 
@@ -408,7 +410,7 @@ def __getattr__(attr: str) -> Any:
             raise ImportError(
                 f"gpuptr.numba.{attr} is for numba-cuda ({e}); numba-cuda-mlir's launcher reads "
                 "CuPy and torch arrays (CUDA Array Interface, DLPack) itself: pass them to its "
-                'kernels directly, or pip install "gpuptr[numba]"',
+                'kernels directly, or pip install "numba-cuda[cu13]"',
                 name=e.name,
             ) from e
         return getattr(_launch, attr)

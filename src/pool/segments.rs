@@ -238,7 +238,7 @@ impl Pool {
             target: "gpuptr::pool",
             "cuMemAlloc of {bytes} bytes took {} us on thread {:?}",
             took.as_micros(),
-            std::thread::current().name().unwrap_or("?")
+            std::thread::current().name().unwrap_or("(unnamed)")
         );
         let mut held = lock(&self.held);
         held.pending -= bytes;

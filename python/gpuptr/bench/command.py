@@ -28,7 +28,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The bench's options, on its own parser or the CLI's ``bench`` command."""
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--json", metavar="FILE", help="also write the JSON report to FILE ('-': stdout, instead of the table)")
-    ap.add_argument("--plot", metavar="FILE.png", help='draw the speed-ups (needs matplotlib: pip install "gpuptr[plot]")')
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the speed-ups (needs matplotlib: pip install matplotlib)")
     ap.add_argument("--only", metavar="TEXT", help="only the rows whose name or baseline contains TEXT (any case)")
 
 
@@ -41,7 +41,7 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            return '--plot needs matplotlib: pip install "gpuptr[plot]"'
+            return "--plot needs matplotlib: pip install matplotlib (gpuptr's [plot] extra)"
         problem = _plot_format_problem(args.plot)
         if problem:
             return problem

@@ -308,10 +308,15 @@ def test_torchs_empty_cache_gives_the_pools_cache_back(fake_C):
     _torch_stats.patch(fake_C)
     p = t_alloc(4 * MiB, 0, None)
     t_free(p, 4 * MiB, 0, None)
+    gpuptr.alloc_host(MiB).free()   # pinned memory, cached by the host cache
     gpuptr.flush_pool()
-    assert device_stats()["cached_bytes"] > 0
+    assert device_stats()["cached_bytes"] > 0 and device_stats()["host"]["cached_bytes"] > 0
     fake_C._cuda_emptyCache()       # torch.cuda.empty_cache()
     assert device_stats()["cached_bytes"] == 0
+    # Pinned host memory is not PyTorch's empty_cache()'s to give back.
+    assert device_stats()["host"]["cached_bytes"] > 0
+    gpuptr.trim()
+    assert device_stats()["host"]["cached_bytes"] == 0
     # reserved_bytes (torch.cuda.memory_reserved()) is what the pool still holds: nothing.
     assert flatten(fake_C._cuda_memoryStats(0))["reserved_bytes.all.current"] == device_stats()["pool_bytes"] == 0
 

@@ -480,7 +480,7 @@ def _import_dlpack(capsule: object) -> ImportedArray:
     renamed ``"used_…"``, and the pointer keeps an owner that calls the
     tensor's deleter when the last holder goes (also when the import fails).
     """
-def trim() -> int:
+def trim(*, host: bool = True) -> int:
     """Return every block the pool caches to the driver; the bytes freed
     (CuPy's ``free_all_blocks``).
     """

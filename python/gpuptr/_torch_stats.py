@@ -195,8 +195,9 @@ def entry_points(core: Any) -> Dict[str, Callable[..., Any]]:
     def _cuda_emptyCache(*args: Any, **kwargs: Any) -> None:
         # torch.cuda.empty_cache(): PyTorch's pluggable allocator calls a
         # reset hook there that its Python API cannot set, so it reached
-        # nothing; the pool's cache goes back to the driver, as PyTorch's.
-        core.trim()
+        # nothing; the pool's device memory goes back to the driver, as
+        # PyTorch's does, and its pinned host cache stays, as PyTorch's.
+        core.trim(host=False)
 
     return {
         f.__name__: f

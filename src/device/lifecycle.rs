@@ -19,6 +19,13 @@ impl DeviceState {
         self.trim_logged(ctx.raw(), Some(ctx), false)
     }
 
+    /// [`DeviceState::trim`] of device memory alone: the pinned host cache
+    /// stays (PyTorch's `empty_cache()` leaves pinned memory alone too).
+    pub(crate) fn trim_device_memory(&self, ctx: &impl Handle) -> Result<usize> {
+        let _recovering = lock(&self.recovery);
+        self.trim_locked(ctx.raw(), Some(ctx), false)
+    }
+
     /// [`DeviceState::trim`], with the recovery lock held; `everything`
     /// when the context is ending (see [`Pool::trim`]), and then no `live`
     /// context keeps what a failed free leaves.

@@ -463,12 +463,18 @@ fn reset_peak_stats() -> PyResult<()> {
 }
 
 /// Return every block the pool caches to the driver; the bytes freed
-/// (CuPy's ``free_all_blocks``).
+/// (CuPy's ``free_all_blocks``). With ``host=False`` the cache of pinned
+/// host memory stays (PyTorch's ``empty_cache()`` leaves pinned memory
+/// alone).
 #[pyfunction]
-fn trim(py: Python<'_>) -> PyResult<usize> {
+#[pyo3(signature = (*, host=true))]
+fn trim(py: Python<'_>, host: bool) -> PyResult<usize> {
     let _log = logging::Deliver(py);
     let rt = runtime()?;
-    Ok(py.detach(|| rt.trim())?)
+    Ok(py.detach(|| match host {
+        true => rt.trim(),
+        false => rt.trim_device_memory(),
+    })?)
 }
 
 /// gpuptr's side of a reset of ``device``'s context (numba's

@@ -125,12 +125,25 @@ impl Runtime {
 
     /// Return every cached block of every device to the driver; the bytes freed.
     pub fn trim(self: &Arc<Self>) -> Result<usize> {
+        self.trim_with(true)
+    }
+
+    /// [`Runtime::trim`] of device memory alone: each device's cache of
+    /// pinned host memory stays.
+    pub fn trim_device_memory(self: &Arc<Self>) -> Result<usize> {
+        self.trim_with(false)
+    }
+
+    fn trim_with(self: &Arc<Self>, host: bool) -> Result<usize> {
         crate::fork::check()?;
         let mut freed = 0;
         for (i, d) in self.devices.iter().enumerate() {
             d.bury();
             if let Some(ctx) = self.existing(i) {
-                freed += d.trim(&ctx)?;
+                freed += match host {
+                    true => d.trim(&ctx)?,
+                    false => d.trim_device_memory(&ctx)?,
+                };
             }
         }
         Ok(freed)

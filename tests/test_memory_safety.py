@@ -495,6 +495,81 @@ def test_a_wrap_of_mapped_memory_with_it_as_owner_turns_stale_when_it_is_freed(m
     victim.free()
 
 
+@pytest.mark.parametrize("make", [
+    lambda r: gpuptr.PinnedMemory(r.context, r.host_pointer, 4096,
+                                  owner=gpuptr.MappedMemory(r.context, r.host_pointer, 4096, owner=r)),
+    lambda r: gpuptr.MappedMemory(r.context, r.host_pointer, 4096,
+                                  owner=gpuptr.MappedMemory(r.context, r.host_pointer, 4096, owner=r)),
+    lambda r: gpuptr.wrap(r.device_pointer_value, 4096,
+                          owner=gpuptr.wrap(r.device_pointer_value, 4096, owner=r)),
+    lambda r: gpuptr.PinnedMemory(r.context, r.host_pointer, 4096, owner=gpuptr.MemoryPointer.own(r)),
+    lambda r: gpuptr.PinnedMemory(r.context, r.host_pointer + 64, 64, owner=r.view(0)),
+], ids=["pinned-of-mapped-wrap", "mapped-of-mapped-wrap", "wrap-of-wrap", "owner-own-handle", "owner-view"])
+def test_a_chain_of_wraps_over_gpuptr_mapped_memory_turns_stale_with_its_root(make):
+    r = gpuptr.alloc_host(4096, mapped=True)
+    w = make(r)
+    r.free()
+    gpuptr.flush_pool()
+    victim = gpuptr.alloc_host(4096, mapped=True)
+    memoryview(victim)[:4] = b"SAFE"
+    with pytest.raises(gpuptr.InvalidPointerError):
+        if isinstance(w, gpuptr.PinnedMemory):
+            memoryview(w)[:4] = b"EEEE"
+        else:
+            w.memset(0x45, 4)
+    assert bytes(memoryview(victim)[:4]) == b"SAFE"
+    victim.free()
+
+
+def test_mapped_memory_is_its_own_owner():
+    m = gpuptr.alloc_host(4096, mapped=True)
+    assert m.own() is m
+    o = m.own()
+    del m
+    gc.collect()
+    o.memset(1)                         # the handle keeps the memory alive
+    fired = []
+    h = gpuptr.alloc_host(4096, mapped=True)
+    w = gpuptr.MappedMemory(h.context, h.host_pointer, 4096, None, lambda: fired.append(1))
+    w.own().free()                      # numba's constructor shape: the finalizer runs
+    assert fired == [1] and w.freed
+    ba = bytearray(4096)
+    r = gpuptr.register_host(ba, mapped=True)
+    r.own().free()
+    ba.extend(b"x")                     # unregistered, and the export of ba released
+    h.free()
+    o.free()
+
+
+def test_a_with_block_that_raises_keeps_its_exception_over_a_refused_free():
+    m = gpuptr.alloc_host(4096, mapped=True)
+    with pytest.raises(KeyError):
+        with m:
+            view = memoryview(m)        # alive at the exit: the free is refused
+            raise KeyError("the block's own")
+    assert not m.freed
+    view.release()
+    m.free()
+    with pytest.raises(BufferError):    # without an exception, the refusal is the error
+        with gpuptr.alloc_host(64, mapped=True) as m2:
+            view = memoryview(m2)
+    view.release()
+    m2.free()
+
+
+def test_live_says_whether_memory_may_be_used_and_probes_of_freed_memory_raise():
+    p = gpuptr.alloc(64)
+    a = gpuptr.as_array(p, 64, "uint8")
+    assert p.live and a.__cuda_array_interface__["data"][0] == p.device_pointer_value
+    p.free()
+    assert not p.live
+    # A freed pointer answers no probe with an address: hasattr (numba's
+    # is_cuda_array) raises InvalidPointerError, not False.
+    for obj in (p, a):
+        with pytest.raises(gpuptr.InvalidPointerError):
+            hasattr(obj, "__cuda_array_interface__")
+
+
 def test_a_pinned_wrap_with_gpuptr_pinned_memory_as_owner_shares_its_life():
     h = gpuptr.alloc_host(4096)
     w = gpuptr.PinnedMemory(h.context, h.ptr + 1024, 1024, owner=h)

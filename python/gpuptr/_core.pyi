@@ -227,6 +227,11 @@ class MemoryPointer:
     @property
     def freed(self) -> bool:
         """Whether the memory was freed."""
+    @property
+    def live(self) -> bool:
+        """Whether the memory may be used now: not freed, its context not
+        reset (and, for mapped memory, its host memory not released).
+        """
     def own(self) -> MemoryPointer:
         """Another handle on the same memory; the allocation lives while any does."""
     def free(self, stream: _Stream = None) -> None:
@@ -399,6 +404,10 @@ class MappedMemory(MemoryPointer):
     @property
     def readonly(self) -> bool:
         """Whether the bytes are read-only (registered from a read-only object)."""
+    def own(self) -> MappedMemory:
+        """numba's ``own()``: mapped memory is its own owner, as pinned memory
+        is, so a handle keeps it alive and its ``free()`` is this one's.
+        """
     def free(self) -> None:  # type: ignore[override]
         """Release the host memory now (when this pointer manages it). While
         numpy arrays or memoryviews of it are alive this raises
@@ -482,7 +491,9 @@ def _import_dlpack(capsule: object) -> ImportedArray:
     """
 def trim(*, host: bool = True) -> int:
     """Return every block the pool caches to the driver; the bytes freed
-    (CuPy's ``free_all_blocks``).
+    (CuPy's ``free_all_blocks``). With ``host=False`` the cache of pinned
+    host memory stays (PyTorch's ``empty_cache()`` leaves pinned memory
+    alone).
     """
 def begin_capture(device: Optional[int] = None) -> None:
     """Tell gpuptr that a stream capture (a CUDA graph) begins on ``device``

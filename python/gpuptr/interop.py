@@ -115,9 +115,10 @@ class ArrayView:
 
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]:
-        # The pointer's own interface raises InvalidPointerError once its
-        # memory is freed or stale: no consumer gets an address reused since.
-        self.pointer.__cuda_array_interface__
+        # No consumer gets an address reused since its memory was freed or
+        # its context reset: the pointer's own interface raises then.
+        if not self.pointer.live:
+            self.pointer.__cuda_array_interface__
         return {
             "version": 3,
             "shape": self.shape,

@@ -344,6 +344,13 @@ impl HostMemory {
         Ok(mem)
     }
 
+    /// Whether gpuptr pinned it (allocated or registered), or it is a wrap
+    /// that lies in such memory ([`HostMemory::wrap_within`]): memory whose
+    /// free gpuptr sees, which a wrap can follow.
+    pub fn is_gpuptrs(&self) -> bool {
+        self.kind != HostKind::Foreign || self.within.is_some()
+    }
+
     /// The host address.
     pub fn host_ptr(&self) -> HostPtr {
         self.ptr

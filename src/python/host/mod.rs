@@ -162,21 +162,19 @@ fn wrap_pinned(
     Ok((HostInner { host, owned }, managed))
 }
 
-/// The pinned memory of `owner` if it is a gpuptr `PinnedMemory` or
-/// `MappedMemory` over memory gpuptr allocated or registered.
+/// The pinned memory of `owner` if it is gpuptr's (see
+/// [`HostMemory::is_gpuptrs`]): a `PinnedMemory` or `MappedMemory`, or any
+/// pointer over mapped memory (an ``own()`` handle, a view, a wrap).
 fn gpuptr_host(owner: &Bound<'_, PyAny>) -> Option<Arc<HostMemory>> {
     let host = if let Ok(p) = owner.cast::<PyPinnedMemory>() {
         p.get().inner.host.clone()
+    } else if let Ok(m) = owner.cast::<PyMappedMemory>() {
+        m.get().inner.host.clone()
     } else {
-        owner
-            .cast::<PyMappedMemory>()
-            .ok()?
-            .get()
-            .inner
-            .host
-            .clone()
+        let p = owner.cast::<PyMemoryPointer>().ok()?;
+        p.get().view.parent().host()?.clone()
     };
-    (host.kind() != crate::HostKind::Foreign).then_some(host)
+    host.is_gpuptrs().then_some(host)
 }
 
 /// The Python objects a host-memory object holds: the object whose memory
@@ -467,6 +465,12 @@ impl PyMappedMemory {
 
 #[pymethods]
 impl PyMappedMemory {
+    /// numba's ``own()``: mapped memory is its own owner, as pinned memory
+    /// is, so a handle keeps it alive and its ``free()`` is this one's.
+    fn own(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
     /// Release the host memory now (when this pointer manages it). While
     /// numpy arrays or memoryviews of it are alive this raises
     /// ``BufferError`` and releases nothing.

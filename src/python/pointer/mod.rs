@@ -147,10 +147,7 @@ impl PyMemoryPointer {
         // is ours too (a wrapped one may hold a finalizer).
         let ours = match v.parent().origin() {
             crate::Origin::Pool(_) | crate::Origin::Driver => true,
-            crate::Origin::Foreign => v
-                .parent()
-                .host()
-                .is_some_and(|h| h.kind() != crate::HostKind::Foreign),
+            crate::Origin::Foreign => v.parent().host().is_some_and(|h| h.is_gpuptrs()),
             crate::Origin::Ipc => false,
         };
         let start = address
@@ -311,9 +308,20 @@ impl PyMemoryPointer {
     }
 
     /// Free the memory (as ``free()``); exceptions from the block pass on.
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(slf: &Bound<'_, Self>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        Self::free(slf, None)?;
+    /// When the block raised, a free that cannot run now (``BufferError``:
+    /// an export of host-reachable memory is alive) is logged, not raised
+    /// over the block's exception, and the memory is released with its last
+    /// holder.
+    #[pyo3(signature = (*exc))]
+    fn __exit__(slf: &Bound<'_, Self>, exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        let raised = exc.get_item(0).is_ok_and(|t| !t.is_none());
+        match Self::free(slf, None) {
+            Err(e) if raised => log::warn!(
+                target: "gpuptr",
+                "a `with` block that raised could not free its memory ({e}); it is released with its last holder"
+            ),
+            r => r?,
+        }
         Ok(false)
     }
 
@@ -473,6 +481,13 @@ impl PyMemoryPointer {
         self.view.parent().is_freed()
     }
 
+    /// Whether the memory may be used now: not freed, its context not
+    /// reset (and, for mapped memory, its host memory not released).
+    #[getter]
+    fn live(&self) -> bool {
+        self.view.parent().check_live().is_ok()
+    }
+
     /// Another handle on the same memory; the allocation lives while any does.
     fn own(slf: &Bound<'_, Self>) -> Self {
         let me = slf.get();
@@ -506,12 +521,10 @@ impl PyMemoryPointer {
         if me.managed {
             let parent = me.view.parent();
             let free = || {
-                // Another handle (``own()``) of mapped memory gpuptr pinned:
-                // the host memory first, which refuses while exported.
-                if let Some(h) = parent
-                    .host()
-                    .filter(|h| h.kind() != crate::HostKind::Foreign)
-                {
+                // Another handle of mapped memory it manages (the base
+                // class's ``own()``): the host memory first, which refuses
+                // while exported, as ``MappedMemory.free()`` does.
+                if let Some(h) = parent.host() {
                     h.free()?;
                 }
                 match stream {

@@ -588,8 +588,10 @@ def test_a_pinned_wrap_with_gpuptr_pinned_memory_as_owner_shares_its_life():
     assert bytes(memoryview(victim)[:4]) == b"SAFE"
     with pytest.raises(gpuptr.InvalidPointerError, match="inside its owner"):
         gpuptr.PinnedMemory(victim.context, victim.ptr + 4000, 200, owner=victim)
-    with pytest.raises(gpuptr.InvalidPointerError, match="mapped"):
-        gpuptr.MappedMemory(victim.context, victim.ptr, 64, owner=victim)   # not mapped
+    # Not mapped: the driver is asked for its device address (the simulator
+    # has none; with unified addressing a GPU's driver has one).
+    with pytest.raises(gpuptr.GpuptrError):
+        gpuptr.MappedMemory(victim.context, victim.ptr, 64, owner=victim)
     victim.free()
 
 

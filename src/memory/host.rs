@@ -312,8 +312,9 @@ impl HostMemory {
     /// and mapped as `within` is, live only while `within` is, and each of
     /// its uses and exports counts on `within` too. Safe: the range is
     /// checked against `within`, which holds the bytes. `Err` if the range
-    /// is not inside it, `mapped` is asked of memory that is not, or
-    /// `within` is not live.
+    /// is not inside it or `within` is not live; with `mapped`, the driver
+    /// is asked for the device address (with unified addressing every
+    /// pinned allocation has one, mapped or not).
     pub fn wrap_within(
         within: &Arc<HostMemory>,
         ptr: HostPtr,
@@ -326,12 +327,10 @@ impl HostMemory {
             && ptr
                 .checked_add(size)
                 .is_some_and(|end| end <= within.ptr + within.size);
-        if !inside || (mapped && !within.mapped) {
+        if !inside {
             return Err(Error::InvalidPointer(format!(
-                "[{ptr:#x}, +{size}) is not {}inside its owner's pinned memory [{:#x}, +{})",
-                if mapped { "mapped memory " } else { "" },
-                within.ptr,
-                within.size
+                "[{ptr:#x}, +{size}) is not inside its owner's pinned memory [{:#x}, +{})",
+                within.ptr, within.size
             )));
         }
         let flags = HostFlags {

@@ -309,7 +309,7 @@ impl HostMemory {
 
     /// A wrap of `size` bytes at `ptr` inside `within`, gpuptr host memory
     /// (numba's constructor shape with a gpuptr object as owner): read-only
-    /// and mapped as `within` is, live only while `within` is, and each of
+    /// as `within` is, live only while `within` is, and each of
     /// its uses and exports counts on `within` too. Safe: the range is
     /// checked against `within`, which holds the bytes. `Err` if the range
     /// is not inside it or `within` is not live; with `mapped`, the driver

@@ -23,6 +23,8 @@ def test_handle_pickles_and_opens_in_the_exporting_process():
     assert (h.device, h.size, h.pid) == (0, 512, os.getpid())
     back = pickle.loads(pickle.dumps(h))
     assert back == h and back.to_bytes() == h.to_bytes() and back.offset == h.offset
+    assert hash(back) == hash(h) and len({h, back}) == 1   # equal handles hash alike (a dict key)
+    assert h != mem.view(0, 256).ipc_handle()
     opened = back.open()
     assert opened.device_pointer_value == mem.device_pointer_value + 256
     assert opened.copy_to_host() == (bytes(range(256)) * 32)[256:768]

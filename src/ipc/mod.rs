@@ -36,7 +36,7 @@ const LEN: usize = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 64;
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
 /// A picklable handle to device memory for another process.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IpcHandle {
     /// The device the memory is on.
     pub device: usize,

@@ -15,8 +15,8 @@ use crate::IpcHandle;
 /// memory. Memory the exporter freed before the open, a gone exporter, and
 /// a handle whose offset and size run outside the allocation it was made
 /// from raise ``InvalidPointerError`` in any process.
-#[pyclass(frozen, eq, module = "gpuptr._core", name = "IpcHandle")]
-#[derive(PartialEq)]
+#[pyclass(frozen, eq, hash, module = "gpuptr._core", name = "IpcHandle")]
+#[derive(PartialEq, Hash)]
 pub(crate) struct PyIpcHandle(IpcHandle);
 
 #[pymethods]

@@ -314,3 +314,29 @@ fn test_free_for_on_a_stream_leaves_memory_made_with_no_stream_to_the_fence() {
     assert_eq!(drv.lost_writes(), 0);
     assert!(rt.free_for(b, Client::Rmm, Some(s)));
 }
+
+/// numba's `cuda.close()` resets the context under live allocations of
+/// another library (their memory goes with it); when the driver hands an
+/// address out again, the new allocation is recorded as the live one, not
+/// passed off as another handle of the dead entry and freed on the spot.
+#[test]
+fn test_an_address_reused_after_a_reset_is_the_new_allocations() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let site = || gpuptr::Site::Described("test".into());
+    let old = rt.alloc_for(Client::Torch, 0, MIB, None, site).unwrap();
+    rt.reset(0).unwrap();
+    drv.reset_primary_context(0);
+    let new = rt.alloc_for(Client::Torch, 0, MIB, None, site).unwrap();
+    assert_eq!(new, old, "the driver gave the same address again");
+    assert_eq!(rt.stats()[0].live_count, 1, "the new allocation is live");
+    rt.flush_pool(0).unwrap();
+    let other = rt.alloc_for(Client::Cupy, 0, MIB, None, site).unwrap();
+    assert_ne!(other, new, "two live allocations would share one block");
+    let s = rt.library_stats(0, Client::Torch).unwrap();
+    assert_eq!(
+        s.allocation.all.current, 1,
+        "the dead entry is no longer counted"
+    );
+    assert!(rt.free_for(new, Client::Torch, None) && rt.free_for(other, Client::Cupy, None));
+    assert_eq!(rt.handed_out_count(), 0);
+}

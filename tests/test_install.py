@@ -642,3 +642,21 @@ def test_without_cupy_its_out_of_memory_class_is_gpuptrs(monkeypatch):
     assert gpuptr.cupy.OutOfMemoryError is gpuptr.OutOfMemoryError
     with pytest.raises(AttributeError):
         gpuptr.cupy.no_such_name
+
+
+def test_install_flags_take_numpys_bools_and_refuse_strings():
+    np = pytest.importorskip("numpy")
+    from gpuptr._needs import flag
+
+    assert flag(np.True_, "x") is True and flag(np.False_, "x") is False
+    for bad in ("no", 0, None, np.int64(1)):
+        with pytest.raises(TypeError, match="x must be True or False"):
+            flag(bad, "x")
+
+
+def test_torch_install_checks_graph_trees_before_touching_torch(monkeypatch):
+    import gpuptr.torch
+
+    monkeypatch.setitem(sys.modules, "torch", None)      # never reached: the flag is refused first
+    with pytest.raises(TypeError, match="graph_trees must be True or False"):
+        gpuptr.torch.install(graph_trees="no")

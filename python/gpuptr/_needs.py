@@ -20,6 +20,7 @@ def flag(value: object, name: str) -> bool:
     """``value`` if it is a bool (numpy's included); ``TypeError`` naming
     ``name`` otherwise, so that ``stream_ordered="no"`` is not read as
     true."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    # numpy's scalar bool is named bool_ before numpy 2 and bool since.
+    if isinstance(value, bool) or (type(value).__name__ in ("bool", "bool_") and type(value).__module__ == "numpy"):
         return bool(value)
     raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")

@@ -83,6 +83,8 @@ def install(*, stream_ordered: bool = True, graph_trees: Optional[bool] = None) 
     from gpuptr._needs import flag
 
     ordered = flag(stream_ordered, "stream_ordered")
+    if graph_trees is not None:
+        graph_trees = flag(graph_trees, "graph_trees")
     try:
         import torch.cuda.memory as tmem
     except ImportError as e:

@@ -614,7 +614,8 @@ def test_a_dlpack_loan_of_mapped_memory_keeps_its_host_memory_past_free():
     lambda m: m.__exit__(None, None, None),
     lambda m: m.own().free(),
     lambda m: gpuptr.MemoryPointer.free(m),
-], ids=["with", "own", "base-free"])
+    lambda m: gpuptr.MemoryPointer.own(m).free(),   # a plain handle over it: the base class's path
+], ids=["with", "own", "base-free", "base-own"])
 def test_every_free_of_mapped_memory_lets_its_host_memory_go(release):
     before = _host_live()
     m = gpuptr.alloc_host(4096, mapped=True)

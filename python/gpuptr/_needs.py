@@ -16,11 +16,16 @@ NEEDS: Dict[str, Tuple[str, str]] = {
 }
 
 
+def is_bool(value: object) -> bool:
+    """Whether ``value`` is a bool, Python's or numpy's (whose scalar type
+    is named ``bool_`` before numpy 2 and ``bool`` since)."""
+    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
+
+
 def flag(value: object, name: str) -> bool:
     """``value`` if it is a bool (numpy's included); ``TypeError`` naming
     ``name`` otherwise, so that ``stream_ordered="no"`` is not read as
     true."""
-    # numpy's scalar bool is named bool_ before numpy 2 and bool since.
-    if isinstance(value, bool) or (type(value).__name__ in ("bool", "bool_") and type(value).__module__ == "numpy"):
+    if is_bool(value):
         return bool(value)
     raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")

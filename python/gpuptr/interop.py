@@ -10,6 +10,7 @@ from typing import Any, Dict, NoReturn, Optional, Tuple, Union
 
 from gpuptr import _core
 from gpuptr._errors import InvalidArgumentError, InvalidPointerError
+from gpuptr._needs import is_bool
 
 __all__ = ["ArrayView", "as_array", "from_cuda_array_interface", "from_dlpack"]
 
@@ -249,7 +250,7 @@ def _ints(given: Any, what: str) -> Tuple[int, ...]:
         items = (given,)
     out = []
     for n in items:
-        if isinstance(n, bool) or type(n).__name__ in ("bool", "bool_"):
+        if is_bool(n):
             raise TypeError(f"{what} must be ints, not {type(n).__name__} ({given!r})")
         try:
             out.append(operator.index(n))

@@ -12,18 +12,12 @@ use crate::sync::lock;
 use crate::track::Watch;
 
 impl DeviceState {
-    /// Return the pool's cache of the live context `ctx` to the driver;
-    /// the bytes freed.
-    pub(crate) fn trim(&self, ctx: &impl Handle) -> Result<usize> {
+    /// Return the pool's cache of the live context `ctx` to the driver, and
+    /// with `host` its cache of pinned host memory (PyTorch's
+    /// `empty_cache()` leaves pinned memory alone); the bytes freed.
+    pub(crate) fn trim(&self, ctx: &impl Handle, host: bool) -> Result<usize> {
         let _recovering = lock(&self.recovery);
-        self.trim_logged(ctx.raw(), Some(ctx), false)
-    }
-
-    /// [`DeviceState::trim`] of device memory alone: the pinned host cache
-    /// stays (PyTorch's `empty_cache()` leaves pinned memory alone too).
-    pub(crate) fn trim_device_memory(&self, ctx: &impl Handle) -> Result<usize> {
-        let _recovering = lock(&self.recovery);
-        self.trim_locked(ctx.raw(), Some(ctx), false)
+        self.trim_logged(ctx.raw(), Some(ctx), false, host)
     }
 
     /// [`DeviceState::trim`], with the recovery lock held; `everything`
@@ -34,11 +28,13 @@ impl DeviceState {
         raw: RawContext,
         live: Option<&dyn Handle>,
         everything: bool,
+        host: bool,
     ) -> Result<usize> {
         let r = self.trim_locked(raw, live, everything);
-        // The host cache too (not on the out-of-memory ladder: pinned
-        // memory is the host's, not the device's).
-        let r = match self.pool.as_ref().map(|p| p.host_trim(raw, everything)) {
+        // The host cache too, when asked (not on the out-of-memory ladder:
+        // pinned memory is the host's, not the device's).
+        let pool = self.pool.as_ref().filter(|_| host);
+        let r = match pool.map(|p| p.host_trim(raw, everything)) {
             Some((freed, host)) => r.and_then(|n| host.map(|()| n + freed)),
             None => r,
         };
@@ -98,7 +94,7 @@ impl DeviceState {
         // pool's helper grows only under it, so it neither stocks blocks of
         // the old context nor records them after the forget.
         let recovering = lock(&self.recovery);
-        let trimmed = self.trim_logged(raw, None, true);
+        let trimmed = self.trim_logged(raw, None, true, true);
         // The new epoch and the pool's forget in one step under the pool's
         // locks: no allocation straddles them (see `Pool::forget`). The
         // history: the live allocations go before their segments.
@@ -153,7 +149,7 @@ impl DeviceState {
         };
         if born == self.epoch() || !newer {
             let _recovering = lock(&self.recovery);
-            let _ = self.trim_logged(raw, None, true);
+            let _ = self.trim_logged(raw, None, true, true);
         }
     }
 

@@ -166,20 +166,22 @@ impl Runtime {
         let (address, device) = (mem.address(), mem.context().device());
         let (requested, block) = (mem.size() as u64, block_bytes(&mem));
         let mut shard = self.handed.shard(address);
-        // An entry of a context reset since (its memory went with it) at an
-        // address the driver has handed out again gives way: kept, it would
-        // pass the new allocation off as another handle of itself, and
-        // dropping that would free memory its caller holds.
-        let stale = shard.get(&address).filter(|e| e.0.is_stale()).map(|e| e.1);
-        if let Some(client) = stale {
-            drop(shard);
-            drop(self.take_back(address, client));
-            shard = self.handed.shard(address);
-        }
-        // Handed out already (its holder keeps the address from reuse):
-        // this is another handle of the same memory, counted once.
-        let Entry::Vacant(slot) = shard.entry(address) else {
-            return address;
+        let slot = match shard.entry(address) {
+            Entry::Vacant(slot) => slot,
+            // An entry of a context reset since (its memory went with it)
+            // at an address the driver has handed out again gives way:
+            // kept, it would pass the new allocation off as another handle
+            // of itself, and dropping that would free memory its caller
+            // holds.
+            Entry::Occupied(e) if e.get().0.is_stale() => {
+                let dead = e.get().1;
+                drop(shard);
+                drop(self.take_back(address, dead));
+                return self.hand_out(mem, client);
+            }
+            // Handed out already (its holder keeps the address from reuse):
+            // this is another handle of the same memory, counted once.
+            Entry::Occupied(_) => return address,
         };
         self.handed.tag(client, device, address, mem.size());
         self.handed.count(device, client, |c| {

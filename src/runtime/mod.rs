@@ -140,10 +140,7 @@ impl Runtime {
         for (i, d) in self.devices.iter().enumerate() {
             d.bury();
             if let Some(ctx) = self.existing(i) {
-                freed += match host {
-                    true => d.trim(&ctx)?,
-                    false => d.trim_device_memory(&ctx)?,
-                };
+                freed += d.trim(&ctx, host)?;
             }
         }
         Ok(freed)

@@ -211,9 +211,12 @@ fn test_out_of_memory_during_a_capture_fails_at_once_and_frees_no_unfenced_block
     let ctx = rt.context(0).unwrap();
     let held: Vec<_> = (0..3).map(|_| ctx.alloc(2 << 20).unwrap()).collect();
     let freed = ctx.alloc(2 << 20).unwrap();
-    drop(freed); // waits for a fence: the device is full
     rt.begin_capture(0).unwrap();
     drv.begin_capture(CAPTURING);
+    // Freed once the capture began, so that its fence cannot have run
+    // before (freed earlier, a fence thread quick enough would have made
+    // it free first): it waits for a fence, and the device is full.
+    drop(freed);
     let syncs = drv.calls(gpuptr::CallKind::Synchronize);
     let frees = drv.calls(gpuptr::CallKind::MemFree);
     let r =

@@ -464,6 +464,46 @@ def test_a_cycle_through_a_wrap_of_a_pointer_with_a_finalizer_is_collected():
     assert gpuptr.stats()[0]["live_bytes"] == before - 4096
 
 
+def test_a_finalizer_freed_with_a_cycle_runs_whole_before_the_collector_clears_it():
+    # The collector frees a cycle through a wrap (owner -> wrap -> owner)
+    # whose finalizer looks up a global: called from the pointer's clear, it
+    # ran after the collector had cleared the function (no globals) and
+    # crashed the interpreter. Each finalizer runs once, with its globals.
+    r = run_isolated("""
+        import gc, gpuptr
+        gc.disable()
+        base = gpuptr.alloc(1 << 20)
+        calls = []
+        class Holder: pass
+        def make(i):
+            h = Holder()
+            h.p = gpuptr.MemoryPointer(None, base.device_pointer_value, 100, owner=h,
+                                       finalizer=lambda: calls.append(len([i])))
+        for i in range(100):
+            make(i)
+        gc.collect()
+        print(len(calls), sum(calls))
+    """)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["100", "100"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda h, f: gpuptr.MemoryPointer(None, h.device_pointer_value, 10, finalizer=f),
+    lambda h, f: gpuptr.MappedMemory(None, h.host_pointer, 10, finalizer=f),
+], ids=["MemoryPointer", "MappedMemory"])
+def test_a_finalizer_keeps_the_error_of_the_call_that_freed_its_pointer(make):
+    # A temporary pointer with a finalizer, freed while its method's error is
+    # set: the finalizer ran with the error pending, and the caller got a
+    # SystemError instead of its own.
+    h = gpuptr.alloc_host(4096, mapped=True)
+    fired = []
+    with pytest.raises(gpuptr.InvalidArgumentError, match="256"):
+        make(h, lambda: fired.append(1)).memset(256)
+    assert fired == [1]
+    h.free()
+
+
 # Wraps and loans of gpuptr's pinned and mapped host memory ---------------------------
 
 def _host_live() -> int:

@@ -29,7 +29,28 @@ pub(crate) fn legacy_as_one(stream: RawStream) -> RawStream {
 /// Calls a Python finalizer once, when the allocation it guards is released.
 /// Never raises; skipped while the interpreter shuts down, and in a forked
 /// child (the memory it releases is the parent's).
+///
+/// It holds the callable inside a small Python object whose `__del__` calls
+/// it ([`guard`]), so that the call comes from CPython's finalization: the
+/// exception of a call under way is kept (a method that failed on a
+/// temporary pointer raises its own error, not one of the finalizer's), and
+/// when the garbage collector frees a cycle through the pointer, the call
+/// comes before anything in the cycle is cleared (PEP 442). A call from the
+/// pointer's own `__clear__` would come after the collector may have
+/// cleared the finalizer itself: a cleared function has no globals, and
+/// calling it crashed the interpreter.
 pub(crate) struct PyFinalizer(Option<Py<PyAny>>);
+
+/// The finalizer `f` inside its guard (see [`PyFinalizer`]).
+fn guard(py: Python<'_>, f: Py<PyAny>) -> PyResult<Py<PyAny>> {
+    static GUARD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let class = GUARD.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        let code = c"class FinalizerGuard:\n    __slots__ = ('f',)\n    def __init__(self, f):\n        self.f = f\n    def __del__(self):\n        self.f()\n";
+        let module = PyModule::from_code(py, code, c"gpuptr_finalizer.py", c"gpuptr._finalizer")?;
+        Ok(module.getattr("FinalizerGuard")?.unbind())
+    })?;
+    Ok(class.bind(py).call1((f,))?.unbind())
+}
 
 /// What a constructor's ``finalizer`` argument keeps until release; a
 /// non-callable is an `InvalidArgumentError`.
@@ -41,27 +62,29 @@ pub(crate) fn keep_finalizer(
         Some(f) if !f.bind(py).is_callable() => {
             Err(Error::InvalidArgument("finalizer must be callable".into()).into())
         }
-        f => Ok(f.map(|f| Box::new(PyFinalizer(Some(f))) as crate::KeepAlive)),
+        Some(f) => Ok(Some(Box::new(PyFinalizer(Some(guard(py, f)?))))),
+        None => Ok(None),
     }
 }
 
 impl Drop for PyFinalizer {
     fn drop(&mut self) {
-        if crate::fork::forked() {
-            return;
+        // Letting go of the guard calls the finalizer: where it must not
+        // run, the guard is leaked instead.
+        let mut f = self.0.take();
+        // Not in a forked child (the memory it releases is the parent's),
+        // nor on another thread once Python is exiting (there, waiting for
+        // the GIL could hang this thread, which may be gpuptr's own).
+        let region = (!crate::fork::forked())
+            .then(super::shutdown::Region::enter)
+            .flatten();
+        if region.is_some() {
+            // The last reference goes: CPython finalizes the guard, which
+            // calls the finalizer (once, whoever comes first: the collector
+            // finalizes a cycle's objects before it clears any).
+            Python::try_attach(|_py| drop(f.take()));
         }
-        if let Some(f) = self.0.take() {
-            // Not on another thread once Python is exiting (there, waiting
-            // for the GIL could hang this thread, which may be gpuptr's own).
-            let Some(_region) = super::shutdown::Region::enter() else {
-                return;
-            };
-            Python::try_attach(|py| {
-                if let Err(e) = f.call0(py) {
-                    e.write_unraisable(py, None);
-                }
-            });
-        }
+        std::mem::forget(f);
     }
 }
 

@@ -7,12 +7,61 @@ mod common;
 use common::{sim, sim_pooled};
 use gpuptr::{Driver, Error, IpcHandle};
 
-fn foreign(mut h: IpcHandle) -> IpcHandle {
-    // As if another process had exported it, one without a liveness file
-    // (the file's check runs in a real second process: tests/test_ipc.py).
-    h.process ^= 0x5a5a;
-    h.slot = u32::MAX;
-    h
+/// As if another process had exported a handle: the handle under a new
+/// process token, whose liveness file holds a copy of the real record,
+/// planted here (a regular file locked by this process, as a live
+/// exporter's is) and removed when this drops. Opening it runs the import
+/// path in this process, which maps the same simulated memory as another
+/// process would see it (the real file's own checks run in a second
+/// process: tests/test_ipc_safety.py).
+struct Foreign {
+    handle: IpcHandle,
+    path: std::path::PathBuf,
+    _file: std::fs::File,
+}
+
+impl std::ops::Deref for Foreign {
+    type Target = IpcHandle;
+    fn deref(&self) -> &IpcHandle {
+        &self.handle
+    }
+}
+
+impl Drop for Foreign {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn foreign(mut h: IpcHandle) -> Foreign {
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::io::AsRawFd;
+    const RECORD: u64 = 32;
+    let path = |process: u64| format!("/dev/shm/gpuptr-ipc-{}-{process:016x}", h.pid);
+    let real = std::fs::File::open(path(h.process)).expect("the exporter's liveness file");
+    let mut record = [0u8; 24];
+    real.read_exact_at(&mut record, u64::from(h.slot) * RECORD)
+        .unwrap();
+    // A token of its own per call: the tests run at once in one process.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    h.process ^= NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32;
+    let path = std::path::PathBuf::from(path(h.process));
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .unwrap();
+    file.set_len(real.metadata().unwrap().len()).unwrap();
+    file.write_all_at(&record, u64::from(h.slot) * RECORD)
+        .unwrap();
+    // SAFETY: a valid descriptor this function owns; `flock` only locks it.
+    assert_eq!(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) }, 0);
+    Foreign {
+        handle: h,
+        path,
+        _file: file,
+    }
 }
 
 #[test]
@@ -181,6 +230,36 @@ fn test_a_handle_is_bounded_by_the_drivers_range_not_its_own_size() {
 }
 
 #[test]
+fn test_a_handle_without_its_liveness_record_does_not_open_elsewhere() {
+    // A pool block's handle with its slot cleared and its offset moved to
+    // the next block of the same segment: the driver's range (the whole
+    // segment) would have let it open there, and read the other block.
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let mine = ctx.alloc(4096).unwrap();
+    let theirs = ctx.alloc(4096).unwrap();
+    theirs.view_all().memset(0xbb, None).unwrap();
+    let h = foreign(rt.ipc_export(&mine.view_all()).unwrap());
+    let (a, b) = (
+        rt.ipc_export(&mine.view_all()).unwrap(),
+        rt.ipc_export(&theirs.view_all()).unwrap(),
+    );
+    assert_eq!(a.handle, b.handle, "one segment");
+    assert!(rt.ipc_open(&h).is_ok(), "the handle as exported opens");
+    let mut bad = h.clone();
+    bad.slot = u32::MAX;
+    for (offset, size) in [(b.offset, 4096), (a.offset, 4096), (0, 8192)] {
+        bad.offset = offset;
+        bad.size = size;
+        match rt.ipc_open(&bad) {
+            Err(Error::InvalidPointer(m)) => assert!(m.contains("no liveness record"), "{m}"),
+            other => panic!("offset {offset} size {size}: {other:?}"),
+        }
+    }
+    assert_eq!(theirs.view_all().to_vec().unwrap(), vec![0xbb; 4096]);
+}
+
+#[test]
 fn test_a_handle_opened_in_its_exporter_is_bounded_by_the_exported_memory() {
     let (_drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();
@@ -267,8 +346,9 @@ fn test_an_empty_view_at_an_allocations_end_never_exports_the_neighbour() {
             "never the neighbour's handle"
         );
         assert_eq!((h.handle, h.size), (of_mem.handle, 0));
-        for h in [h.clone(), foreign(h)] {
-            let v = rt.ipc_open(&h).unwrap();
+        let elsewhere = foreign(h.clone());
+        for h in [&h, &*elsewhere] {
+            let v = rt.ipc_open(h).unwrap();
             assert_eq!(v.size(), 0, "opens to nothing");
             assert!(
                 std::sync::Arc::ptr_eq(v.parent(), &mem) || v.parent().address() == mem.address()

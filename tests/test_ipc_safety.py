@@ -139,18 +139,37 @@ def paths():
 
 # 1. A handle is trusted for its size ------------------------------------------
 
-def test_a_handle_larger_than_its_driver_allocation_does_not_open():
+def test_a_handle_larger_than_its_driver_allocation_does_not_open(planted):
     mem = gpuptr.alloc(4096)
     h = mem.ipc_handle()
     f = fields(h)
-    # Another process's handle without a liveness slot: only the driver's
-    # range bounds it.
-    for offset, size in [(f["offset"], 1 << 40), (1 << 62, 16), (f["offset"] + (1 << 40), 0)]:
-        bad = craft(h, process=new_token(), slot=NO_SLOT, offset=offset, size=size)
+    # Another process's handle whose liveness record (planted, as an
+    # altered file could say) spans far past the driver's allocation: the
+    # driver's range still bounds it.
+    token = new_token()
+    planted(liveness_path(craft(h, process=token)), {0: (f["export"], 0, 1 << 62)})
+    for offset, size in [(f["offset"], 1 << 40), (1 << 61, 16), (f["offset"] + (1 << 40), 0)]:
+        bad = craft(h, process=token, slot=0, offset=offset, size=size)
         with pytest.raises(gpuptr.InvalidPointerError, match="outside"):
             bad.open()
-    ok = craft(h, process=new_token(), slot=NO_SLOT)
+    ok = craft(h, process=token, slot=0)
     assert ok.open().device_pointer_value == mem.device_pointer_value
+
+
+def test_a_handle_without_its_liveness_record_does_not_open():
+    # Every handle gpuptr makes has a record, which bounds it to its
+    # allocation; without one (a slot cleared by hand), a pool block's
+    # handle moved to the next block would have opened there, as the
+    # driver's range is the whole segment.
+    mine, theirs = gpuptr.alloc(4096), gpuptr.alloc(4096)
+    theirs.memset(0xBB)
+    h, other = fields(mine.ipc_handle()), fields(theirs.ipc_handle())
+    assert h["handle"] == other["handle"], "one segment"
+    for offset, size in [(other["offset"], 4096), (h["offset"], 4096), (0, 8192)]:
+        bad = craft(mine.ipc_handle(), process=new_token(), slot=NO_SLOT, offset=offset, size=size)
+        with pytest.raises(gpuptr.InvalidPointerError, match="no liveness record"):
+            bad.open()
+    assert open_in_child(craft(mine.ipc_handle(), slot=NO_SLOT))[0].startswith("InvalidPointerError")
 
 
 def test_a_handle_reaching_past_its_exported_block_fails_in_another_process():
@@ -237,7 +256,7 @@ def test_pool_memory_past_the_last_slot_is_refused_never_shared_unchecked():
 
 # 4. An empty view at an allocation's end ---------------------------------------
 
-def test_an_empty_view_exports_its_own_allocation_and_opens_to_nothing():
+def test_an_empty_view_exports_its_own_allocation_and_opens_to_nothing(planted):
     mem = gpuptr.alloc(4096)
     nxt = gpuptr.alloc(4096)
     whole = fields(mem.ipc_handle())
@@ -247,7 +266,9 @@ def test_an_empty_view_exports_its_own_allocation_and_opens_to_nothing():
         assert f["handle"] == whole["handle"] and f["size"] == 0
         assert f["offset"] == whole["offset"] + 4096
         assert h.open().size == 0
-        assert craft(h, process=new_token(), slot=NO_SLOT).open().size == 0
+        token = new_token()
+        planted(liveness_path(craft(h, process=token)), {0: (whole["export"], whole["offset"], 4096)})
+        assert craft(h, process=token, slot=0).open().size == 0
     del nxt
 
 

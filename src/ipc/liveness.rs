@@ -337,12 +337,16 @@ fn sweep(own: &Path) {
 
 /// The exported allocation's bounds in its driver allocation (offset,
 /// size), if the exporter of `handle` still has it live: its record holds
-/// the handle's export number. `Ok(None)` for a handle without a slot.
-/// `Err` ([`Error::InvalidPointer`]) for a handle whose exporter says it is
-/// freed, whose exporter is gone, or whose file is not a liveness file.
-pub(crate) fn check_alive(handle: &IpcHandle) -> Result<Option<(usize, usize)>> {
+/// the handle's export number. `Err` ([`Error::InvalidPointer`]) for a
+/// handle without a slot (gpuptr exports none: it was altered, and nothing
+/// would bound it to its allocation inside a pool segment), whose exporter
+/// says it is freed, whose exporter is gone, or whose file is not a
+/// liveness file.
+pub(crate) fn check_alive(handle: &IpcHandle) -> Result<(usize, usize)> {
     if handle.slot == NO_SLOT {
-        return Ok(None);
+        return Err(Error::InvalidPointer(
+            "this IPC handle has no liveness record, which every handle gpuptr makes has: it was altered".into(),
+        ));
     }
     let exited = || {
         Error::InvalidPointer(format!(
@@ -388,5 +392,5 @@ pub(crate) fn check_alive(handle: &IpcHandle) -> Result<Option<(usize, usize)>> 
     }
     let start = usize::try_from(word(&record[8..16])).map_err(|e| bad(&e))?;
     let size = usize::try_from(word(&record[16..24])).map_err(|e| bad(&e))?;
-    Ok(Some((start, size)))
+    Ok((start, size))
 }

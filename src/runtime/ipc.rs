@@ -100,11 +100,12 @@ impl Runtime {
             .services()
             .exports
             .export(parent.export_key(), start, parent.size());
-        if export.slot == NO_SLOT && matches!(parent.origin(), Origin::Pool(_)) {
-            // Without a record, another process could open the block after
-            // it was freed and reused, and read its next owner's bytes.
+        if export.slot == NO_SLOT {
+            // Without a record, another process could open a pool block after
+            // it was freed and reused, and read its next owner's bytes; and
+            // nothing would bound an altered handle to the allocation.
             return Err(Error::InvalidArgument(
-                "pool memory is shared only with a liveness record, and none is left (65536 allocations exported and live at once, or no /dev/shm)".into(),
+                "device memory is shared only with a liveness record, and none is left (65536 allocations exported and live at once, or no /dev/shm)".into(),
             ));
         }
         lock(&self.ipc().exports).remember(export.number, parent, start);
@@ -147,10 +148,10 @@ impl Runtime {
             let at = inside(handle, start, parent.size())?;
             return parent.view_all().view(at, Some(at + handle.size));
         }
-        // Before mapping: memory freed, or an exporter gone, is never mapped.
-        if let Some((start, len)) = check_alive(handle)? {
-            inside(handle, start, len)?;
-        }
+        // Before mapping: memory freed, or an exporter gone, is never mapped,
+        // and the handle stays inside the allocation its record bounds.
+        let (start, len) = check_alive(handle)?;
+        inside(handle, start, len)?;
         let ctx = self.context(handle.device)?;
         let mut opened = lock(&ipc.opened);
         let mapping = match opened.get(&handle.handle).and_then(Weak::upgrade) {

@@ -610,9 +610,15 @@ def test_live_says_whether_memory_may_be_used_and_probes_of_freed_memory_raise()
             hasattr(obj, "__cuda_array_interface__")
 
 
-def test_a_pinned_wrap_with_gpuptr_pinned_memory_as_owner_shares_its_life():
+@pytest.mark.parametrize("finalizer", [False, True], ids=["plain", "with-finalizer"])
+def test_a_pinned_wrap_with_gpuptr_pinned_memory_as_owner_shares_its_life(finalizer):
+    # With a finalizer too: such a wrap was left out of the shared life, and
+    # its export did not stop the owner's free (the memoryview then read and
+    # wrote the block's next owner).
     h = gpuptr.alloc_host(4096)
-    w = gpuptr.PinnedMemory(h.context, h.ptr + 1024, 1024, owner=h)
+    fired = []
+    fin = {"finalizer": lambda: fired.append(1)} if finalizer else {}
+    w = gpuptr.PinnedMemory(h.context, h.ptr + 1024, 1024, owner=h, **fin)
     memoryview(w)[:3] = b"abc"
     assert bytes(memoryview(h)[1024:1027]) == b"abc"     # the same bytes
     view = memoryview(w)
@@ -633,6 +639,9 @@ def test_a_pinned_wrap_with_gpuptr_pinned_memory_as_owner_shares_its_life():
     with pytest.raises(gpuptr.GpuptrError):
         gpuptr.MappedMemory(victim.context, victim.ptr, 64, owner=victim)
     victim.free()
+    w.free()                            # a wrap with a finalizer calls it, once
+    del w
+    assert fired == ([1] if finalizer else [])
 
 
 def test_a_dlpack_loan_of_mapped_memory_keeps_its_host_memory_past_free():

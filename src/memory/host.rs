@@ -314,12 +314,14 @@ impl HostMemory {
     /// checked against `within`, which holds the bytes. `Err` if the range
     /// is not inside it or `within` is not live; with `mapped`, the driver
     /// is asked for the device address (with unified addressing every
-    /// pinned allocation has one, mapped or not).
+    /// pinned allocation has one, mapped or not). `keepalive` is released
+    /// with the wrap, as [`HostMemory::wrap`]'s.
     pub fn wrap_within(
         within: &Arc<HostMemory>,
         ptr: HostPtr,
         size: usize,
         mapped: bool,
+        keepalive: Option<KeepAlive>,
     ) -> Result<Arc<Self>> {
         crate::fork::check()?;
         within.check_live()?;
@@ -338,7 +340,14 @@ impl HostMemory {
             read_only: within.readonly,
             ..HostFlags::default()
         };
-        let mut mem = Self::new(&within.context, ptr, size, HostKind::Foreign, flags, None)?;
+        let mut mem = Self::new(
+            &within.context,
+            ptr,
+            size,
+            HostKind::Foreign,
+            flags,
+            keepalive,
+        )?;
         Arc::get_mut(&mut mem).expect("made just now").within = Some(within.clone());
         Ok(mem)
     }

@@ -135,24 +135,23 @@ fn wrap_pinned(
     };
     let managed = finalizer.is_some();
     let (ptr, bytes) = (pointer_arg(pointer)? as usize, size_arg(size, "size")?);
-    if let (Some(within), None) = (
-        owner
-            .as_ref()
-            .and_then(|o| gpuptr_host(o.bind(pointer.py()))),
-        &finalizer,
-    ) {
+    let keep = keep_finalizer(pointer.py(), finalizer)?;
+    if let Some(within) = owner
+        .as_ref()
+        .and_then(|o| gpuptr_host(o.bind(pointer.py())))
+    {
         // Pinned memory of gpuptr's as owner: a wrap of it goes stale with
-        // it, rather than outlive its free over memory reused since.
-        let host = HostMemory::wrap_within(&within, ptr, bytes, mapped)?;
+        // it, rather than outlive its free over memory reused since, and
+        // its exports count on it (with a finalizer too).
+        let host = HostMemory::wrap_within(&within, ptr, bytes, mapped, keep)?;
         return Ok((
             HostInner {
                 host,
                 owned: Owned::new(owner, None),
             },
-            false,
+            managed,
         ));
     }
-    let keep = keep_finalizer(pointer.py(), finalizer)?;
     let read_only = owner_is_read_only(pointer.py(), owner.as_ref());
     // SAFETY: numba's constructor shape: the caller's memory, pinned by its
     // owner, which `keep` and the Python object hold. The driver is asked
@@ -369,9 +368,9 @@ macro_rules! host_methods {
 /// Page-locked host memory (numba's ``PinnedMemory``). Its bytes are
 /// exported through the buffer protocol. ``PinnedMemory(context, pointer,
 /// size, owner=None, finalizer=None)`` wraps memory someone else pinned;
-/// with gpuptr's pinned memory as ``owner`` (and no finalizer) the wrap
-/// shares its owner's life: stale once it is freed, and its exports keep
-/// the owner's ``free()`` refusing.
+/// with gpuptr's pinned memory as ``owner`` the wrap shares its owner's
+/// life: stale once it is freed, and its exports keep the owner's
+/// ``free()`` refusing.
 #[pyclass(frozen, module = "gpuptr._core", name = "PinnedMemory")]
 pub struct PyPinnedMemory {
     inner: HostInner,

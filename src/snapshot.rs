@@ -318,7 +318,9 @@ impl Snapshot {
     /// is replaced, or created if it does not exist yet; the link stays),
     /// a directory (or a link to one) is `EISDIR`, and a file that is not a
     /// regular one (a FIFO, `/dev/null`, a terminal) is written into, never
-    /// replaced by a regular file.
+    /// replaced by a regular file. A regular file the caller may not write
+    /// is `EACCES`, and one that is replaced keeps its mode (not its hard
+    /// links: the new file is another).
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         let target = final_target(path)?;
         match std::fs::metadata(&target) {
@@ -327,12 +329,19 @@ impl Snapshot {
                 let mut f = std::fs::OpenOptions::new().write(true).open(&target)?;
                 f.write_all(&self.to_pickle())
             }
-            _ => self.replace(&target),
+            Ok(m) => {
+                // Only a file the caller could open for writing (nothing is
+                // written to it here; the new file replaces it).
+                drop(std::fs::OpenOptions::new().write(true).open(&target)?);
+                self.replace(&target, Some(m.permissions()))
+            }
+            Err(_) => self.replace(&target, None),
         }
     }
 
-    /// Write to a new file beside `path`, renamed over it.
-    fn replace(&self, path: &Path) -> std::io::Result<()> {
+    /// Write to a new file beside `path` (with `mode`, if given), renamed
+    /// over it.
+    fn replace(&self, path: &Path, mode: Option<std::fs::Permissions>) -> std::io::Result<()> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let name = path.file_name().ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file")
@@ -371,6 +380,9 @@ impl Snapshot {
             }
         };
         let r = (|| {
+            if let Some(mode) = mode {
+                f.set_permissions(mode)?;
+            }
             f.write_all(&self.to_pickle())?;
             f.sync_data()?;
             std::fs::rename(&tmp, path)

@@ -14,8 +14,11 @@ import ctypes
 import gc
 import os
 import pickle
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -317,6 +320,49 @@ def test_the_environment_arms_the_oom_snapshot(tmp_path):
         snap = pickle.load(f)
     check_memory_viz_format(snap)
     assert [e["action"] for e in snap["device_traces"][0]][-1] == "oom"
+
+
+def test_dump_snapshot_keeps_a_replaced_files_mode(tmp_path):
+    # The new file renamed over the old one took the umask's mode (a 0o600
+    # file became 0o644, readable by anyone).
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(b"old")
+    path.chmod(0o600)
+    gpuptr.dump_snapshot(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert pickle.loads(path.read_bytes())["segments"] is not None
+
+
+READ_ONLY = """
+import os, sys, gpuptr
+path = sys.argv[1]
+try:
+    gpuptr.dump_snapshot(path)
+    print("written")
+except PermissionError:
+    print("PermissionError")
+print(open(path, "rb").read().decode(), oct(os.stat(path).st_mode & 0o777))
+"""
+
+
+def test_dump_snapshot_refuses_a_file_its_caller_may_not_write():
+    # As open(path, "wb"): a read-only file is refused, and left as it was
+    # (it was replaced). Root may write any file, so as root the child runs
+    # without that capability (util-linux's setpriv).
+    d = tempfile.mkdtemp(prefix="gpuptr-snap-")
+    try:
+        path = os.path.join(d, "ro.pickle")
+        with open(path, "w") as f:
+            f.write("precious")
+        os.chmod(path, 0o444)
+        env = dict(os.environ, GPUPTR_DRIVER="sim")
+        drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+        out = subprocess.run([*drop, sys.executable, "-c", READ_ONLY, path], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["PermissionError", "precious", "0o444"]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_dump_snapshot_raises_a_typed_error_for_a_path_it_cannot_write(tmp_path):

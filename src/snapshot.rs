@@ -343,9 +343,11 @@ impl Snapshot {
     /// over it.
     fn replace(&self, path: &Path, mode: Option<std::fs::Permissions>) -> std::io::Result<()> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let name = path.file_name().ok_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file")
-        })?;
+        // A path that names no file (`""`, `missing/..`): as `open` finds
+        // no such file.
+        let name = path
+            .file_name()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?;
         // A fresh file of our own (O_EXCL: never one someone put there
         // first, nor a symlink's target), under the next free name; a
         // directory that is full of such names is an error, not a spin.

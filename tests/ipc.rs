@@ -260,6 +260,19 @@ fn test_a_handle_without_its_liveness_record_does_not_open_elsewhere() {
 }
 
 #[test]
+fn test_a_handle_opened_in_its_exporter_names_its_memorys_device() {
+    let (_drv, rt) = sim_pooled(2, 64 << 20);
+    let mem = rt.context(0).unwrap().alloc(4096).unwrap();
+    let mut h = rt.ipc_export(&mem.view_all()).unwrap();
+    assert!(rt.ipc_open(&h).is_ok());
+    h.device = 1;
+    match rt.ipc_open(&h) {
+        Err(Error::InvalidPointer(m)) => assert!(m.contains("device 1"), "{m}"),
+        other => panic!("a handle altered to name device 1: {other:?}"),
+    }
+}
+
+#[test]
 fn test_a_handle_opened_in_its_exporter_is_bounded_by_the_exported_memory() {
     let (_drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();

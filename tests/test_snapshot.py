@@ -296,6 +296,13 @@ def test_out_of_memory_writes_the_snapshot_and_the_error_names_it(tmp_path):
         with pytest.raises(gpuptr.OutOfMemoryError) as err:
             gpuptr.alloc(64 << 20)
         assert "snapshot" not in str(err.value)
+        # A name no file can have is refused at once (it was taken, and
+        # failed only at the first out of memory), and the setting stays.
+        with pytest.raises(gpuptr.InvalidArgumentError, match="NUL"):
+            gpuptr.record_history(True, oom_snapshot="a\0b")
+        with pytest.raises(gpuptr.OutOfMemoryError) as err:
+            gpuptr.alloc(64 << 20)
+        assert "snapshot" not in str(err.value)
         del kept
     finally:
         gpuptr.set_pool_limit(None)
@@ -376,6 +383,11 @@ def test_dump_snapshot_raises_a_typed_error_for_a_path_it_cannot_write(tmp_path)
             gpuptr.dump_snapshot(locked / "snap.pickle")
     with pytest.raises(IsADirectoryError):
         gpuptr.dump_snapshot(tmp_path)
+    # Paths that name no file, as open() finds them (they were an
+    # InvalidArgumentError).
+    for nothing in ("", str(tmp_path / "missing" / "..")):
+        with pytest.raises(FileNotFoundError):
+            gpuptr.dump_snapshot(nothing)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")], "no half-written file left"
 
 

@@ -44,6 +44,14 @@ pub(crate) fn record_history(
     };
     let rt = runtime()?;
     if let Some(path) = oom_snapshot {
+        // Refused now, not at the first out of memory: no file has a NUL
+        // in its name.
+        if std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).contains(&0) {
+            return Err(Error::InvalidArgument(format!(
+                "oom_snapshot {path:?} has a NUL byte: no file can have that name"
+            ))
+            .into());
+        }
         rt.set_oom_snapshot((!path.as_os_str().is_empty()).then_some(path));
     }
     rt.record_history(enabled, max_entries);

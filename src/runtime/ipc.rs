@@ -145,6 +145,13 @@ impl Runtime {
             let (weak, start) = found.ok_or_else(freed)?;
             let parent = weak.upgrade().filter(|p| !p.is_freed() && !p.is_stale());
             let parent = parent.ok_or_else(freed)?;
+            if parent.context().device() != handle.device {
+                return Err(Error::InvalidPointer(format!(
+                    "this IPC handle names device {}, and its memory is on device {}",
+                    handle.device,
+                    parent.context().device()
+                )));
+            }
             let at = inside(handle, start, parent.size())?;
             return parent.view_all().view(at, Some(at + handle.size));
         }

@@ -319,8 +319,9 @@ impl Snapshot {
     /// a directory (or a link to one) is `EISDIR`, and a file that is not a
     /// regular one (a FIFO, `/dev/null`, a terminal) is written into, never
     /// replaced by a regular file. A regular file the caller may not write
-    /// is `EACCES`, and one that is replaced keeps its mode (not its hard
-    /// links: the new file is another).
+    /// is `EACCES`, and one that is replaced keeps its permission bits (not
+    /// its owner, set-ID bits, extended attributes or hard links: the new
+    /// file is another, the caller's).
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         let target = final_target(path)?;
         match std::fs::metadata(&target) {
@@ -333,7 +334,13 @@ impl Snapshot {
                 // Only a file the caller could open for writing (nothing is
                 // written to it here; the new file replaces it).
                 drop(std::fs::OpenOptions::new().write(true).open(&target)?);
-                self.replace(&target, Some(m.permissions()))
+                // Its permission bits alone: the new file is the caller's,
+                // and a set-user-ID bit kept would give it the caller's ID.
+                let mode = std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777;
+                self.replace(
+                    &target,
+                    Some(std::os::unix::fs::PermissionsExt::from_mode(mode)),
+                )
             }
             Err(_) => self.replace(&target, None),
         }

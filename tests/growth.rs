@@ -23,10 +23,13 @@ fn test_growth_on_a_busy_device_never_hands_out_a_block_its_work_still_writes() 
     let calls = drv.calls(CallKind::MemAlloc);
     let blocks: Vec<_> = (0..40).map(|_| ctx.alloc(1 << 20).unwrap()).collect();
     // At most PyTorch's one 2 MiB segment per two blocks; fewer once the
-    // fence reads as a busy GPU's (segments of `ahead_bytes`).
+    // fence reads as a busy GPU's (segments of `ahead_bytes`), when the
+    // miss that grows so also asks the helper for one growth ahead (the
+    // blocks are kept, so no hit asks again): that reading can come late
+    // on a slow host (valgrind on a loaded one), after 19 small segments.
     let fresh_calls = drv.calls(CallKind::MemAlloc) - calls;
     assert!(
-        fresh_calls <= 20,
+        fresh_calls <= 20 + 1,
         "{fresh_calls} driver calls for 40 blocks"
     );
     let mut addrs: Vec<_> = blocks.iter().map(|p| p.address()).collect();

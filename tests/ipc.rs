@@ -53,6 +53,9 @@ fn foreign(mut h: IpcHandle) -> Foreign {
         .open(&path)
         .unwrap();
     file.set_len(real.metadata().unwrap().len()).unwrap();
+    // As the exporter's: only its owner may write it, whatever the umask.
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .unwrap();
     file.write_all_at(&record, u64::from(h.slot) * RECORD)
         .unwrap();
     // SAFETY: a valid descriptor this function owns; `flock` only locks it.

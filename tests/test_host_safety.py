@@ -229,6 +229,36 @@ def test_a_forked_child_never_calls_a_python_finalizer_at_its_exit(tmp_path):
     assert r.stdout.strip() == "child 0 False", r.stdout + r.stderr
 
 
+def test_a_forked_child_never_calls_a_python_finalizer_through_the_collector(tmp_path):
+    # A garbage cycle pending at the fork (owner -> wrap -> owner) is
+    # collected in both processes: the child's collection finalizes the
+    # finalizer's guard, which must not call it there.
+    log = tmp_path / "finalized"
+    r = run_isolated(f"""
+        import gc, os, sys, gpuptr
+        LOG = {str(log)!r}
+        def note():
+            with open(LOG, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+        gc.disable()
+        base = gpuptr.alloc(4096)
+        class Holder: pass
+        h = Holder()
+        h.p = gpuptr.MemoryPointer(None, base.device_pointer_value, 4096, owner=h, finalizer=note)
+        del h
+        pid = os.fork()
+        if pid == 0:
+            gc.collect()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        child = os.path.exists(LOG)
+        gc.collect()
+        print("child", os.waitstatus_to_exitcode(status), child, open(LOG).read().split() == [str(os.getpid())])
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "child 0 False True", r.stdout + r.stderr
+
+
 # 11. Exit is clean while a daemon thread is inside a gpuptr call running Python --
 
 DAEMONS = {

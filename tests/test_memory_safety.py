@@ -488,6 +488,23 @@ def test_a_finalizer_freed_with_a_cycle_runs_whole_before_the_collector_clears_i
     assert r.stdout.split() == ["100", "100"]
 
 
+def test_a_finalizer_is_called_at_free_whoever_holds_its_guard():
+    # The collector hands the finalizer's holder out (gc.get_referents):
+    # holding it does not put the call off past free(), and it leaves no
+    # module behind.
+    base = gpuptr.alloc(4096)
+    fired = []
+    p = gpuptr.MemoryPointer(None, base.device_pointer_value, 4096, owner=base,
+                             finalizer=lambda: fired.append(1))
+    held = [r for r in gc.get_referents(p) if r is not base]
+    p.free()
+    assert fired == [1]
+    del held, p
+    gc.collect()
+    assert fired == [1]
+    assert not [m for m in sys.modules if "finalizer" in m]
+
+
 @pytest.mark.parametrize("make", [
     lambda h, f: gpuptr.MemoryPointer(None, h.device_pointer_value, 10, finalizer=f),
     lambda h, f: gpuptr.MappedMemory(None, h.host_pointer, 10, finalizer=f),

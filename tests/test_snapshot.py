@@ -329,15 +329,17 @@ def test_the_environment_arms_the_oom_snapshot(tmp_path):
     assert [e["action"] for e in snap["device_traces"][0]][-1] == "oom"
 
 
-def test_dump_snapshot_keeps_a_replaced_files_mode(tmp_path):
-    # The new file renamed over the old one took the umask's mode (a 0o600
-    # file became 0o644, readable by anyone).
+def test_dump_snapshot_keeps_a_replaced_files_permission_bits(tmp_path):
+    # The new file renamed over the old one took the umask's mode (a 0o640
+    # file became 0o644, readable by anyone); a set-user-ID bit is not kept
+    # (the new file is the caller's).
     path = tmp_path / "snap.pickle"
-    path.write_bytes(b"old")
-    path.chmod(0o600)
-    gpuptr.dump_snapshot(path)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert pickle.loads(path.read_bytes())["segments"] is not None
+    for mode, kept in [(0o640, 0o640), (0o4750, 0o750)]:
+        path.write_bytes(b"old")
+        path.chmod(mode)
+        gpuptr.dump_snapshot(path)
+        assert stat.S_IMODE(path.stat().st_mode) == kept
+        assert pickle.loads(path.read_bytes())["segments"] is not None
 
 
 READ_ONLY = """

@@ -21,9 +21,11 @@
 //! maps. So a pool block freed back to the pool, whose driver allocation is
 //! still mapped, gives `InvalidPointer`, not another owner's bytes. (Memory
 //! freed *after* another process mapped it is that process's to stop
-//! using.) A pool block is exported only with a record (so never without
-//! `/dev/shm`, nor past 65536 allocations exported and live at once); a
-//! driver allocation without one relies on the driver's own check.
+//! using.) Memory is exported only with a record (so never without
+//! `/dev/shm`, nor past 65536 allocations exported and live at once), and
+//! another process opens a handle only with one: the record also bounds
+//! the handle to its allocation, which the driver's range (a whole pool
+//! segment) does not.
 
 use crate::driver::IpcMemHandle;
 use crate::error::{Error, Result};

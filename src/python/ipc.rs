@@ -87,10 +87,12 @@ impl PyMemoryPointer {
     /// A picklable ``IpcHandle`` another process opens to use this memory
     /// (device memory gpuptr allocated, or a wrap of it with its pointer as
     /// owner; not managed, host or other wrapped memory, which raise
-    /// ``InvalidArgumentError``, as pool memory does
-    /// when no liveness record is left: 65,536 allocations exported and
-    /// live at once, or no ``/dev/shm``). Every handle of one allocation
-    /// shares its record; an empty view's handle opens to an empty view.
+    /// ``InvalidArgumentError``, as any memory does when no liveness record
+    /// is left: 65,536 allocations exported and live at once, or no
+    /// ``/dev/shm``). Every handle of one allocation shares its record,
+    /// which bounds it to the allocation in another process (a handle
+    /// without one does not open there); an empty view's handle opens to
+    /// an empty view.
     fn ipc_handle(&self) -> PyResult<PyIpcHandle> {
         Ok(PyIpcHandle(runtime()?.ipc_export(&self.view)?))
     }

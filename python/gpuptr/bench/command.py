@@ -36,9 +36,9 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
     """What stops the arguments from working, found before anything is
     measured (None: nothing): ``--plot`` without matplotlib or to a file
     whose extension names no format matplotlib writes, or a report file in
-    a directory that does not exist or cannot be written, an empty name, or
-    a path that is not a regular file (a FIFO would wait for a reader once
-    the run is done)."""
+    a directory that does not exist or cannot be written, or an empty
+    name. A path that is not a regular file (``/dev/stdout``, a pipe) is
+    written into, as ``open()`` writes it."""
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -55,8 +55,6 @@ def check_arguments(args: argparse.Namespace) -> Optional[str]:
         parent = Path(path).parent
         if Path(path).is_dir():
             return f"{flag} {path}: is a directory (name a file in it)"
-        if Path(path).exists() and not Path(path).is_file():
-            return f"{flag} {path}: is not a regular file"
         if Path(path).exists() and not os.access(path, os.W_OK):
             return f"{flag} {path}: the file cannot be written"
         if not parent.is_dir():

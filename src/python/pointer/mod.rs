@@ -30,26 +30,56 @@ pub(crate) fn legacy_as_one(stream: RawStream) -> RawStream {
 /// Never raises; skipped while the interpreter shuts down, and in a forked
 /// child (the memory it releases is the parent's).
 ///
-/// It holds the callable inside a small Python object whose `__del__` calls
-/// it ([`guard`]), so that the call comes from CPython's finalization: the
-/// exception of a call under way is kept (a method that failed on a
-/// temporary pointer raises its own error, not one of the finalizer's), and
-/// when the garbage collector frees a cycle through the pointer, the call
-/// comes before anything in the cycle is cleared (PEP 442). A call from the
-/// pointer's own `__clear__` would come after the collector may have
-/// cleared the finalizer itself: a cleared function has no globals, and
-/// calling it crashed the interpreter.
+/// The callable sits in a small Python object, its guard, whose `__del__`
+/// calls it too ([`fire`]): when the garbage collector frees a cycle through
+/// the pointer, CPython finalizes the guard before it clears anything in the
+/// cycle (PEP 442), so the call comes while the finalizer is whole. Called
+/// from the pointer's own `__clear__`, it came after the collector may have
+/// cleared the function (no globals), and crashed the interpreter. As under
+/// numba, whose finalizers are `weakref.finalize` callbacks, a cycle that
+/// another object's `__del__` brings back to life has had its finalizer
+/// called.
 pub(crate) struct PyFinalizer(Option<Py<PyAny>>);
 
-/// The finalizer `f` inside its guard (see [`PyFinalizer`]).
+/// The guard of finalizer `f` (see [`PyFinalizer`]).
 fn guard(py: Python<'_>, f: Py<PyAny>) -> PyResult<Py<PyAny>> {
     static GUARD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let class = GUARD.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-        let code = c"class FinalizerGuard:\n    __slots__ = ('f',)\n    def __init__(self, f):\n        self.f = f\n    def __del__(self):\n        self.f()\n";
-        let module = PyModule::from_code(py, code, c"gpuptr_finalizer.py", c"gpuptr._finalizer")?;
-        Ok(module.getattr("FinalizerGuard")?.unbind())
+        // Defined in a namespace of its own, not a module: nothing in
+        // `sys.modules`, no source file named.
+        let ns = PyDict::new(py);
+        ns.set_item("fire", wrap_pyfunction!(fire, py)?)?;
+        ns.set_item("__name__", "gpuptr")?;
+        let code = c"class FinalizerGuard:\n    __slots__ = ('f',)\n    def __init__(self, f):\n        self.f = f\n    def __del__(self):\n        fire(self)\n";
+        py.run(code, Some(&ns), None)?;
+        Ok(ns.as_any().get_item("FinalizerGuard")?.unbind())
     })?;
     Ok(class.bind(py).call1((f,))?.unbind())
+}
+
+/// Call the finalizer `guard` holds, once (the guard lets go of it), unless
+/// this is a forked child or Python is exiting. An error it raises is
+/// printed as unraisable; an exception already set is kept.
+#[pyfunction]
+fn fire(guard: &Bound<'_, PyAny>) {
+    let py = guard.py();
+    let Some(_region) = (!crate::fork::forked())
+        .then(super::shutdown::Region::enter)
+        .flatten()
+    else {
+        return;
+    };
+    let pending = PyErr::take(py);
+    if let Ok(f) = guard.getattr(intern!(py, "f")) {
+        if !f.is_none() && guard.setattr(intern!(py, "f"), py.None()).is_ok() {
+            if let Err(e) = f.call0() {
+                e.write_unraisable(py, Some(guard));
+            }
+        }
+    }
+    if let Some(e) = pending {
+        e.restore(py);
+    }
 }
 
 /// What a constructor's ``finalizer`` argument keeps until release; a
@@ -69,22 +99,24 @@ pub(crate) fn keep_finalizer(
 
 impl Drop for PyFinalizer {
     fn drop(&mut self) {
-        // Letting go of the guard calls the finalizer: where it must not
-        // run, the guard is leaked instead.
-        let mut f = self.0.take();
-        // Not in a forked child (the memory it releases is the parent's),
-        // nor on another thread once Python is exiting (there, waiting for
-        // the GIL could hang this thread, which may be gpuptr's own).
+        let Some(guard) = self.0.take() else {
+            return;
+        };
+        // The call comes here, at release (whoever else holds the guard:
+        // `gc.get_referents` hands it out). Where it must not run, the
+        // guard is leaked: letting it go would run its `__del__`.
+        let mut guard = Some(guard);
         let region = (!crate::fork::forked())
             .then(super::shutdown::Region::enter)
             .flatten();
         if region.is_some() {
-            // The last reference goes: CPython finalizes the guard, which
-            // calls the finalizer (once, whoever comes first: the collector
-            // finalizes a cycle's objects before it clears any).
-            Python::try_attach(|_py| drop(f.take()));
+            Python::try_attach(|py| {
+                if let Some(g) = guard.take() {
+                    fire(g.bind(py));
+                }
+            });
         }
-        std::mem::forget(f);
+        std::mem::forget(guard);
     }
 }
 

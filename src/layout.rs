@@ -34,12 +34,21 @@ pub fn typestr_itemsize(typestr: &str) -> Result<usize> {
         return Err(bad());
     }
     let digits = &typestr[2..];
-    if !digits.bytes().all(|c| c.is_ascii_digit()) {
+    if !digits.bytes().all(|c| c.is_ascii_digit()) || digits.starts_with('0') {
         return Err(bad());
     }
-    // Item sizes fit an i64 (strides are signed byte counts).
+    // Item sizes fit an i64 (strides are signed byte counts), and each kind
+    // has the sizes numpy gives it (`<f3` is no type a consumer can read);
+    // raw bytes (`V`) any size.
+    let known = |n: usize| match b[1] {
+        b'b' => n == 1,
+        b'i' | b'u' => matches!(n, 1 | 2 | 4 | 8),
+        b'f' => matches!(n, 2 | 4 | 8 | 16),
+        b'c' => matches!(n, 8 | 16 | 32),
+        _ => true,
+    };
     match digits.parse::<usize>() {
-        Ok(n) if n > 0 && i64::try_from(n).is_ok() => Ok(n),
+        Ok(n) if n > 0 && i64::try_from(n).is_ok() && known(n) => Ok(n),
         _ => Err(bad()),
     }
 }
@@ -142,6 +151,14 @@ mod tests {
         assert!(typestr_itemsize("|V9223372036854775808").is_err());
         for bad in ["f4", "<x4", "<f0", "<f", "float32", "<f4x", ""] {
             assert!(typestr_itemsize(bad).is_err(), "{bad}");
+        }
+        // Sizes no consumer has a type for (they imported, then numpy and
+        // numba raised an untyped error), and leading zeros.
+        for bad in ["<f3", "<c3", "|b4", "<i16", "<f04", "|V04"] {
+            assert!(typestr_itemsize(bad).is_err(), "{bad}");
+        }
+        for good in ["<f2", "<f16", "<c32", "|b1", "<u8", "|V3"] {
+            assert!(typestr_itemsize(good).is_ok(), "{good}");
         }
     }
 

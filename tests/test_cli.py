@@ -201,6 +201,38 @@ def test_bench_json_naming_an_empty_name_fails_before_measuring():
     assert "measuring:" not in out.stderr and "Traceback" not in out.stderr
 
 
+def test_check_skips_the_pool_row_when_the_pool_is_off():
+    # GPUPTR_POOL=0 is a documented setting: its check failed ("freed
+    # blocks are reused") and the command exited 1.
+    out = _run_env("check", GPUPTR_DRIVER="sim", GPUPTR_POOL="0", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("pool ")]
+    assert row.split()[1] == "skip" and "GPUPTR_POOL" in row, row
+
+
+def test_check_with_no_device_says_so_and_runs_nothing_else():
+    # With no device visible the checks failed with an IndexError each.
+    out = _run_env("check", GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="0", timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "shows no device" in out.stdout and "IndexError" not in out.stdout
+    assert "checks were not run: each needs a working driver and a device" in out.stdout
+
+
+def test_numbas_cuda_simulator_is_skipped_by_install_and_check():
+    # Under NUMBA_ENABLE_CUDASIM=1 numba's driver has no memory managers:
+    # install() raised AttributeError (and installed nothing else), and
+    # check's numba row failed.
+    code = "import numba.cuda, gpuptr; print(gpuptr.install()['numba'])"
+    env = dict(os.environ, GPUPTR_DRIVER="sim", NUMBA_ENABLE_CUDASIM="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("skipped:") and "NUMBA_ENABLE_CUDASIM" in r.stdout, r.stdout
+    out = _run_env("check", GPUPTR_DRIVER="sim", NUMBA_ENABLE_CUDASIM="1", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("numba plugin")]
+    assert row.split()[2] == "skip", row
+
+
 def test_bench_errors_go_through_the_clis_error_handling(monkeypatch, capsys):
     def fails(quick=False, out=None, only=None):
         raise gpuptr.InvalidArgumentError("the bench could not start")

@@ -257,6 +257,24 @@ def test_a_dimension_past_2_63_is_refused_not_wrapped(mem):
             gpuptr.as_array(mem, shape, "uint8")
 
 
+def test_the_shape_is_the_one_checked_not_the_exporters_objects(mem):
+    # A dimension whose __index__ answers 1 when checked and 2**20 later:
+    # the view kept the exporter's object, and re-exported a shape of a
+    # million floats over 4 bytes.
+    class Dim:
+        reads = 0
+
+        def __index__(self):
+            Dim.reads += 1
+            return 1 if Dim.reads == 1 else 1 << 20
+
+    v = gpuptr.from_cuda_array_interface(desc(mem.device_pointer_value, (Dim(),), "<f4"))
+    assert v.pointer.size == 4
+    assert v.shape == (1,) and type(v.shape[0]) is int
+    assert v.__cuda_array_interface__["shape"] == (1,)
+    assert v.size == 1 and v.nbytes == 4
+
+
 def test_a_freed_pointer_hands_no_address_to_a_consumer():
     p = gpuptr.alloc(64)
     v = gpuptr.as_array(p, 64, "uint8")

@@ -31,6 +31,10 @@ def _need_numba() -> None:
         import numba.cuda  # noqa: F401
     except Exception as e:
         raise Skip(f"numba-cuda not importable ({type(e).__name__})")
+    try:
+        from gpuptr.numba import MemoryManager  # noqa: F401
+    except ImportError as e:  # numba's CUDA simulator: no memory managers
+        raise Skip(str(e))
 
 
 def run_plugin(code: str, timeout: int = 300) -> str:
@@ -65,6 +69,9 @@ def check_driver() -> str:
 
     info = gpuptr.driver_info()
     where = "the CUDA driver" if info["driver"] == "cuda" else "gpuptr's simulator (GPUPTR_DRIVER=sim)"
+    # Every other check needs device 0: with none visible (CUDA_VISIBLE_DEVICES
+    # empty) they are not run, as without a driver.
+    assert info["device_count"] > 0, f"{where} shows no device (is CUDA_VISIBLE_DEVICES empty?)"
     return f"{where}, CUDA {info['version_string']}, {info['device_count']} device(s)"
 
 
@@ -131,6 +138,8 @@ def check_pool() -> str:
     for _ in range(64):
         gpuptr.alloc(1 << 16).free()
     s1 = gpuptr.stats()[0]
+    if s1["pool_misses"] == s0["pool_misses"] and s1["pool_bytes"] == 0:
+        raise Skip("the caching pool is off (GPUPTR_POOL): every allocation goes to the driver")
     hits = s1["pool_hits"] - s0["pool_hits"]
     assert hits > 0, "freed blocks are reused"
     return f"{hits} of 128 allocations from the cache, {s1['fences'] - s0['fences']} fence(s)"
@@ -412,7 +421,7 @@ def run(out: TextIO = sys.stdout, as_json: bool = False) -> int:
         return failures
     summary = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
     if not_run:
-        print(f"the other {len(not_run)} checks were not run: each needs a working driver", file=out)
+        print(f"the other {len(not_run)} checks were not run: each needs a working driver and a device", file=out)
         summary += f", {len(not_run)} not run"
     print(summary, file=out)
     return failures

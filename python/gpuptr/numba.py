@@ -131,7 +131,17 @@ def _backend(name: str) -> _Backend:
             name=getattr(e, "name", None),
         ) from e
     with _backends_lock:
-        return _backends.setdefault(name, _Backend(name, driver))
+        b = _backends.get(name)
+        if b is None:
+            try:
+                b = _Backend(name, driver)
+            except AttributeError as e:  # no EMM classes: numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)
+                raise ImportError(
+                    f"gpuptr.numba needs {name}'s CUDA driver, which has External Memory Management; this one "
+                    f"has none ({e}): numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) takes no memory manager"
+                ) from e
+            _backends[name] = b
+        return b
 
 
 def _name_for_module(module: str) -> Optional[str]:
@@ -361,11 +371,14 @@ def install() -> None:
     does, from Python. Call it before numba's first CUDA call: numba picks
     its manager when it creates its first context, and raises
     :class:`~gpuptr.InstallError` if another manager was picked already.
-    Calling it again is a no-op."""
+    Calling it again is a no-op. ImportError (saying why) when no numba
+    can take it: none installed, or only numba's CUDA simulator."""
+    errors = []
     for name in _DRIVERS:
         try:
             driver = _backend(name).driver
-        except Exception:  # not installed, or no CUDA runtime to import with
+        except Exception as e:  # not installed, or no CUDA runtime to import with
+            errors.append(e)
             continue
         current = getattr(driver, "_memory_manager", None)
         if current is MemoryManager or (isinstance(current, type) and issubclass(current, MemoryManager)):
@@ -377,6 +390,8 @@ def install() -> None:
                 "before numba's first CUDA call, or set NUMBA_CUDA_MEMORY_MANAGER=gpuptr.numba"
             )
         driver.set_memory_manager(MemoryManager)
+    if len(errors) == len(_DRIVERS):
+        raise ImportError("; ".join(str(e) for e in errors)) from errors[-1]
 
 
 _LAUNCH_NAMES = ("ArgCache", "Launcher", "as_cuda_array", "foreign_args", "from_cuda_array_interface_numba")

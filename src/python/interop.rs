@@ -111,9 +111,17 @@ fn finish<'py>(
     stream: Option<usize>,
 ) -> PyResult<ImportedArray> {
     let py = shape.py();
+    // The exporter's own tuple only if it holds plain ints, the values just
+    // checked; else the checked values (an object's `__index__` may answer
+    // differently the next time it is read).
     let shape = match shape.cast_exact::<PyTuple>() {
-        Ok(t) => t.clone(),
-        Err(_) => PyTuple::new(py, &layout.shape)?,
+        Ok(t)
+            if t.iter()
+                .all(|d| d.is_exact_instance_of::<pyo3::types::PyInt>()) =>
+        {
+            t.clone()
+        }
+        _ => PyTuple::new(py, &layout.shape)?,
     };
     // Read-only also where the memory is (read-only host memory), whatever
     // the exporter said.

@@ -257,6 +257,19 @@ def test_a_dimension_past_2_63_is_refused_not_wrapped(mem):
             gpuptr.as_array(mem, shape, "uint8")
 
 
+def test_an_exporters_own_attribute_error_is_not_read_as_no_interface():
+    # A bug inside the exporter's property read as "does not export".
+    class Broken:
+        @property
+        def __cuda_array_interface__(self):
+            return self.missing
+
+    with pytest.raises(AttributeError, match="missing"):
+        gpuptr.from_cuda_array_interface(Broken())
+    with pytest.raises(gpuptr.InvalidArgumentError, match="does not export"):
+        gpuptr.from_cuda_array_interface(object())
+
+
 def test_the_shape_is_the_one_checked_not_the_exporters_objects(mem):
     # A dimension whose __index__ answers 1 when checked and 2**20 later:
     # the view kept the exporter's object, and re-exported a shape of a

@@ -187,6 +187,8 @@ def from_cuda_array_interface(obj_or_desc: Any, *, owner: Any = None, sync: bool
         try:
             desc = obj_or_desc.__cuda_array_interface__
         except AttributeError:
+            if hasattr(type(obj_or_desc), "__cuda_array_interface__"):
+                raise  # the exporter's own property failed: its error, as it raised it
             raise InvalidArgumentError(
                 f"{type(obj_or_desc).__name__} does not export __cuda_array_interface__"
             ) from None

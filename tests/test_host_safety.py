@@ -172,9 +172,7 @@ def test_a_forked_child_never_runs_a_release_the_parent_deferred(tmp_path):
         import gc, os, pickle, subprocess, sys
         import gpuptr
         LOG = {str(log)!r}
-        def note():
-            with open(LOG, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
+        note = lambda: open(LOG, "a").write(f"{{os.getpid()}}\\n")  # noqa: E731
         mem = gpuptr.alloc(4096)
         wrapped = gpuptr.MemoryPointer(None, mem.device_pointer_value, 4096, finalizer=note)
         capsule = wrapped.__dlpack__()
@@ -212,9 +210,7 @@ def test_a_forked_child_never_calls_a_python_finalizer_at_its_exit(tmp_path):
     r = run_isolated(f"""
         import os, sys, gpuptr
         LOG = {str(log)!r}
-        def note():
-            with open(LOG, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
+        note = lambda: open(LOG, "a").write(f"{{os.getpid()}}\\n")  # noqa: E731
         mem = gpuptr.alloc(4096)
         keep = gpuptr.MemoryPointer(None, mem.device_pointer_value, 4096, finalizer=note)
         view = keep.view(0, 16)
@@ -237,9 +233,7 @@ def test_a_forked_child_never_calls_a_python_finalizer_through_the_collector(tmp
     r = run_isolated(f"""
         import gc, os, sys, gpuptr
         LOG = {str(log)!r}
-        def note():
-            with open(LOG, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
+        note = lambda: open(LOG, "a").write(f"{{os.getpid()}}\\n")  # noqa: E731
         gc.disable()
         base = gpuptr.alloc(4096)
         class Holder: pass

@@ -11,6 +11,7 @@
 //! nothing of what uses it.
 
 use std::collections::BTreeMap;
+use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 
@@ -20,7 +21,7 @@ use crate::sync::{read, write};
 struct Entry<T: ?Sized> {
     end: DevicePtr,
     owner: Weak<T>,
-    token: u64,
+    token: NonZeroU64,
     refs: usize,
 }
 
@@ -30,7 +31,8 @@ struct Entry<T: ?Sized> {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Registration {
     start: DevicePtr,
-    token: u64,
+    /// Never zero, so that an `Option<Registration>` takes two words.
+    token: NonZeroU64,
 }
 
 /// Known address ranges and their owners.
@@ -72,7 +74,7 @@ impl<T: ?Sized> Registry<T> {
         }
         // A different entry at this start is stale (its memory was freed
         // behind gpuptr's back): the new one replaces it.
-        let token = self.next_token.fetch_add(1, Ordering::Relaxed) + 1;
+        let token = NonZeroU64::MIN.saturating_add(self.next_token.fetch_add(1, Ordering::Relaxed));
         map.insert(
             start,
             Entry {

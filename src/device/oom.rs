@@ -39,19 +39,10 @@ impl DeviceState {
         // No reset since the caller read `epoch`: asked under the pool's
         // locks, which a reset takes too (see `Pool::alloc`).
         let valid = || self.epoch() == epoch;
-        let mut attempt = pool.alloc(ctx.raw(), size, stream, self.device, client, valid);
-        if attempt.as_ref().is_err_and(Error::is_oom) {
-            // Trims wait for the GPU (`cuMemFree`), and for the recovery
-            // lock another thread's trim holds.
-            attempt = crate::sync::blocking(|| self.recover(ctx, size, stream, client, valid));
-        }
-        let block = attempt.map_err(|e| match e.is_oom() {
-            true => {
-                self.counters.ooms.fetch_add(1, Ordering::Relaxed);
-                self.out_of_memory(ctx, size)
-            }
-            false => e,
-        })?;
+        let block = match pool.alloc(ctx.raw(), size, stream, self.device, client, valid) {
+            Ok(block) => block,
+            Err(e) => self.pool_alloc_failed(ctx, size, stream, client, valid, e)?,
+        };
         if block.ahead {
             let kind = crate::pool::Kind::of(block.class.min(size.max(1)));
             self.post_ahead(pool, ctx, usize::from(block.shard), kind);
@@ -76,6 +67,34 @@ impl DeviceState {
             );
         }
         Ok(block)
+    }
+
+    /// [`DeviceState::pool_alloc`] after the pool's own ladder failed with
+    /// `e`: out of memory climbs on ([`DeviceState::recover`]), and what
+    /// still fails is the typed error.
+    #[cold]
+    fn pool_alloc_failed(
+        &self,
+        ctx: &impl Handle,
+        size: usize,
+        stream: Option<RawStream>,
+        client: Client,
+        valid: impl Fn() -> bool + Copy,
+        e: Error,
+    ) -> Result<Grant> {
+        let attempt = match e.is_oom() {
+            // Trims wait for the GPU (`cuMemFree`), and for the recovery
+            // lock another thread's trim holds.
+            true => crate::sync::blocking(|| self.recover(ctx, size, stream, client, valid)),
+            false => Err(e),
+        };
+        attempt.map_err(|e| match e.is_oom() {
+            true => {
+                self.counters.ooms.fetch_add(1, Ordering::Relaxed);
+                self.out_of_memory(ctx, size)
+            }
+            false => e,
+        })
     }
 
     /// Rungs 3 and 4 of [`DeviceState::pool_alloc`]: give the cache back

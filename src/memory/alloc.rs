@@ -101,6 +101,7 @@ impl DevicePointer {
                 // release touches nothing of the new epoch's.
                 p.generation = epoch;
                 p.pool_shard = block.shard;
+                p.pool_slot = block.slot;
                 p.client = req.client;
                 if let Some(s) = stream {
                     *p.stream.get_mut() = s;

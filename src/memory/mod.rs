@@ -107,6 +107,9 @@ pub struct DevicePointer {
     /// (A u16: shards are at most 1024, and a u32 would make the struct a
     /// word longer, which a pool pair measurably pays for.)
     pool_shard: u16,
+    /// Its slot in the shard's block table: a release finds it there
+    /// without hashing its address (a hint, checked against the address).
+    pool_slot: u32,
     life: Lifetime,
     /// The stream it is released on ([`NO_STREAM`], [`MANY_STREAMS`] or a handle).
     stream: AtomicUsize,
@@ -166,6 +169,7 @@ impl DevicePointer {
             readonly: false,
             registration: None,
             pool_shard: 0,
+            pool_slot: 0,
             life: Lifetime::default(),
             stream: AtomicUsize::new(NO_STREAM),
             host: None,
@@ -380,6 +384,7 @@ impl DevicePointer {
             address: self.address,
             class,
             shard: self.pool_shard,
+            slot: self.pool_slot,
             size: self.size,
             client: self.client,
         }

@@ -3,10 +3,10 @@
 
 use std::sync::atomic::Ordering;
 
-use super::arena::{round, Arena, Kind, Tag, ANY};
+use super::arena::{round, Arena, Kind, Slot, Tag, ANY};
 use super::segments::{self, Grant};
 use super::{Pool, FENCE_WAIT_MAX};
-use crate::driver::{RawContext, RawStream};
+use crate::driver::{DevicePtr, RawContext, RawStream};
 use crate::error::Result;
 use crate::stats::Client;
 
@@ -45,9 +45,16 @@ impl<V: Fn() -> bool> Ask<V> {
         if !(self.valid)() {
             return None;
         }
-        let (p, n) = a.take(tag, self.want)?;
+        let got = a.take_slot(tag, self.want)?;
+        Some(self.grant(a, i, got))
+    }
+
+    /// The block `got` (address, size, slot) of arena `i`, counted as a
+    /// hit and handed out.
+    #[inline]
+    fn grant(&self, a: &mut Arena, i: usize, got: (DevicePtr, usize, Slot)) -> Grant {
         a.handed_out(self.size, self.client, true);
-        Some(Grant::new(p, n, i, None, false))
+        Grant::new(got, i, None, false)
     }
 }
 
@@ -63,6 +70,7 @@ impl Pool {
     /// too: a reset either comes before (the request fails, and a segment
     /// grown meanwhile is forgotten with its context) or after (the block
     /// is the old context's, and goes with it).
+    #[inline]
     pub(crate) fn alloc(
         &self,
         context: RawContext,
@@ -80,34 +88,74 @@ impl Pool {
             client,
             valid,
         };
+        // 1. The best fit in the caller's arena: one lock, no driver call.
+        // (Inline, and the rest of the ladder out of line: a hit runs no
+        // more code than it needs.)
+        match self.hit(context, &ask) {
+            Some(g) => Ok(g),
+            None => self.climb(context, ask, device),
+        }
+    }
+
+    /// Rung 1 of [`Pool::alloc`]: the best fit in the asker's arena, if its
+    /// context is still valid; on a miss, what waits in the arena is sealed
+    /// for a fence.
+    #[inline]
+    fn hit(&self, context: RawContext, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
+        let mut a = self.arena(ask.home);
+        if !(ask.valid)() {
+            return None;
+        }
+        // The quick list's newest block if it fits exactly (a loop of one
+        // size), before a look at the fences done: the fence thread writes
+        // that count at every fence, and a hit that read it would fetch
+        // its line from that thread's core.
+        let newest = match ask.tag {
+            ANY => a.quick_take_newest(ask.want),
+            _ => None,
+        };
+        let got = newest.map(|s| (a.blocks[s].at, ask.want, s)).or_else(|| {
+            if a.has_sealed() && a.promote(self.fencer.done()) && !a.has_sealed() {
+                // The fence under way is done: the frees gathered behind
+                // it ask for the next (see `Pool::release`).
+                a.seal(self.fencer.request(context));
+            }
+            a.take_slot(ask.tag, ask.want)
+        });
+        if let Some(mut g) = got.map(|got| ask.grant(&mut a, ask.home, got)) {
+            // A hit asks for growth ahead only once the frees waiting for a
+            // fence match what is left free for anyone, or half a growth:
+            // an idle GPU's tight loop then mostly skips the look at the
+            // fence thread's clock (a shared line).
+            g.ahead = ask.tag == ANY
+                && a.waiting_bytes() >= a.free_any_bytes().min(self.config.ahead_bytes / 2)
+                && self.wants_ahead(&mut a, |a| self.busy_look(a));
+            return Some(g);
+        }
+        // A miss: what waits in this arena is sealed for a fence now.
+        if a.pending_count() > 0 {
+            a.seal(self.fencer.request(context));
+        }
+        None
+    }
+
+    /// Rungs 2 to 6 of [`Pool::alloc`], after a miss in the asker's arena
+    /// (or a reset of its context), top to bottom.
+    #[inline(never)]
+    fn climb(
+        &self,
+        context: RawContext,
+        ask: Ask<impl Fn() -> bool + Copy>,
+        device: usize,
+    ) -> Result<Grant> {
+        let (size, client, valid) = (ask.size, ask.client, ask.valid);
         let reset = || {
             crate::error::Error::InvalidPointer(format!(
                 "the context of device {device} was reset; memory comes from the new one"
             ))
         };
-        // 1. The best fit in the caller's arena: one lock, no driver call.
-        {
-            let mut a = self.arena(ask.home);
-            if !valid() {
-                return Err(reset());
-            }
-            if a.has_sealed() {
-                a.promote(self.fencer.done());
-            }
-            if let Some(mut g) = ask.take(&mut a, ask.home, ask.tag) {
-                // A hit asks for growth ahead only once the frees waiting
-                // for a fence match what is left free for anyone, or half a
-                // growth: an idle GPU's tight loop then mostly skips the
-                // look at the fence thread's clock (a shared line).
-                g.ahead = ask.tag == ANY
-                    && a.waiting_bytes() >= a.free_any_bytes().min(self.config.ahead_bytes / 2)
-                    && self.wants_ahead(&mut a);
-                return Ok(g);
-            }
-            // A miss: what waits in this arena is sealed for a fence now.
-            if a.pending_count() > 0 {
-                a.seal(self.fencer.request(context));
-            }
+        if !valid() {
+            return Err(reset());
         }
         // 2. Memory anyone may use, in another arena.
         if ask.tag == ANY {
@@ -160,7 +208,7 @@ impl Pool {
                     return Err(reset());
                 }
                 a.add_segment(new.base, new.bytes, new.kind);
-                let Some((p, n)) = a.take(ask.tag, ask.want) else {
+                let Some(got) = a.take_slot(ask.tag, ask.want) else {
                     // The new segment fits the request: unreachable, but a
                     // deleter-safe answer all the same.
                     return Err(crate::error::Error::InvalidArgument(
@@ -168,8 +216,8 @@ impl Pool {
                     ));
                 };
                 a.handed_out(size, client, false);
-                let ahead = busy && self.wants_ahead(&mut a);
-                Ok(Grant::new(p, n, ask.home, Some(*new), ahead))
+                let ahead = busy && self.wants_ahead(&mut a, |a| self.busy_look(a));
+                Ok(Grant::new(got, ask.home, Some(*new), ahead))
             }
             // 6. Out of memory: every free block, after a fence.
             Err(e) if e.is_oom() => self
@@ -277,9 +325,12 @@ impl Pool {
         });
         if let Some((i, p, got)) = claimed {
             let mut a = self.arena(i);
-            if fenced && (ask.valid)() && a.take_claimed(p) {
+            let taken = (fenced && (ask.valid)())
+                .then(|| a.take_claimed(p))
+                .flatten();
+            if let Some(s) = taken {
                 a.handed_out(ask.size, ask.client, true);
-                return Some(Grant::new(p, got, i, None, false));
+                return Some(Grant::new((p, got, s), i, None, false));
             }
             a.unclaim(p);
         }

@@ -128,6 +128,10 @@ pub(crate) struct Arena {
     pub(crate) large_live: FastMap<usize, ClassCount>,
     /// A growth ahead for this arena was asked for and not yet done.
     pub(crate) ahead_asked: bool,
+    /// Hits that skip the look at the GPU (see [`Pool::busy_look`]).
+    ///
+    /// [`Pool::busy_look`]: super::Pool::busy_look
+    pub(super) idle_skips: u32,
 }
 
 impl Default for Arena {
@@ -153,6 +157,7 @@ impl Default for Arena {
             class_live: vec![ClassCount::default(); SMALL_CLASSES],
             large_live: FastMap::default(),
             ahead_asked: false,
+            idle_skips: 0,
         }
     }
 }
@@ -190,14 +195,33 @@ impl Arena {
 
     /// A block of `size` bytes (rounded, [`round`]) for an owner on `tag`
     /// ([`ANY`]: no stream known, so only blocks anyone may use): the best
-    /// fit, split when the rest is worth keeping. Its address and size.
+    /// fit, split when the rest is worth keeping. Its address, size and slot.
+    #[inline]
+    pub(crate) fn take_slot(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize, Slot)> {
+        // A loop of one size without a stream: the quick list's newest
+        // block, inline.
+        if tag == ANY {
+            if let Some(s) = self.quick_take_newest(size) {
+                return Some((self.blocks[s].at, size, s));
+            }
+        }
+        self.take_fit(tag, size)
+    }
+
+    /// [`Arena::take_slot`] without the slot.
+    #[cfg(test)]
     pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
+        self.take_slot(tag, size).map(|(p, n, _)| (p, n))
+    }
+
+    #[inline(never)]
+    fn take_fit(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize, Slot)> {
         let kind = Kind::of(size);
         if !self.quick.is_empty() {
             // Not a stream's request: its best fit prefers its own blocks.
             let quick = (tag == ANY).then(|| self.quick_take(kind, size));
             if let Some(s) = quick.flatten() {
-                return Some((self.blocks[s].at, size));
+                return Some((self.blocks[s].at, size, s));
             }
             self.flush_quick();
         }
@@ -224,13 +248,24 @@ impl Arena {
         }
         info.state = State::Used;
         self.blocks[s] = info;
-        Some((info.at, info.size))
+        Some((info.at, info.size, s))
     }
 
     /// The slot of `at` if it is a block this arena handed out.
     #[inline]
     pub(crate) fn used(&self, at: DevicePtr) -> Option<Slot> {
         self.slot_in(at, State::Used)
+    }
+
+    /// [`Arena::used`], looked for first in slot `hint` (where the block
+    /// was handed out: a block keeps its slot while it is used), and by
+    /// address only where that slot holds another block.
+    #[inline]
+    pub(crate) fn used_at(&self, hint: Slot, at: DevicePtr) -> Option<Slot> {
+        match self.blocks.table.get(hint as usize) {
+            Some(i) if hint != 0 && i.at == at => (i.state == State::Used).then_some(hint),
+            _ => self.used(at),
+        }
     }
 
     /// The slot of the block at `at`, if it is in `state`.
@@ -350,14 +385,14 @@ impl Arena {
         Some((at, size))
     }
 
-    /// The block claimed at `at`, its fence done, handed out: whether it
-    /// still was (a reset may have forgotten it meanwhile).
-    pub(crate) fn take_claimed(&mut self, at: DevicePtr) -> bool {
+    /// The block claimed at `at`, its fence done, handed out: its slot,
+    /// if it still was claimed (a reset may have forgotten it meanwhile).
+    pub(crate) fn take_claimed(&mut self, at: DevicePtr) -> Option<Slot> {
         let claimed = self.slot_in(at, State::Claimed);
         if let Some(s) = claimed {
             self.blocks[s].state = State::Used;
         }
-        claimed.is_some()
+        claimed
     }
 
     /// The block claimed at `at` waits for the next fence again (its fence
@@ -402,7 +437,14 @@ impl Arena {
 
     /// Free for anyone the blocks of every batch whose fence is done
     /// (`done`: the last finished fence); whether any was.
+    #[inline]
     pub(crate) fn promote(&mut self, done: u64) -> bool {
+        // Every hit and free looks: inline, and the work out of line.
+        self.sealed.front().is_some_and(|b| b.seq <= done) && self.promote_done(done)
+    }
+
+    #[inline(never)]
+    fn promote_done(&mut self, done: u64) -> bool {
         let mut any = false;
         while self.sealed.front().is_some_and(|b| b.seq <= done) {
             let mut batch = self.sealed.pop_front().expect("checked");

@@ -32,6 +32,21 @@ impl Arena {
         Some(s)
     }
 
+    /// [`Arena::quick_take`] when the newest listed block fits (a loop of
+    /// one size): no search, no shift.
+    #[inline]
+    pub(super) fn quick_take_newest(&mut self, size: usize) -> Option<Slot> {
+        let &s = self.quick.back()?;
+        let b = &mut self.blocks[s];
+        if b.size != size || b.kind != Kind::of(size) {
+            return None;
+        }
+        b.state = State::Used;
+        self.quick.pop_back();
+        self.quick_bytes -= size;
+        Some(s)
+    }
+
     /// Every block on the list merges into the free set, oldest first.
     pub(crate) fn flush_quick(&mut self) {
         while self.quick_merge_oldest() {}

@@ -50,6 +50,9 @@ pub(crate) struct Block {
     pub class: usize,
     /// The arena it goes back to (arenas are at most 1024).
     pub shard: u16,
+    /// Its slot in that arena's block table, as [`Grant::slot`] (0: look
+    /// it up by address).
+    pub slot: u32,
     /// The bytes it was handed out for.
     pub size: usize,
     /// Who asked for it (statistics).
@@ -64,6 +67,9 @@ pub(crate) struct Grant {
     /// The bytes the block takes.
     pub class: usize,
     pub shard: u16,
+    /// Its slot in the arena's block table: where its release finds it,
+    /// if the block there is still at its address.
+    pub slot: u32,
     /// The segment this request made, if it made one. Its owner registers
     /// its range.
     pub new_allocation: Option<Allocation>,
@@ -74,8 +80,7 @@ pub(crate) struct Grant {
 
 impl Grant {
     pub(super) fn new(
-        address: DevicePtr,
-        class: usize,
+        (address, class, slot): (DevicePtr, usize, u32),
         arena: usize,
         new_allocation: Option<Allocation>,
         ahead: bool,
@@ -84,6 +89,7 @@ impl Grant {
             address,
             class,
             shard: arena as u16,
+            slot,
             new_allocation,
             ahead,
         }

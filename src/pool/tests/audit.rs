@@ -307,7 +307,7 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 7] {
             79..=81 if !claimed.is_empty() => {
                 let (p, n) = claimed.swap_remove(r.below(claimed.len()));
                 if r.below(2) == 0 {
-                    if a.take_claimed(p) {
+                    if a.take_claimed(p).is_some() {
                         assert!(used.insert(p, n).is_none(), "{ctx}");
                         c[3] += 1;
                     }

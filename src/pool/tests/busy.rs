@@ -293,3 +293,30 @@ fn a_driver_faster_than_any_gpus_makes_a_growth_cost_20_us_at_least() {
     assert!(least >= Duration::from_micros(20), "{least:?}");
     assert!(least < Duration::from_micros(39), "{least:?}");
 }
+
+/// A hit's look at the GPU that finds it idle makes the next
+/// [`IDLE_SKIPS`] hits skip theirs (a clock read each), and no more: the
+/// look after them sees a GPU turned busy, and a look that finds it busy
+/// skips none.
+#[test]
+fn after_an_idle_look_the_next_hits_skip_theirs_and_no_more() {
+    let (sim, ctx, pool) = pool(1 << 30);
+    let mut a = Arena::default();
+    assert!(!pool.busy_look(&mut a), "an idle GPU");
+    let k = alloc(&pool, ctx, MIB, Some(S));
+    sim.queue_write(S, k.address, &[1; 4]).unwrap();
+    pool.release(ctx, back(k, MIB), Some(S), || true);
+    let b = alloc(&pool, ctx, MIB, None);
+    pool.release(ctx, back(b, MIB), None, || true);
+    assert!(reads_busy(&pool), "the fence behind the kernel spins");
+    for i in 0..IDLE_SKIPS {
+        assert!(!pool.busy_look(&mut a), "hit {i} after the idle look skips");
+    }
+    assert!(pool.busy_look(&mut a), "the next hit looks");
+    assert!(
+        pool.busy_look(&mut a),
+        "and so does the one after a busy look"
+    );
+    sim.complete(None);
+    emptied(&sim, ctx, &pool);
+}

@@ -476,7 +476,7 @@ impl Arena {
     pub(crate) fn add_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
         let s = self
             .blocks
-            .add(Info::new(base, size, 0, 0, State::Free(ANY), kind));
+            .add_segment(Info::new(base, size, 0, 0, State::Free(ANY), kind));
         self.free.insert(&mut self.blocks, kind, ANY, size, s);
     }
 
@@ -538,7 +538,7 @@ impl Arena {
     pub(crate) fn add_waiting_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
         let s = self
             .blocks
-            .add(Info::new(base, size, 0, 0, State::Used, kind));
+            .add_segment(Info::new(base, size, 0, 0, State::Used, kind));
         self.wait_slot(s);
     }
 

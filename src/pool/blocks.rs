@@ -1,8 +1,9 @@
 //! An arena's blocks ([`Blocks`]): a table addressed by slot, and an
-//! index by address.
+//! index of each segment's first block by address.
+
+use std::collections::BTreeMap;
 
 use super::arena::{Kind, State};
-use super::class::FastMap;
 use crate::driver::DevicePtr;
 
 /// A block's place in its arena's table ([`Blocks`]); 0: none.
@@ -49,16 +50,27 @@ impl Info {
 
 /// An arena's blocks: a table, so that a split, a merge and the free set
 /// reach a block's neighbours by slot rather than hash an address (a
-/// pair's dozen lookups were most of its time); and an index by address,
-/// for the blocks' owners, updated only when a block is cut or joined.
+/// pair's dozen lookups were most of its time); and an index of each
+/// segment's first block by address, updated only when a segment comes or
+/// goes. A block's owner keeps its slot (see `Block::slot`); a lookup by
+/// address walks its segment from the first block. A segment's first block
+/// keeps its slot while the segment is held: a split keeps the front part
+/// in it, and a merge keeps the front block's.
 #[derive(Default)]
 pub(super) struct Blocks {
     pub(super) table: Vec<Info>,
     pub(super) vacant: Vec<Slot>,
-    pub(super) index: FastMap<DevicePtr, Slot>,
+    pub(super) heads: BTreeMap<DevicePtr, Slot>,
 }
 
 impl Blocks {
+    /// The entry of a new segment's one block; its slot.
+    pub(super) fn add_segment(&mut self, info: Info) -> Slot {
+        let s = self.add(info);
+        self.heads.insert(info.at, s);
+        s
+    }
+
     /// A new block's entry; its slot.
     pub(super) fn add(&mut self, info: Info) -> Slot {
         let s = match self.vacant.pop() {
@@ -76,21 +88,33 @@ impl Blocks {
                 Slot::try_from(self.table.len() - 1).expect("fewer than 2^32 blocks")
             }
         };
-        self.index.insert(info.at, s);
         s
     }
 
     /// The block in slot `s` is gone (merged, or its segment given back).
     pub(super) fn remove(&mut self, s: Slot) {
-        self.index.remove(&self.table[s as usize].at);
+        // Only a segment's first block has no neighbour before it.
+        let at = self.table[s as usize].at;
+        if self.table[s as usize].prev == 0 && self.heads.get(&at) == Some(&s) {
+            self.heads.remove(&at);
+        }
         self.table[s as usize].at = 0;
         self.vacant.push(s);
     }
 
-    /// The slot of the block at `at`.
-    #[inline]
+    /// The slot of the block at `at`: a walk of its segment (owners and
+    /// the hot paths know their slots).
     pub(super) fn slot(&self, at: DevicePtr) -> Option<Slot> {
-        self.index.get(&at).copied()
+        let (_, &first) = self.heads.range(..=at).next_back()?;
+        let mut s = first;
+        while s != 0 {
+            let i = &self.table[s as usize];
+            if i.at >= at {
+                return (i.at == at).then_some(s);
+            }
+            s = i.next;
+        }
+        None
     }
 
     /// Every block.

@@ -25,7 +25,7 @@ impl Blocks {
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.heads.is_empty()
     }
 }
 

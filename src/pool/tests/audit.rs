@@ -14,7 +14,8 @@ use crate::driver::DevicePtr;
 
 const MIB: usize = 1 << 20;
 
-/// The table and its index agree; vacant slots are exactly the empty ones.
+/// The table and its index of segments agree (each first block is indexed,
+/// and found again by address); vacant slots are exactly the empty ones.
 /// The live blocks, by slot.
 fn audit_blocks(b: &Blocks) -> Vec<(Slot, Info)> {
     let mut vacant = HashSet::new();
@@ -31,16 +32,16 @@ fn audit_blocks(b: &Blocks) -> Vec<(Slot, Info)> {
         match i.at {
             0 => assert!(vacant.contains(&s), "empty slot {s} not vacant"),
             at => {
-                assert_eq!(
-                    b.index.get(&at),
-                    Some(&s),
-                    "slot {s} at {at:#x} not indexed"
-                );
+                if i.prev == 0 {
+                    assert_eq!(b.heads.get(&at), Some(&s), "first block {s} not indexed");
+                }
+                assert_eq!(b.slot(at), Some(s), "slot {s} at {at:#x} not found");
                 live.push((s, *i));
             }
         }
     }
-    assert_eq!(b.index.len(), live.len(), "index entries without a block");
+    let firsts = live.iter().filter(|(_, i)| i.prev == 0).count();
+    assert_eq!(b.heads.len(), firsts, "index entries without a segment");
     live
 }
 

@@ -19,9 +19,10 @@ struct Set {
 
 impl Set {
     fn put(&mut self, kind: Kind, tag: Tag, size: usize, at: DevicePtr) {
+        // A block on its own: a segment's one block.
         let s = self
             .blocks
-            .add(Info::new(at, size, 0, 0, State::Free(tag), kind));
+            .add_segment(Info::new(at, size, 0, 0, State::Free(tag), kind));
         self.free.insert(&mut self.blocks, kind, tag, size, s);
     }
 

@@ -73,7 +73,7 @@ impl Blocks {
 
     /// A new block's entry; its slot.
     pub(super) fn add(&mut self, info: Info) -> Slot {
-        let s = match self.vacant.pop() {
+        match self.vacant.pop() {
             Some(s) => {
                 self.table[s as usize] = info;
                 s
@@ -87,8 +87,7 @@ impl Blocks {
                 // Each block is at least 512 bytes of one device.
                 Slot::try_from(self.table.len() - 1).expect("fewer than 2^32 blocks")
             }
-        };
-        s
+        }
     }
 
     /// The block in slot `s` is gone (merged, or its segment given back).

@@ -115,9 +115,13 @@ impl Pool {
             _ => None,
         };
         let got = newest.map(|s| (a.blocks[s].at, ask.want, s)).or_else(|| {
-            if a.has_sealed() && a.promote(self.fencer.done()) && !a.has_sealed() {
+            if a.has_sealed()
+                && a.promote(self.fencer.done())
+                && !a.has_sealed()
+                && a.pending_count() > 0
+            {
                 // The fence under way is done: the frees gathered behind
-                // it ask for the next (see `Pool::release`).
+                // it ask for the next.
                 a.seal(self.fencer.request(context));
             }
             a.take_slot(ask.tag, ask.want)
@@ -216,7 +220,7 @@ impl Pool {
                     ));
                 };
                 a.handed_out(size, client, false);
-                let ahead = busy && self.wants_ahead(&mut a, |a| self.busy_look(a));
+                let ahead = busy && self.wants_ahead(&mut a, |_| true);
                 Ok(Grant::new(got, ask.home, Some(*new), ahead))
             }
             // 6. Out of memory: every free block, after a fence.

@@ -263,7 +263,10 @@ impl Arena {
     #[inline]
     pub(crate) fn used_at(&self, hint: Slot, at: DevicePtr) -> Option<Slot> {
         match self.blocks.table.get(hint as usize) {
-            Some(i) if hint != 0 && i.at == at => (i.state == State::Used).then_some(hint),
+            // A vacant slot's entry is at 0 (and keeps its old state).
+            Some(i) if hint != 0 && at != 0 && i.at == at => {
+                (i.state == State::Used).then_some(hint)
+            }
             _ => self.used(at),
         }
     }

@@ -25,12 +25,10 @@
 //!   thread calls `cuCtxSynchronize`, which returns once every task queued
 //!   before it, on every stream, is done (`fence.rs`); the block is then
 //!   free for anyone, kept whole on the arena's quick list for a request of
-//!   its size (`quick.rs`). Frees gather in batches, one fence under way
-//!   per arena: the first free of a batch asks for a fence if none is
-//!   under way; the rest ask once they match what is left free for anyone,
-//!   or make a batch ([`PoolConfig::fence_count`], `fence_bytes`), or an
-//!   allocation finds the fence under way done (only the first free and
-//!   such an allocation read the fences done: see [`Pool::release`]).
+//!   its size (`quick.rs`). One fence per arena is asked for as soon as a
+//!   block waits and none is under way; frees meanwhile gather for the next.
+//!   A hit that takes the quick list's newest block reads nothing the fence
+//!   thread writes (see [`Pool::alloc`]).
 //!
 //! **A miss, top to bottom** ([`Pool::alloc`]: rung 1 inline, the rest in
 //! one function):
@@ -420,20 +418,13 @@ impl Pool {
         match stream {
             Some(s) => a.free_slot(slot, s),
             None => {
-                // One fence under way per arena: the first free of a batch
-                // asks for one if none is, and the frees after it gather
-                // without a look at the fences done (the fence thread
-                // writes that count at every fence, and a free that read
-                // it would fetch its line from that thread's core) until
-                // they match what is left to hand out without a fence, or
-                // make a batch, or an allocation finds the fence done.
-                let first = a.pending_count() == 0;
                 a.wait_slot(slot);
-                if first && a.has_sealed() {
+                if a.has_sealed() {
                     a.promote(self.fencer.done());
                 }
-                if (first && !a.has_sealed())
-                    || a.pending_bytes() >= a.free_any_bytes()
+                // One fence under way per arena: the first free asks for
+                // it, and the frees while it runs gather for the next.
+                if !a.has_sealed()
                     || a.pending_count() >= self.config.fence_count
                     || a.pending_bytes() >= self.config.fence_bytes
                 {

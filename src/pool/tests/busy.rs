@@ -320,3 +320,31 @@ fn after_an_idle_look_the_next_hits_skip_theirs_and_no_more() {
     sim.complete(None);
     emptied(&sim, ctx, &pool);
 }
+
+/// A growth that found the GPU busy asks for growth ahead even while a
+/// hit's earlier idle look left looks to skip (the growth read the GPU
+/// itself).
+#[test]
+fn a_busy_gpus_growth_asks_for_growth_ahead_after_a_hits_idle_look() {
+    let (sim, ctx, pool) = pool(1 << 30);
+    // A hit's look at an idle GPU (what `Pool::hit` calls).
+    assert!(!pool.busy_look(&mut pool.arena(0)), "an idle GPU");
+    let k = super::batch::block_fences(&sim, &pool, ctx);
+    let b = alloc(&pool, ctx, MIB, None);
+    pool.release(ctx, back(b, MIB), None, || true);
+    let t = std::time::Instant::now();
+    while !pool.gpu_busy() {
+        assert!(t.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let g = alloc(&pool, ctx, 2 * MIB, None);
+    assert!(g.new_allocation.is_some(), "a busy GPU's growth");
+    let grown = g.new_allocation.unwrap().bytes;
+    let ahead = g.ahead;
+    sim.complete(None);
+    pool.release(ctx, back(g, 2 * MIB), None, || true);
+    pool.release(ctx, back(k, 4096), Some(S), || true);
+    assert!(grown >= PoolConfig::default().ahead_bytes, "{grown}");
+    assert!(ahead, "a busy GPU's growth asks for growth ahead");
+    emptied(&sim, ctx, &pool);
+}

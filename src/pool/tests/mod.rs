@@ -6,10 +6,12 @@ use std::time::{Duration, Instant};
 mod access;
 mod arena;
 mod audit;
+mod batch;
 mod busy;
 mod class;
 mod fence;
 mod freeset;
+mod lookup;
 
 use super::ahead::{AHEAD_WAIT, IDLE_SKIPS};
 use super::arena::{Arena, Kind};
@@ -495,51 +497,5 @@ fn class_counts_see_the_quick_list_merged() {
     assert_eq!(cached(&pool), 1, "the segment, one free block");
     assert_eq!(pool.allocations()[0].1.len(), 1);
     assert_eq!(cached(&pool), 1);
-    emptied(&sim, ctx, &pool);
-}
-
-/// A block's release finds it by its slot only while that slot holds the
-/// block at its address: a stale hand-back whose slot another block took
-/// since (a split after a merge), or a slot out of the table, goes by
-/// address, and frees nothing that is handed out.
-#[test]
-fn a_release_whose_slot_went_to_another_block_goes_by_address() {
-    let (sim, ctx, pool) = pool(1 << 30);
-    let x = alloc(&pool, ctx, 4096, Some(S));
-    let y = alloc(&pool, ctx, 4096, Some(S));
-    let z = alloc(&pool, ctx, 4096, Some(S));
-    assert_eq!((y.address, z.address), (x.address + 4096, x.address + 8192));
-    // y, then x: x merges with y, whose slot falls vacant; a 6 KiB block
-    // cut from the merged 8 KiB leaves its 2 KiB rest in that slot.
-    pool.release(ctx, back(y, 4096), Some(S), || true);
-    pool.release(ctx, back(x, 4096), Some(S), || true);
-    let w = alloc(&pool, ctx, 6144, Some(S));
-    assert_eq!((w.address, w.slot), (x.address, x.slot));
-    let rest = pool.arena(0).blocks.slot(x.address + 6144);
-    assert_eq!(rest, Some(y.slot), "the rest took y's vacant slot");
-    let live = pool.stats().live_bytes;
-    pool.release(ctx, back(y, 4096), Some(S), || true);
-    let bogus = Block {
-        slot: u32::MAX,
-        ..back(z, 4096)
-    };
-    pool.release(
-        ctx,
-        Block {
-            address: w.address + 512,
-            ..bogus
-        },
-        Some(S),
-        || true,
-    );
-    assert_eq!(
-        pool.stats().live_bytes,
-        live,
-        "nothing handed out was freed"
-    );
-    // z, by address past a slot out of the table, is.
-    pool.release(ctx, bogus, Some(S), || true);
-    assert_eq!(pool.stats().live_bytes, live - 4096);
-    pool.release(ctx, back(w, 6144), Some(S), || true);
     emptied(&sim, ctx, &pool);
 }

@@ -171,9 +171,7 @@ impl Pool {
             return false;
         }
         let busy = self.gpu_busy();
-        if !busy {
-            a.idle_skips = IDLE_SKIPS;
-        }
+        a.idle_skips = if busy { 0 } else { IDLE_SKIPS };
         busy
     }
 

@@ -108,24 +108,17 @@ impl Pool {
         }
         // The quick list's newest block if it fits exactly (a loop of one
         // size), before a look at the fences done: the fence thread writes
-        // that count at every fence, and a hit that read it would fetch
-        // its line from that thread's core.
-        let newest = match ask.tag {
-            ANY => a.quick_take_newest(ask.want),
-            _ => None,
-        };
-        let got = newest.map(|s| (a.blocks[s].at, ask.want, s)).or_else(|| {
-            if a.has_sealed()
-                && a.promote(self.fencer.done())
-                && !a.has_sealed()
-                && a.pending_count() > 0
-            {
-                // The fence under way is done: the frees gathered behind
-                // it ask for the next.
-                a.seal(self.fencer.request(context));
-            }
-            a.take_slot(ask.tag, ask.want)
-        });
+        // that count at every fence, so reading it fetches a line from its core.
+        let newest = (ask.tag == ANY).then(|| a.quick_take_newest(ask.want));
+        let got = newest
+            .flatten()
+            .map(|s| (a.blocks[s].at, ask.want, s))
+            .or_else(|| {
+                if a.has_sealed() {
+                    a.promote(self.fencer.done());
+                }
+                a.take_slot(ask.tag, ask.want)
+            });
         if let Some(mut g) = got.map(|got| ask.grant(&mut a, ask.home, got)) {
             // A hit asks for growth ahead only once the frees waiting for a
             // fence match what is left free for anyone, or half a growth:

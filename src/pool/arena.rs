@@ -208,12 +208,6 @@ impl Arena {
         self.take_fit(tag, size)
     }
 
-    /// [`Arena::take_slot`] without the slot.
-    #[cfg(test)]
-    pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
-        self.take_slot(tag, size).map(|(p, n, _)| (p, n))
-    }
-
     #[inline(never)]
     fn take_fit(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize, Slot)> {
         let kind = Kind::of(size);
@@ -251,23 +245,17 @@ impl Arena {
         Some((info.at, info.size, s))
     }
 
-    /// The slot of `at` if it is a block this arena handed out.
-    #[inline]
-    pub(crate) fn used(&self, at: DevicePtr) -> Option<Slot> {
-        self.slot_in(at, State::Used)
-    }
-
-    /// [`Arena::used`], looked for first in slot `hint` (where the block
-    /// was handed out: a block keeps its slot while it is used), and by
-    /// address only where that slot holds another block.
+    /// The slot of `at` if it is a block this arena handed out: in slot
+    /// `hint` (where it was handed out; a used block keeps its slot), or by
+    /// address where that slot holds another block (a vacant slot's entry
+    /// is at 0, and keeps its old state).
     #[inline]
     pub(crate) fn used_at(&self, hint: Slot, at: DevicePtr) -> Option<Slot> {
         match self.blocks.table.get(hint as usize) {
-            // A vacant slot's entry is at 0 (and keeps its old state).
             Some(i) if hint != 0 && at != 0 && i.at == at => {
                 (i.state == State::Used).then_some(hint)
             }
-            _ => self.used(at),
+            _ => self.slot_in(at, State::Used),
         }
     }
 

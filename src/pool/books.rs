@@ -95,13 +95,8 @@ impl Arena {
     pub(crate) fn class_count(&mut self, class: usize) -> &mut ClassCount {
         match class_index(class) {
             Some(i) => &mut self.class_live[i],
-            None => self.large_count(class),
+            None => self.large_live.entry(class).or_default(),
         }
-    }
-
-    #[inline(never)]
-    fn large_count(&mut self, class: usize) -> &mut ClassCount {
-        self.large_live.entry(class).or_default()
     }
 
     /// Live and peak blocks per size class, with the cached blocks (quick

@@ -108,14 +108,11 @@ pub(super) struct FreeSet {
     /// their slots, sorted: a binary search finds the best fit in a few
     /// compares (an ordered tree's range took a fifth of a CuPy pair),
     /// and the list is short.
-    pub(super) big: Vec<Big>,
+    pub(super) big: Vec<(Kind, Tag, usize, DevicePtr, Slot)>,
     /// Bytes of free blocks, all tags; and of those free for anyone.
     pub(super) bytes: usize,
     pub(super) any_bytes: usize,
 }
-
-/// A free block over [`BIN_MAX`] bytes: kind, tag, size, address, slot.
-pub(super) type Big = (Kind, Tag, usize, DevicePtr, Slot);
 
 #[inline]
 pub(super) fn key(kind: Kind, tag: Tag, size: usize) -> (Tag, usize) {

@@ -5,6 +5,11 @@ use super::super::freeset::FreeSet;
 use crate::driver::DevicePtr;
 
 impl Arena {
+    /// [`Arena::take_slot`] without the slot.
+    pub(crate) fn take(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize)> {
+        self.take_slot(tag, size).map(|(p, n, _)| (p, n))
+    }
+
     /// The block handed out at `at` comes back free on `tag` (see
     /// [`Arena::free_slot`]).
     pub(crate) fn free(&mut self, at: DevicePtr, tag: Tag) {

@@ -272,7 +272,7 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 7] {
                 let p = keys[r.below(keys.len())];
                 let n = used.remove(&p).unwrap();
                 let s = a
-                    .used(p)
+                    .used_at(0, p)
                     .unwrap_or_else(|| panic!("{ctx}: live block not used"));
                 assert_eq!(a.blocks[s].size, n, "{ctx}");
                 stale.push(p);
@@ -352,7 +352,10 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 7] {
             90..=99 if !stale.is_empty() => {
                 let p = stale[r.below(stale.len())];
                 if !used.contains_key(&p) {
-                    assert!(a.used(p).is_none(), "{ctx}: stale block {p:#x} accepted");
+                    assert!(
+                        a.used_at(0, p).is_none(),
+                        "{ctx}: stale block {p:#x} accepted"
+                    );
                     c[5] += 1;
                 }
             }
@@ -361,7 +364,7 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 7] {
         audit(&a, &segs);
         for (&p, &n) in &used {
             let s = a
-                .used(p)
+                .used_at(0, p)
                 .unwrap_or_else(|| panic!("{ctx}: live {p:#x} lost"));
             assert_eq!(a.blocks[s].size, n, "{ctx}");
         }
@@ -439,7 +442,7 @@ fn slots_of_a_segment_taken_out_are_not_promoted_once_reused() {
     audit(&a, &segs);
     for &p in &pz {
         assert!(
-            a.used(p).is_some(),
+            a.used_at(0, p).is_some(),
             "z's block {p:#x} freed by a stale batch slot"
         );
     }

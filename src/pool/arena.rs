@@ -196,20 +196,9 @@ impl Arena {
     /// A block of `size` bytes (rounded, [`round`]) for an owner on `tag`
     /// ([`ANY`]: no stream known, so only blocks anyone may use): the best
     /// fit, split when the rest is worth keeping. Its address, size and slot.
-    #[inline]
+    /// (A hit first tries the quick list's newest block inline:
+    /// [`Arena::quick_take_newest`].)
     pub(crate) fn take_slot(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize, Slot)> {
-        // A loop of one size without a stream: the quick list's newest
-        // block, inline.
-        if tag == ANY {
-            if let Some(s) = self.quick_take_newest(size) {
-                return Some((self.blocks[s].at, size, s));
-            }
-        }
-        self.take_fit(tag, size)
-    }
-
-    #[inline(never)]
-    fn take_fit(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize, Slot)> {
         let kind = Kind::of(size);
         if !self.quick.is_empty() {
             // Not a stream's request: its best fit prefers its own blocks.

@@ -69,6 +69,15 @@ fn a_lookup_by_address_finds_exactly_the_blocks_that_start_there() {
     emptied(&sim, ctx, &pool);
 }
 
+/// Three 4 KiB blocks on `S`, one after another in one segment.
+fn three_in_a_row(pool: &Pool, ctx: RawContext) -> (Grant, Grant, Grant) {
+    let x = alloc(pool, ctx, 4096, Some(S));
+    let y = alloc(pool, ctx, 4096, Some(S));
+    let z = alloc(pool, ctx, 4096, Some(S));
+    assert_eq!((y.address, z.address), (x.address + 4096, x.address + 8192));
+    (x, y, z)
+}
+
 /// A block's release finds it by its slot only while that slot holds the
 /// block at its address: a stale hand-back whose slot another block took
 /// since (a split after a merge), or a slot out of the table, goes by
@@ -76,10 +85,7 @@ fn a_lookup_by_address_finds_exactly_the_blocks_that_start_there() {
 #[test]
 fn a_release_whose_slot_went_to_another_block_goes_by_address() {
     let (sim, ctx, pool) = pool(1 << 30);
-    let x = alloc(&pool, ctx, 4096, Some(S));
-    let y = alloc(&pool, ctx, 4096, Some(S));
-    let z = alloc(&pool, ctx, 4096, Some(S));
-    assert_eq!((y.address, z.address), (x.address + 4096, x.address + 8192));
+    let (x, y, z) = three_in_a_row(&pool, ctx);
     // y, then x: x merges with y, whose slot falls vacant; a 6 KiB block
     // cut from the merged 8 KiB leaves its 2 KiB rest in that slot.
     pool.release(ctx, back(y, 4096), Some(S), || true);
@@ -121,10 +127,7 @@ fn a_release_whose_slot_went_to_another_block_goes_by_address() {
 #[test]
 fn a_release_at_address_zero_naming_a_vacant_slot_frees_nothing() {
     let (_sim, ctx, pool) = pool(1 << 30);
-    let x = alloc(&pool, ctx, 4096, Some(S));
-    let y = alloc(&pool, ctx, 4096, Some(S));
-    let z = alloc(&pool, ctx, 4096, Some(S));
-    assert_eq!((y.address, z.address), (x.address + 4096, x.address + 8192));
+    let (x, y, z) = three_in_a_row(&pool, ctx);
     pool.release(ctx, back(x, 4096), Some(S), || true);
     // y merges into x: y's slot falls vacant with state Used.
     pool.release(ctx, back(y, 4096), Some(S), || true);

@@ -52,7 +52,7 @@ pub(super) struct GrowState {
 impl Grower {
     pub(super) fn new() -> Self {
         Grower {
-            helper: Helper::new("gpuptr-grow", GrowState::default(), ()),
+            helper: Helper::new("gpuptr-grow", ()),
         }
     }
 

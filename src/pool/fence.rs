@@ -133,7 +133,7 @@ impl Fencer {
             probe: Probe::default(),
         };
         Fencer {
-            helper: Helper::new("gpuptr-fence", FenceState::default(), ext),
+            helper: Helper::new("gpuptr-fence", ext),
         }
     }
 

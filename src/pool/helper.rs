@@ -27,6 +27,7 @@ pub(crate) struct Shared<S, E> {
 }
 
 /// The helper's state under the lock.
+#[derive(Default)]
 pub(crate) struct State<S> {
     pub(crate) s: S,
     /// The thread runs.
@@ -36,28 +37,18 @@ pub(crate) struct State<S> {
     pub(crate) sleeping: bool,
 }
 
-impl<S: Send + 'static, E: Send + Sync + 'static> Helper<S, E> {
+impl<S: Default + Send + 'static, E: Send + Sync + 'static> Helper<S, E> {
     /// A helper named `name` (not started).
-    pub(crate) fn new(name: &'static str, s: S, ext: E) -> Self {
+    pub(crate) fn new(name: &'static str, ext: E) -> Self {
         Helper {
             name,
             shared: Arc::new(Shared {
-                state: Mutex::new(State {
-                    s,
-                    spawned: false,
-                    shutdown: false,
-                    sleeping: false,
-                }),
+                state: Mutex::default(),
                 work: Condvar::new(),
                 done: Condvar::new(),
                 ext,
             }),
         }
-    }
-
-    /// Lock its state.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State<S>> {
-        lock(&self.shared.state)
     }
 
     /// Start the thread, running `body`, unless it runs; `false` if no
@@ -75,6 +66,13 @@ impl<S: Send + 'static, E: Send + Sync + 'static> Helper<S, E> {
             });
         st.spawned = spawned.is_ok();
         st.spawned
+    }
+}
+
+impl<S, E> Helper<S, E> {
+    /// Lock its state.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State<S>> {
+        lock(&self.shared.state)
     }
 
     /// Unlock, waking the helper if it sleeps.
@@ -118,9 +116,7 @@ impl<S, E> Shared<S, E> {
 
 impl<S, E> Drop for Helper<S, E> {
     fn drop(&mut self) {
-        lock(&self.shared.state).shutdown = true;
-        self.shared.work.notify_all();
-        self.shared.done.notify_all();
+        self.shutdown(|_| ());
     }
 }
 

@@ -39,7 +39,7 @@ pub(super) const AHEAD_WAIT: Duration = Duration::from_millis(5);
 /// one at a time, so the driver's allocation (90-270 µs on a busy H200) is
 /// never made by the thread that allocates.
 pub(super) struct Grower {
-    helper: Helper<GrowState, ()>,
+    pub(super) helper: Helper<GrowState, ()>,
 }
 
 #[derive(Default)]
@@ -76,12 +76,6 @@ impl Grower {
         if !st.shutdown {
             self.helper.start(&mut st, grow_loop);
         }
-    }
-
-    /// Whether the helper's thread was started.
-    #[cfg(test)]
-    pub(super) fn started(&self) -> bool {
-        self.helper.lock().spawned
     }
 
     pub(super) fn post(&self, job: GrowJob) {

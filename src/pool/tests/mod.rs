@@ -66,6 +66,13 @@ fn emptied(sim: &SimDriver, ctx: RawContext, pool: &Pool) {
     assert_eq!((pool.held_blocks(), sim.live_bytes()), (0, 0));
 }
 
+impl super::ahead::Grower {
+    /// Whether the helper's thread was started.
+    fn started(&self) -> bool {
+        self.helper.lock().spawned
+    }
+}
+
 fn alloc(pool: &Pool, ctx: RawContext, size: usize, stream: Option<usize>) -> Grant {
     pool.alloc(ctx, size, stream, 0, Client::Direct, || true)
         .unwrap()

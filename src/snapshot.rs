@@ -141,7 +141,7 @@ impl Segment {
                 Segment {
                     device,
                     address: a.base,
-                    total_size: a.bytes(),
+                    total_size: a.bytes,
                     stream: 0,
                     blocks,
                 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 use super::{DeviceState, Handle, Owner};
 use crate::driver::RawContext;
 use crate::error::{Error, Result};
-use crate::pool::{Allocation, Kind, Pool};
+use crate::pool::{Kind, Pool};
 use crate::sync::lock;
 
 impl DeviceState {
@@ -83,7 +83,7 @@ impl DeviceState {
                 target: "gpuptr::pool",
                 "device {}: grew ahead by {} bytes, begun {} us and done {} us after the ask",
                 self.device,
-                a.bytes(),
+                a.bytes,
                 began.as_micros(),
                 asked.elapsed().as_micros()
             );
@@ -123,7 +123,7 @@ impl DeviceState {
         for a in &made {
             self.register(&owner, a);
         }
-        let reserved = made.iter().map(Allocation::bytes).sum();
+        let reserved = made.iter().map(|a| a.bytes).sum();
         log::debug!(
             target: "gpuptr::pool",
             "device {}: reserved {} of {} bytes for blocks of {} bytes ({} driver allocation(s))",

@@ -7,7 +7,6 @@ use std::sync::atomic::Ordering;
 use super::{DeviceState, Handle};
 use crate::driver::RawContext;
 use crate::error::Result;
-use crate::pool::Allocation;
 use crate::sync::lock;
 use crate::track::Watch;
 
@@ -79,7 +78,7 @@ impl DeviceState {
                 }
             },
         );
-        let bytes = freed.iter().map(Allocation::bytes).sum();
+        let bytes = freed.iter().map(|a| a.bytes).sum();
         r.map(|()| bytes)
     }
 

@@ -110,7 +110,7 @@ impl DeviceState {
                 let s = services.clone();
                 Pool::new(c, services.driver.clone()).on_segments(Box::new(move |made, a| {
                     if s.watch.on(Watch::HISTORY) {
-                        s.history.segment(made, device, a.base, a.bytes());
+                        s.history.segment(made, device, a.base, a.bytes);
                     }
                 }))
             }),
@@ -231,7 +231,7 @@ impl DeviceState {
     /// one record of these entries: they go by address, with the context
     /// that made them.
     fn register(&self, owner: &Weak<Owner>, a: &Allocation) -> crate::registry::Registration {
-        self.services.registry.insert_weak(a.base, a.bytes(), owner)
+        self.services.registry.insert_weak(a.base, a.bytes, owner)
     }
 
     /// Forget the registry entries of the blocks of `gone`, whichever

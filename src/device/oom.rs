@@ -62,7 +62,7 @@ impl DeviceState {
                 target: "gpuptr::pool",
                 "device {}: the pool grew by a segment of {} bytes for a {}-byte allocation",
                 self.device,
-                new.bytes(),
+                new.bytes,
                 size
             );
         }

@@ -105,13 +105,6 @@ pub(crate) struct Allocation {
     pub(crate) kind: Kind,
 }
 
-impl Allocation {
-    /// The segment's size in bytes.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-}
-
 /// A segment as a memory snapshot sees it: each block's address, size and
 /// state, in address order.
 pub(crate) type SegmentView = (Allocation, Vec<(DevicePtr, usize, BlockState)>);

@@ -364,12 +364,7 @@ impl Pool {
             newest = newest.max(a.newest_sealed());
             also(i, &mut a);
         }
-        self.host.each(|sh| {
-            if sh.pending_count() > 0 {
-                sh.seal(self.fencer.request(context));
-            }
-            newest = newest.max(sh.newest_sealed());
-        });
+        newest = newest.max(self.host_settle_seal(context));
         newest == 0 || self.fencer.wait(newest)
     }
 }

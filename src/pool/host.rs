@@ -64,10 +64,6 @@ impl Shard {
         self.pending_bytes += class;
     }
 
-    pub(super) fn pending_count(&self) -> usize {
-        self.pending.len()
-    }
-
     pub(super) fn newest_sealed(&self) -> u64 {
         self.sealed.back().map_or(0, |b| b.0)
     }
@@ -248,7 +244,7 @@ impl Pool {
     /// Seal what `sh` holds back, for a fence asked for now (under its
     /// lock, after every free it seals).
     fn host_seal(&self, sh: &mut Shard, context: RawContext) {
-        if sh.pending_count() > 0 {
+        if !sh.pending.is_empty() {
             sh.seal(self.fencer.request(context));
         }
     }
@@ -290,15 +286,13 @@ impl Pool {
             sh.live_count = sh.live_count.saturating_sub(1);
             sh.put_pending(block.address as DevicePtr, block.class);
             self.host.cached.fetch_add(block.class, Ordering::Relaxed);
-            if sh.pending_count() >= self.config.fence_count
+            if sh.pending.len() >= self.config.fence_count
                 || sh.pending_bytes >= self.config.fence_bytes
             {
                 self.host_seal(&mut sh, context);
             }
         }
-        if self.host.cached.load(Ordering::Relaxed) > self.host.cap {
-            let _ = self.host_shrink(context, self.host.cap);
-        }
+        self.host_settle(context);
         self.host.cached.load(Ordering::Relaxed) > self.host.cap
             && !self.host.settle_posted.swap(true, Ordering::AcqRel)
     }
@@ -359,9 +353,7 @@ impl Pool {
                     Err(e) => {
                         self.host.shard(flags).put_ready(p, class);
                         self.host.cached.fetch_add(class, Ordering::Relaxed);
-                        if first_err.is_ok() {
-                            first_err = Err(e);
-                        }
+                        first_err = first_err.and(Err(e));
                         break;
                     }
                 }
@@ -411,9 +403,7 @@ impl Pool {
                             self.host_seal(&mut sh, context);
                         }
                         self.host.cached.fetch_add(class, Ordering::Relaxed);
-                        if first_err.is_ok() {
-                            first_err = Err(e);
-                        }
+                        first_err = first_err.and(Err(e));
                     } else {
                         freed += class;
                     }
@@ -421,11 +411,8 @@ impl Pool {
             }
             return (freed, first_err);
         }
-        let newest = self.host_settle_seal(context);
-        if newest != 0 {
-            // `false` (a capture, a failed fence): what waits stays.
-            let _ = self.fencer.wait(newest);
-        }
+        // `false` (a capture, a failed fence): what waits stays.
+        let _ = self.host_settle_wait(self.host_settle_seal(context));
         self.host_shrink(context, 0)
     }
 

@@ -468,9 +468,7 @@ impl Pool {
         for i in 0..self.arenas.len() {
             self.arena(i).promote(done);
         }
-        self.host.each(|sh| {
-            sh.promote(done);
-        });
+        self.host.each(|sh| sh.promote(done));
         ok
     }
 }

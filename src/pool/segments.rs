@@ -377,9 +377,7 @@ impl Pool {
                         self.arena(i)
                             .add_waiting_segment(seg.base, seg.bytes, seg.kind);
                         failed_free(&seg);
-                        if first_err.is_ok() {
-                            first_err = Err(e);
-                        }
+                        first_err = first_err.and(Err(e));
                     }
                 }
             }

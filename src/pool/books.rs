@@ -4,7 +4,7 @@
 use super::arena::{Arena, BlockState, Slot, State};
 use super::class::{class_index, class_of_index, size_class, ClassCount, FastMap};
 use crate::driver::DevicePtr;
-use crate::stats::Client;
+use crate::stats::{ClassStats, Client};
 
 impl Arena {
     /// The blocks of the segment at `base` of `size` bytes, sizes and states
@@ -100,8 +100,9 @@ impl Arena {
     }
 
     /// Live and peak blocks per size class, with the cached blocks (quick
-    /// list merged) by size class, into `out` (class → (live, peak, cached)).
-    pub(crate) fn class_counts(&mut self, out: &mut FastMap<usize, (usize, usize, usize)>) {
+    /// list merged) by size class, added into `out` (by class; their
+    /// `class` field left to the caller).
+    pub(crate) fn class_counts(&mut self, out: &mut FastMap<usize, ClassStats>) {
         self.flush_quick();
         let small = self
             .class_live
@@ -111,13 +112,13 @@ impl Arena {
         for (class, c) in small.chain(self.large_live.iter().map(|(k, c)| (*k, *c))) {
             if c.peak > 0 {
                 let e = out.entry(class).or_default();
-                e.0 += c.live;
-                e.1 += c.peak;
+                e.live_blocks += c.live;
+                e.peak_blocks += c.peak;
             }
         }
         for i in self.blocks.iter() {
             if i.state != State::Used {
-                out.entry(size_class(i.size)).or_default().2 += 1;
+                out.entry(size_class(i.size)).or_default().cached_blocks += 1;
             }
         }
     }

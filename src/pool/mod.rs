@@ -374,20 +374,13 @@ impl Pool {
     /// bound with several), and free or waiting blocks by the size class of
     /// their sizes. Classes with none of these are left out.
     pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
-        let mut by: FastMap<usize, (usize, usize, usize)> = FastMap::default();
+        let mut by = FastMap::default();
         for i in 0..self.arenas.len() {
             self.arena(i).class_counts(&mut by);
         }
         let mut v: Vec<ClassStats> = by
             .into_iter()
-            .map(
-                |(class, (live_blocks, peak_blocks, cached_blocks))| ClassStats {
-                    class,
-                    live_blocks,
-                    peak_blocks,
-                    cached_blocks,
-                },
-            )
+            .map(|(class, c)| ClassStats { class, ..c })
             .collect();
         v.sort_by_key(|c| c.class);
         v

@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 
 pub(super) use super::blocks::{Blocks, Info, Slot};
-use super::class::{ClassCount, FastMap, SMALL_CLASSES};
+use super::class::{ClassCount, FastMap, SmallCounts};
 use super::freeset::FreeSet;
 use crate::driver::{DevicePtr, RawStream};
 use crate::stats::{Client, ClientStats};
@@ -99,6 +99,7 @@ pub(super) struct Batch {
 }
 
 /// One arena (see the module documentation).
+#[derive(Default)]
 pub(crate) struct Arena {
     pub(super) blocks: Blocks,
     /// Free blocks by kind, tag and size.
@@ -124,7 +125,7 @@ pub(crate) struct Arena {
     pub(crate) fences: u64,
     pub(crate) clients: [ClientStats; Client::COUNT],
     /// Live blocks per size class of the request ([`size_class`]).
-    pub(crate) class_live: Vec<ClassCount>,
+    pub(crate) class_live: SmallCounts,
     pub(crate) large_live: FastMap<usize, ClassCount>,
     /// A growth ahead for this arena was asked for and not yet done.
     pub(crate) ahead_asked: bool,
@@ -132,34 +133,6 @@ pub(crate) struct Arena {
     ///
     /// [`Pool::busy_look`]: super::Pool::busy_look
     pub(super) idle_skips: u32,
-}
-
-impl Default for Arena {
-    fn default() -> Self {
-        Arena {
-            blocks: Blocks::default(),
-            free: FreeSet::default(),
-            pending: Vec::new(),
-            pending_bytes: 0,
-            sealed: VecDeque::new(),
-            sealed_bytes: 0,
-            spare: Vec::new(),
-            quick: VecDeque::new(),
-            quick_bytes: 0,
-            live_bytes: 0,
-            live_count: 0,
-            peak_bytes: 0,
-            alloc_count: 0,
-            hits: 0,
-            misses: 0,
-            fences: 0,
-            clients: Default::default(),
-            class_live: vec![ClassCount::default(); SMALL_CLASSES],
-            large_live: FastMap::default(),
-            ahead_asked: false,
-            idle_skips: 0,
-        }
-    }
 }
 
 /// The tag two merged free blocks keep: the same tag, or a stream's over
@@ -534,7 +507,7 @@ impl Arena {
         self.sealed_bytes = 0;
         self.live_bytes = 0;
         self.live_count = 0;
-        self.class_live.iter_mut().for_each(|c| c.live = 0);
+        self.class_live.0.iter_mut().for_each(|c| c.live = 0);
         self.large_live.clear();
         for k in &mut self.clients {
             (k.live_bytes, k.live_count) = (0, 0);

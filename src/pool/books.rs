@@ -94,7 +94,7 @@ impl Arena {
     #[inline]
     pub(crate) fn class_count(&mut self, class: usize) -> &mut ClassCount {
         match class_index(class) {
-            Some(i) => &mut self.class_live[i],
+            Some(i) => &mut self.class_live.0[i],
             None => self.large_live.entry(class).or_default(),
         }
     }
@@ -106,6 +106,7 @@ impl Arena {
         self.flush_quick();
         let small = self
             .class_live
+            .0
             .iter()
             .enumerate()
             .map(|(i, c)| (class_of_index(i), *c));

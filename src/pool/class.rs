@@ -88,3 +88,12 @@ pub(crate) struct ClassCount {
     pub(crate) live: usize,
     pub(crate) peak: usize,
 }
+
+/// A [`ClassCount`] for each class up to [`LARGE`], by [`class_index`].
+pub(crate) struct SmallCounts(pub(crate) Vec<ClassCount>);
+
+impl Default for SmallCounts {
+    fn default() -> Self {
+        SmallCounts(vec![ClassCount::default(); SMALL_CLASSES])
+    }
+}

@@ -364,7 +364,7 @@ impl Pool {
         for i in 0..self.arenas.len() {
             let mut a = self.arena(i);
             a.peak_bytes = a.live_bytes;
-            a.class_live.iter_mut().for_each(|c| c.peak = c.live);
+            a.class_live.0.iter_mut().for_each(|c| c.peak = c.live);
             a.large_live.values_mut().for_each(|c| c.peak = c.live);
         }
     }

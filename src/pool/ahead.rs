@@ -201,18 +201,17 @@ impl Pool {
     ) -> Option<Allocation> {
         let arena = arena & (self.arenas.len() - 1);
         let grown = self.ahead_segment(context, arena, kind);
-        let a = match grown {
-            Ok(a) => a,
-            Err(why) => {
-                log::debug!(target: "gpuptr::pool", "no growth ahead for arena {arena}: {why}");
-                self.ahead_over(arena);
-                return None;
+        match &grown {
+            Ok(a) => {
+                register(a);
+                self.arena(arena).add_segment(a.base, a.bytes, a.kind);
             }
-        };
-        register(&a);
-        self.arena(arena).add_segment(a.base, a.bytes, a.kind);
+            Err(why) => {
+                log::debug!(target: "gpuptr::pool", "no growth ahead for arena {arena}: {why}")
+            }
+        }
         self.ahead_over(arena);
-        Some(*a)
+        grown.ok().map(|a| *a)
     }
 
     /// [`Pool::grow_ahead`]'s checks and allocation.

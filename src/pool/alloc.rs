@@ -326,8 +326,7 @@ impl Pool {
                 .then(|| a.take_claimed(p))
                 .flatten();
             if let Some(s) = taken {
-                a.handed_out(ask.size, ask.client, true);
-                return Some(Grant::new((p, got, s), i, None, false));
+                return Some(ask.grant(&mut a, i, (p, got, s)));
             }
             a.unclaim(p);
         }

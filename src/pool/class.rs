@@ -1,6 +1,5 @@
-//! Size classes: at least 512 bytes; up to 256 MiB, four classes per
-//! power of two (waste under 25%); above, a multiple of 2 MiB. Small classes
-//! have a dense index, so a shard keeps them in a vector.
+//! Size classes ([`size_class`]); those up to 256 MiB have a dense index,
+//! so an arena counts them in a vector.
 
 use std::collections::HashMap;
 
@@ -9,8 +8,6 @@ pub(super) const LARGE: usize = 256 << 20;
 /// Classes up to [`LARGE`]: 512, then four per power of two.
 pub(super) const SMALL_CLASSES: usize =
     1 + 4 * (LARGE.trailing_zeros() - MIN_CLASS.trailing_zeros()) as usize;
-// A shard's `wanted` has a bit per small class.
-const _: () = assert!(SMALL_CLASSES <= 128);
 
 /// The size class of a request: at least 512 bytes; up to 256 MiB, four
 /// classes per power of two (waste under 25%); above, a multiple of 2 MiB.
@@ -26,7 +23,7 @@ pub fn size_class(size: usize) -> usize {
     size.div_ceil(step) * step
 }
 
-/// The slot of a class up to 256 MiB in a shard's `ready` table.
+/// The index of a class up to 256 MiB among the small classes.
 pub(super) fn class_index(class: usize) -> Option<usize> {
     if class > LARGE {
         return None;
@@ -72,7 +69,7 @@ impl std::hash::Hasher for IdentityHasher {
 
 pub(crate) type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdentityHasher>>;
 
-/// The class stored at `index` of a shard's `ready` table.
+/// The small class at `index` (the inverse of [`class_index`]).
 pub(super) fn class_of_index(index: usize) -> usize {
     if index == 0 {
         return MIN_CLASS;

@@ -499,7 +499,7 @@ impl Arena {
     /// gone).
     pub(crate) fn forget_all(&mut self) {
         self.blocks = Blocks::default();
-        self.free.clear();
+        self.free = FreeSet::default();
         (self.quick, self.quick_bytes) = (VecDeque::new(), 0);
         self.pending.clear();
         self.pending_bytes = 0;

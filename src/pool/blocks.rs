@@ -34,7 +34,6 @@ impl Info {
         state: State,
         kind: Kind,
     ) -> Info {
-        let (bin_prev, bin_next) = (0, 0);
         Info {
             at,
             size,
@@ -42,8 +41,8 @@ impl Info {
             next,
             state,
             kind,
-            bin_prev,
-            bin_next,
+            bin_prev: 0,
+            bin_next: 0,
         }
     }
 }

@@ -256,9 +256,4 @@ impl FreeSet {
         }
         out
     }
-
-    /// Empty the set.
-    pub(super) fn clear(&mut self) {
-        *self = FreeSet::default();
-    }
 }

@@ -231,8 +231,7 @@ impl Fencer {
                     // `requested` again before it sleeps: one of the two
                     // sees the other's store.
                     if ext.sleeping.load(Ordering::SeqCst) {
-                        let st = self.helper.lock();
-                        drop(st);
+                        drop(self.helper.lock());
                         self.helper.shared.work.notify_one();
                     }
                     return r + 1;

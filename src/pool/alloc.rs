@@ -16,11 +16,10 @@ use crate::stats::Client;
 /// ladder above trims and asks again, so each round multiplies there).
 const OOM_FENCE_ROUNDS: usize = 2;
 
-/// How long such an allocation waits, each round, for growths to reach
-/// their arenas (see [`Landing`](super::segments::Landing)): ten times
-/// the slowest driver allocation measured (490 µs on a busy H100, just
-/// after a kernel started), so a growth under way lands within it, and
-/// short enough that out of memory is still answered at once to a user.
+/// How long it waits each round for growths to reach their arenas (see
+/// [`Landing`](super::segments::Landing)): ten times the slowest driver
+/// allocation measured (490 µs on a busy H100 just after a kernel started),
+/// so a growth under way lands, yet out of memory still answers at once.
 pub(super) const TRANSIT_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// One request on its way down the miss ladder ([`Pool::alloc`]).
@@ -88,9 +87,8 @@ impl Pool {
             client,
             valid,
         };
-        // 1. The best fit in the caller's arena: one lock, no driver call.
-        // (Inline, and the rest of the ladder out of line: a hit runs no
-        // more code than it needs.)
+        // 1. The best fit in the caller's arena: one lock, no driver call;
+        // inline, the rest out of line (a hit runs no more than it needs).
         match self.hit(context, &ask) {
             Some(g) => Ok(g),
             None => self.climb(context, ask, device),
@@ -129,7 +127,6 @@ impl Pool {
                 && self.wants_ahead(&mut a, |a| self.busy_look(a));
             return Some(g);
         }
-        // A miss: what waits in this arena is sealed for a fence now.
         if a.pending_count() > 0 {
             a.seal(self.fencer.request(context));
         }
@@ -198,8 +195,7 @@ impl Pool {
                 }
                 let mut a = self.arena(ask.home);
                 if !valid() {
-                    // Its context went while the driver allocated: so did
-                    // the segment.
+                    // Its context (and so the segment) went meanwhile.
                     drop(a);
                     self.forget_segment(new.base);
                     return Err(reset());
@@ -270,10 +266,7 @@ impl Pool {
     /// Rung 6, out of memory: every free block of every arena, on any
     /// stream, waits for one fence with what was freed without a stream;
     /// wait for it (a host-side wait, on this rung alone; none during a
-    /// capture), then take the best fit, in the asker's arena first, then
-    /// anywhere. A waiting block that fits is claimed before the wait, so
-    /// that threads churning the cache meanwhile cannot take every block
-    /// the fence frees before this thread looks.
+    /// capture), then take the best fit, the asker's arena first.
     fn fence_all_and_take(
         &self,
         context: RawContext,
@@ -303,9 +296,9 @@ impl Pool {
     }
 
     /// One round of [`Pool::fence_all_and_take`]: a waiting block that fits
-    /// is claimed while its arena is sealed (no other thread takes it), and
-    /// handed out once the fence covering it is done; else any block free
-    /// after the fence.
+    /// is claimed before the wait (threads churning the cache meanwhile
+    /// cannot take it) and handed out once its fence is done; else any
+    /// block free after the fence.
     fn fence_once_and_take(
         &self,
         context: RawContext,
@@ -339,12 +332,11 @@ impl Pool {
         })
     }
 
-    /// Seal every arena's waiting blocks, with every block free on a stream
-    /// (see [`Arena::wait_all_tagged`]), and the host cache's (calling
-    /// `also` with each arena, locked, once sealed), and wait for the fence
-    /// that covers them all; whether it ran (not during a
-    /// capture, nor when it failed). Each arena asks for its fence under
-    /// its own lock, after every free it seals.
+    /// Seal every arena's waiting blocks and its blocks free on a stream
+    /// ([`Arena::wait_all_tagged`]), calling `also` with each arena locked
+    /// once sealed, and the host cache's; wait for the fence covering them
+    /// all. Whether it ran (not during a capture, nor if it failed). Each
+    /// arena asks for its fence under its lock, after every free it seals.
     pub(super) fn fence_everything(
         &self,
         context: RawContext,

@@ -2,50 +2,46 @@
 //! caching allocator's design, with a second reuse rule for memory freed
 //! without a stream.
 //!
-//! **Blocks fit the request.** The pool holds driver allocations
-//! (*segments*) and cuts them into blocks: a request takes the smallest
-//! free block that fits (sizes round up to 512 bytes) and splits off the
-//! rest, and a freed block merges with its free neighbours (`arena.rs`).
-//! A miss grows the pool by one segment, sized as PyTorch sizes them: 2 MiB
-//! for requests of at most 1 MiB (the *small* pool, whose segments never
-//! serve larger requests), 20 MiB for requests under 10 MiB, and the
-//! request rounded up to 2 MiB above that (`segments.rs`). Nothing goes
-//! back to the driver until a user asks ([`Pool::trim`]) or the driver runs
+//! **Blocks fit the request.** The pool cuts driver allocations
+//! (*segments*) into blocks: a request takes the smallest free block that
+//! fits (sizes round up to 512 bytes) and splits off the rest; a freed
+//! block merges with its free neighbours (`arena.rs`). A miss grows the
+//! pool by a segment sized as PyTorch's: 2 MiB for requests up to 1 MiB
+//! (the *small* pool; its segments never serve larger ones), 20 MiB under
+//! 10 MiB, else the request rounded up to 2 MiB (`segments.rs`). Nothing
+//! goes back to the driver until a user asks ([`Pool::trim`]) or it runs
 //! out of memory.
 //!
 //! **Two reuse rules.**
-//! - *Stream-ordered* (a block allocated for, or freed on, a known stream:
-//!   PyTorch, CuPy, RMM, cuda.core, `alloc(n, stream=s)`): a block freed on
-//!   stream `s` is free on `s` at once; stream order puts any later work on
-//!   `s` after the old owner's. Other streams get it after a fence, or when
-//!   the driver runs out of memory (below).
+//! - *Stream-ordered* (allocated for, or freed on, a known stream: PyTorch,
+//!   CuPy, RMM, cuda.core, `alloc(n, stream=s)`): a block freed on stream
+//!   `s` is free on `s` at once (stream order puts later work on `s` after
+//!   the old owner's); other streams get it after a fence, or out of memory.
 //! - *Fenced* (freed with no stream known: numba's plugin, `gpuptr.alloc`,
 //!   or memory also used on another stream, `record_stream`): the block
-//!   *waits* until a fence has run after its free. The device's fence
-//!   thread calls `cuCtxSynchronize`, which returns once every task queued
-//!   before it, on every stream, is done (`fence.rs`); the block is then
-//!   free for anyone, kept whole on the arena's quick list for a request of
-//!   its size (`quick.rs`). One fence per arena is asked for as soon as a
-//!   block waits and none is under way; frees meanwhile gather for the next.
-//!   A hit that takes the quick list's newest block reads nothing the fence
-//!   thread writes (see [`Pool::alloc`]).
+//!   *waits* for a fence run after its free, the fence thread's
+//!   `cuCtxSynchronize`, which returns once every task queued before it on
+//!   every stream is done (`fence.rs`). It is then free for anyone, kept
+//!   whole on the arena's quick list for a request of its size (`quick.rs`).
+//!   An arena asks for a fence as soon as a block waits and none is under
+//!   way; frees meanwhile gather for the next. A hit on the quick list's
+//!   newest block reads nothing the fence thread writes ([`Pool::alloc`]).
 //!
 //! **A miss, top to bottom** ([`Pool::alloc`]: rung 1 inline, the rest in
 //! one function):
 //! 1. the best fit in the caller's arena;
 //! 2. (no stream) memory anyone may use in another arena;
 //! 3. for a large request (over 1 MiB) without a stream, or past the
-//!    pool's budget (`max(1.5 x live, 32 MiB)`), a fence under way: wait
-//!    for it and reuse what it frees, unless it has spun longer than a
-//!    growth costs (the pool's own `cuMemAlloc` time, measured): a busy
-//!    GPU. Within the budget a small request's miss grows at once;
+//!    pool's budget (`max(1.5 x live, 32 MiB)`; within it a small miss
+//!    grows at once), a fence under way: wait for it and reuse what it
+//!    frees, unless it has spun longer than a growth costs (the pool's own
+//!    `cuMemAlloc` time, measured): a busy GPU;
 //! 4. the growth helper allocating for this arena: wait for it;
-//! 5. grow by one segment. While a fence has spun longer than a growth
-//!    costs, memory freed without a stream cannot come back soon: such a
-//!    growth is at least [`PoolConfig::ahead_bytes`], and the helper grows
-//!    the arena ahead of demand (`ahead.rs`);
-//! 6. the driver refused: seal every arena, wait for the fence that covers
-//!    it all, make every free block free for anyone, and take the best fit
+//! 5. grow by one segment; without a stream on a busy GPU (its fenced
+//!    frees come back late) by at least [`PoolConfig::ahead_bytes`], and
+//!    the helper grows the arena ahead of demand (`ahead.rs`);
+//! 6. the driver refused: seal every arena, wait for the fence covering it
+//!    all, make every free block free for anyone, and take the best fit
 //!    anywhere; the device then gives free segments back and asks again
 //!    (`device/oom.rs`).
 //!
@@ -104,16 +100,14 @@ pub struct PoolConfig {
     /// Number of arenas, rounded up to a power of two. The default is the
     /// number of CPUs, at most 16.
     pub shards: usize,
-    /// The least time between the starts of two fences: after each one the
-    /// fence thread rests this long (unless an out-of-memory waiter needs
-    /// the next), so frees gather into fewer fences. Zero (the default):
-    /// back to back.
+    /// The least time between two fences' starts: the fence thread rests
+    /// this long after each (unless an out-of-memory waiter needs the
+    /// next), so frees gather into fewer fences. Zero (default): no rest.
     pub fence_pace: Duration,
-    /// Growth ahead of demand for memory freed without a stream: while a
-    /// busy GPU holds such frees back, an arena that churns them keeps at
-    /// least this many bytes free for anyone, grown in segments of this
-    /// size on a helper thread, so that an allocation finds a block rather
-    /// than wait for the driver. Zero: off.
+    /// Growth ahead of demand: while a busy GPU holds frees without a
+    /// stream back, an arena that churns them keeps at least this many
+    /// bytes free for anyone, grown in segments of this size on a helper
+    /// thread, so an allocation need not wait for the driver. Zero: off.
     pub ahead_bytes: usize,
     /// The pool's budget is `max(1.5 x live, headroom_bytes)`: past it a
     /// miss of memory freed without a stream waits for its fence rather
@@ -125,9 +119,8 @@ pub struct PoolConfig {
     /// than a quarter of the device's memory free.
     pub ahead_total: usize,
     /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
-    /// caches for reuse, under the same fence as device memory; classes
-    /// larger than this are not cached. Zero: no host cache (every free
-    /// goes to the driver).
+    /// caches, under the same fence as device memory; larger classes are
+    /// not cached. Zero: no host cache (frees go to the driver).
     pub host_cache_bytes: usize,
 }
 
@@ -146,24 +139,21 @@ impl Default for PoolConfig {
     }
 }
 
-/// What a growth costs before the pool has measured one: a `cuMemAlloc`
-/// took 39-99 µs on an H100 while kernels ran, and 40-60 µs on an idle
-/// H200.
+/// What a growth costs before one is measured: a `cuMemAlloc` took
+/// 39-99 µs on an H100 while kernels ran, 40-60 µs on an idle H200.
 const GROW_COST_FIRST: Duration = Duration::from_micros(50);
 
-/// The longest a miss waits for a fence that has not spun long enough to
-/// mean a busy GPU (see [`Fencer::wait_unless_busy`]): its thread waits
-/// for a CPU, or the driver blocks rather than spins while the GPU works.
-/// Linux's scheduler gives every runnable thread a turn within its latency
-/// period (6 ms by default, fewer runnable threads sooner); on the
-/// simulator with two CPUs and a process spinning beside them, a wait of
-/// 1 ms let a 3 MiB loop grow to 58 MiB in one run of eight.
+/// The longest a miss waits for a fence that has not spun enough to mean a
+/// busy GPU ([`Fencer::wait_unless_busy`]): its thread waits for a CPU, or
+/// the driver blocks rather than spins. Linux gives every runnable thread a
+/// turn within its latency period (6 ms by default, sooner with fewer); on
+/// the simulator with two CPUs and a spinning process beside, a 1 ms wait
+/// let a 3 MiB loop grow to 58 MiB in one run of eight.
 const FENCE_WAIT_MAX: Duration = Duration::from_millis(4);
 
-/// The least a growth is taken to cost, whatever the driver's calls
-/// measure: a `cuMemAlloc` took at least 20 µs on an idle H200, and a
-/// driver that answers faster (the simulator's) would make every wait for
-/// a fence look dearer than growing.
+/// The least a growth is taken to cost: an idle H200's `cuMemAlloc` took
+/// at least 20 µs, and a faster driver (the simulator) would make every
+/// wait for a fence look dearer than growing.
 const GROW_COST_LEAST: Duration = Duration::from_micros(20);
 
 /// A device's caching pool, over the driver alone.
@@ -175,14 +165,12 @@ pub(crate) struct Pool {
     held: Mutex<Held>,
     /// The most bytes `held` may hold (`usize::MAX`: no limit).
     limit: AtomicUsize,
-    /// The pool's own `cuMemAlloc` calls' mean time in nanoseconds (a
-    /// moving average): what a growth costs, so what waiting for a fence
-    /// may cost at most.
+    /// The pool's `cuMemAlloc` calls' mean time in ns (a moving average):
+    /// what a growth costs, so the most a wait for a fence may cost.
     grow_ns: AtomicU64,
-    /// Growths between the driver call and their arena (inline, ahead or
-    /// reserving; see [`segments::Landing`]): memory the device no longer
-    /// has and no arena shows yet (an allocation out of memory waits for
-    /// them, [`Pool::fence_all_and_take`]).
+    /// Growths between their driver call and their arena (see
+    /// [`segments::Landing`]): memory the device no longer has and no arena
+    /// shows yet, which an allocation out of memory waits for.
     in_transit: AtomicUsize,
     grower: Grower,
     /// The arena the growth helper is allocating for now; a miss there
@@ -193,9 +181,8 @@ pub(crate) struct Pool {
     /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests on slow
     /// hosts lengthen it).
     ahead_wait: Duration,
-    /// How long an allocation out of memory waits, each round, for growths
-    /// in transit to reach their arenas ([`alloc::TRANSIT_WAIT`]; tests on
-    /// slow hosts lengthen it).
+    /// How long an allocation out of memory waits each round for growths
+    /// in transit ([`alloc::TRANSIT_WAIT`]; tests on slow hosts lengthen it).
     transit_wait: Duration,
     /// Told of each driver allocation the pool records (`true`) or gives up
     /// (`false`), before any of its blocks is handed out and before the
@@ -317,10 +304,9 @@ impl Pool {
         self.fencer.spun(self.grow_cost())
     }
 
-    /// What the pool may still grow by, with a request of `size` bytes,
-    /// within its budget, `max(1.5 x live, headroom)`
-    /// ([`PoolConfig::headroom_bytes`]): 0 once past it. A look at every
-    /// arena: misses only.
+    /// What the pool may grow by within its budget, `max(1.5 x live,
+    /// headroom)` ([`PoolConfig::headroom_bytes`]), with `size` more live:
+    /// 0 past it. Locks every arena: misses only.
     fn budget_room(&self, size: usize) -> usize {
         let live: usize = size
             + (0..self.arenas.len())
@@ -427,10 +413,9 @@ impl Pool {
         }
     }
 
-    /// A stream capture begins on this pool's device: no fence runs until
-    /// it ends (see [`Fencer::begin_capture`]); blocks freed meanwhile wait
-    /// for the fence after it, and an allocation that runs out of memory
-    /// meanwhile does not wait for one.
+    /// A stream capture begins on the device: no fence runs until it ends
+    /// ([`Fencer::begin_capture`]); frees meanwhile wait for the fence
+    /// after it, and an allocation out of memory waits for none.
     pub(crate) fn begin_capture(&self) {
         self.fencer.begin_capture();
     }
@@ -445,12 +430,11 @@ impl Pool {
         self.fencer.capturing()
     }
 
-    /// Let growth ahead under way finish, then wait for the fence that
-    /// covers every block freed so far, and make those blocks free (tests
-    /// and `synchronize` callers). `false` if the fence failed.
+    /// Let growth ahead under way finish (so what the pool holds stays put
+    /// for statistics and trims), wait for the fence covering every block
+    /// freed so far, and make those blocks free (tests, `synchronize`).
+    /// `false` if the fence failed.
     pub(crate) fn flush(&self, context: RawContext) -> bool {
-        // Growth ahead under way finishes first, so that what the pool
-        // holds then stays put (statistics, trims).
         self.grower.quiesce(Duration::from_secs(1));
         let ok = match self.fencer.capturing() {
             // No fence runs now: flushed only if nothing waits for one.

@@ -10,16 +10,15 @@ use super::spin::{own_cpu_clock, thread_cpu_ns, Probe, NO_CLOCK};
 use crate::driver::{Driver, RawContext};
 use crate::sync::{lock, wait, wait_timeout};
 
-/// How long a wait for the fence thread yields the CPU each turn before it
-/// sleeps instead ([`wait_turn`]).
+/// How long a wait for the fence thread yields the CPU before it sleeps
+/// instead ([`wait_turn`]): an idle GPU's fence ends within it.
 const YIELD_FIRST: Duration = Duration::from_micros(50);
 
-/// One turn of a wait for the fence thread that began at `since`: yield the
-/// CPU for the first [`YIELD_FIRST`] (an idle GPU's fence ends within it),
-/// then sleep 50 µs a turn. On a host with fewer free CPUs than runnable
-/// threads a yield hands the CPU back to the thread that yields whenever
-/// nothing else waits on that CPU, while the fence thread waits on another
-/// behind the thread that allocates; a sleep lets it run here.
+/// One turn of a wait for the fence thread begun at `since`: a yield for
+/// the first [`YIELD_FIRST`], then a 50 µs sleep. With fewer free CPUs than
+/// runnable threads, a yield hands the CPU straight back when nothing else
+/// waits on it, while the fence thread waits on another CPU behind the
+/// thread that allocates; a sleep lets it run here.
 fn wait_turn(since: Instant) {
     if since.elapsed() < YIELD_FIRST {
         std::thread::yield_now();
@@ -37,13 +36,10 @@ pub(super) fn now_ns() -> u64 {
 }
 
 /// The per-device helper that makes freed blocks safe to reuse: it runs
-/// `cuCtxSynchronize` on its own thread for every batch sealed before the
-/// call, so no allocating thread waits for the GPU.
-///
-/// Sequence numbers order it: [`Fencer::request`] returns the number of a
-/// synchronize that starts after the call; [`Fencer::done`] is the number of
-/// the last one that finished. A batch sealed with number `n` is ready once
-/// `done() >= n`.
+/// `cuCtxSynchronize` on its own thread, so no allocating thread waits for
+/// the GPU. [`Fencer::request`] returns the number of a synchronize that
+/// starts after the call, [`Fencer::done`] that of the last one finished:
+/// a batch sealed with number `n` is ready once `done() >= n`.
 pub(crate) struct Fencer {
     pub(super) helper: Helper<FenceState, FenceExt>,
 }
@@ -70,16 +66,14 @@ pub(crate) struct FenceExt {
     driver: Arc<dyn Driver>,
     pace: Duration,
     done: Line<AtomicU64>,
-    /// The newest number handed out (a request that finds it not started
-    /// yet shares it, without the lock; one that finds it started takes
-    /// the next with a compare-and-swap).
+    /// The newest number handed out: a request shares it while it has not
+    /// started (no lock), else takes the next by compare-and-swap.
     pub(super) requested: AtomicU64,
     /// The number the running (or last) synchronize covers (written by the
     /// fence thread, under the lock).
     pub(super) started: AtomicU64,
-    /// The context of the newest request (also `FenceState::context`,
-    /// which the fence thread reads under the lock): a request for another
-    /// one takes the lock.
+    /// The newest request's context (as `FenceState::context`, which the
+    /// fence thread reads under the lock): a request for another locks.
     context: std::sync::atomic::AtomicUsize,
     /// The fence thread is about to sleep, or sleeps, until woken: a
     /// request that takes a new number wakes it.
@@ -109,11 +103,10 @@ pub(crate) struct FenceState {
     pub(super) syncing: bool,
 }
 
-/// After its last fence the helper looks for a new request every
-/// [`FENCE_POLL`] (or every pace, if longer) for this long before it sleeps
-/// until woken: a busy allocator asks again within microseconds, and waking
-/// a sleeping thread would cost the allocating thread a system call. Polling
-/// with timed sleeps, not spinning, leaves the CPU to the allocating threads.
+/// After a fence the helper polls for a request every [`FENCE_POLL`] (or
+/// pace, if longer) for this long before it sleeps until woken: a busy
+/// allocator asks again within microseconds, and waking a sleeper costs it
+/// a system call; timed sleeps, not spins, leave it the CPU.
 const FENCE_IDLE_POLL: Duration = Duration::from_millis(2);
 const FENCE_POLL: Duration = Duration::from_micros(5);
 
@@ -153,12 +146,11 @@ impl Fencer {
         self.ext().started.load(Ordering::SeqCst)
     }
 
-    /// Whether the fence running now spins (see [`Probe::spins`]): the
-    /// GPU is then busy (`cuCtxSynchronize` spins while queued work runs).
-    /// A fence thread that waits for a CPU (a loaded host) spends none
-    /// while it waits, and is not a busy GPU. Without a thread CPU clock,
-    /// the wall time it ran. One clock read once the fence has run `cost`;
-    /// nothing before.
+    /// Whether the fence running now has run `cost` and spins
+    /// ([`Probe::spins`]): a busy GPU (`cuCtxSynchronize` spins while queued
+    /// work runs), not a loaded host (a thread waiting for a CPU spends
+    /// none). Without a thread CPU clock, its wall time alone; no clock read
+    /// before `cost`.
     pub(crate) fn spun(&self, cost: Duration) -> bool {
         let ext = self.ext();
         let started = ext.started_ns.load(Ordering::Relaxed);
@@ -254,10 +246,9 @@ impl Fencer {
         n
     }
 
-    /// A stream capture begins on the device: from now until the matching
-    /// [`Fencer::end_capture`], no fence starts, and a fence already
-    /// running is waited for first, so that no `cuCtxSynchronize` runs while
-    /// the capture does. Freed blocks wait, sealed, for the fence after it.
+    /// A stream capture begins: until its [`Fencer::end_capture`] no fence
+    /// starts, and one running is waited for first (no `cuCtxSynchronize`
+    /// during a capture); frees wait, sealed, for the fence after it.
     pub(crate) fn begin_capture(&self) {
         let sh = &self.helper.shared;
         let mut st = lock(&sh.state);
@@ -382,10 +373,9 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             ext.requested.load(Ordering::SeqCst) != ext.started.load(Ordering::SeqCst)
         };
         if spare_cpus && !asked(&sh.ext) && st.s.captures == 0 && !st.shutdown {
-            // First spin, without the lock, on the newest number asked for:
-            // a loop that allocates and frees fast asks again within
-            // microseconds, and a fence that answers at once keeps the
-            // pool within its budget without a miss waiting for it.
+            // First spin, without the lock: a fast loop of pairs asks again
+            // within microseconds, and a fence that answers at once keeps
+            // the pool within its budget with no miss waiting for it.
             let started = sh.ext.started.load(Ordering::SeqCst);
             drop(st);
             spin_for_request(&sh.ext, started, idle);
@@ -411,7 +401,6 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         let now = Instant::now();
         let asked_for = target != own_ask;
         if asked_for {
-            // Someone asked for this one.
             hot_until = Some(now + FENCE_HOT);
         }
         if spare_cpus && pace.is_zero() && hot_until.is_some_and(|t| now < t) {

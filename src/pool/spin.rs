@@ -25,9 +25,8 @@ pub(super) fn own_cpu_clock() -> i64 {
     NO_CLOCK
 }
 
-/// The CPU time of the thread whose clock is `clock` ([`own_cpu_clock`]),
-/// in nanoseconds; `None` if it cannot be read (no clock, or the thread
-/// ended).
+/// The CPU time in ns of the thread whose clock is `clock`
+/// ([`own_cpu_clock`]); `None` if unreadable (no clock, or the thread ended).
 pub(super) fn thread_cpu_ns(clock: i64) -> Option<u64> {
     if clock == NO_CLOCK {
         return None;
@@ -68,17 +67,15 @@ struct Look {
 pub(super) struct Probe(Mutex<Look>);
 
 impl Probe {
-    /// Whether a fence spins that started at `start` and is at `now`, each
-    /// a (wall ns, its thread's CPU ns) pair: it has spent `cost` of CPU,
-    /// and it keeps spending. Either it was on a CPU for at least a quarter
-    /// of its run (alone on a CPU, or sharing one with up to three other
-    /// threads), or its CPU grew by at least a sixteenth of the wall time
-    /// since an earlier look at it, `cost` or more ago (under valgrind,
-    /// which runs one thread at a time, a busy GPU's fence got a sixth to
-    /// an eighth beside a growth); or it has spent [`SURELY_SPUN`]. A fence
-    /// thread that spent 21 µs and then waited 2 ms for a CPU (the
-    /// simulator beside spinning processes) does none of these: its CPU
-    /// stands still.
+    /// Whether a fence spins that started at `start` and is at `now` (each
+    /// a wall ns and its thread's CPU ns): it has spent `cost` of CPU and
+    /// keeps spending. Either it was on a CPU for a quarter of its run or
+    /// more (alone, or sharing a CPU with up to three threads), or its CPU
+    /// grew by a sixteenth of the wall time or more since a look `cost` or
+    /// more ago (under valgrind, one thread at a time, a busy GPU's fence
+    /// got a sixth to an eighth beside a growth), or it spent
+    /// [`SURELY_SPUN`]. A fence thread that spent 21 µs, then waited 2 ms
+    /// for a CPU (the simulator beside spinning processes), does none.
     pub(super) fn spins(&self, start: (u64, u64), now: (u64, u64), cost: Duration) -> bool {
         let cost = cost.as_nanos() as u64;
         let cpu = now.1.saturating_sub(start.1);

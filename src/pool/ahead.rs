@@ -1,9 +1,8 @@
 //! Growth ahead of demand ([`PoolConfig::ahead_bytes`]): while a busy GPU
-//! holds memory freed without a stream back, a helper thread
-//! ([`Grower`]) grows an arena that churns such memory, so that an
-//! allocation finds a block instead of waiting for the driver. The pool
-//! decides when to ask and what to grow; its owner posts the job (it
-//! registers the new segment and knows whether its context is still live).
+//! holds frees without a stream back, a helper thread ([`Grower`]) grows an
+//! arena that churns them, so an allocation finds a block rather than wait
+//! for the driver. The pool decides when and what; its owner posts the job
+//! (it registers the segment and knows whether its context is live).
 //!
 //! [`PoolConfig::ahead_bytes`]: super::PoolConfig::ahead_bytes
 
@@ -66,11 +65,10 @@ impl Grower {
         })
     }
 
-    /// Start the helper's thread now, if it is not running, so that the
-    /// first growth ahead does not pay for a thread's start on the thread
-    /// that asks for it (50-130 µs on an H100 host, the busy GPU's slowest
-    /// pair). Called on a pool's growths for memory freed without a stream
-    /// (misses: a lock and a look when it runs).
+    /// Start the helper's thread if it is not running, so the first growth
+    /// ahead does not pay for its start on the asking thread (50-130 µs on
+    /// an H100 host, the busy GPU's slowest pair). Called on growths for
+    /// memory without a stream (misses: a lock and a look once it runs).
     pub(super) fn prestart(&self) {
         let mut st = self.helper.lock();
         if !st.shutdown {
@@ -132,11 +130,10 @@ fn grow_loop(sh: &Shared<GrowState, ()>) {
 }
 
 impl Pool {
-    /// After a hand-out of memory freed without a stream from arena `a`
-    /// (locked): whether to ask for growth ahead of demand. Asked while a
-    /// busy GPU holds such frees back (`busy`, asked last: see
-    /// [`Pool::gpu_busy`]) and the arena's memory free for anyone has run
-    /// under [`PoolConfig::ahead_bytes`], once until served.
+    /// After a hand-out without a stream from arena `a` (locked): whether
+    /// to ask for growth ahead, once until served: while a busy GPU holds
+    /// such frees back (`busy`, asked last: see [`Pool::gpu_busy`]) and the
+    /// arena's memory free for anyone is under [`PoolConfig::ahead_bytes`].
     ///
     /// [`PoolConfig::ahead_bytes`]: super::PoolConfig::ahead_bytes
     #[inline]
@@ -169,26 +166,21 @@ impl Pool {
         busy
     }
 
-    /// Run `job` on the pool's growth helper: the owner's call of
-    /// [`Pool::grow_ahead`] for a block whose [`Grant::ahead`] was set.
-    ///
-    /// [`Grant::ahead`]: super::Grant::ahead
+    /// Run `job`, the owner's call of [`Pool::grow_ahead`] for a grant that
+    /// asked for it, on the pool's growth helper.
     pub(crate) fn post_ahead(&self, job: GrowJob) {
         self.grower.post(job);
     }
 
     /// On the helper: one segment of [`PoolConfig::ahead_bytes`] for arena
-    /// `arena`, of `kind` (the pool of the request that asked), recorded as
-    /// held, handed to `register` (the owner registers it), then put in the
-    /// arena free for anyone, and the request is over. `None` (and the
-    /// request is over too) when a fence made enough memory free meanwhile,
-    /// when the pool's free bytes would pass [`PoolConfig::ahead_total`],
-    /// when the device would be left with less than a quarter of its memory
-    /// free, or when the driver refuses: misses go to the driver themselves
-    /// then.
-    ///
-    /// The owner calls it under the lock that a reset of its context takes,
-    /// so the context cannot go between the allocation and the stocking.
+    /// `arena`, of `kind` (the asking request's pool), recorded as held,
+    /// handed to `register` (the owner registers it), then put in the arena
+    /// free for anyone. `None` when a fence freed enough meanwhile, when the
+    /// pool's free bytes would pass [`PoolConfig::ahead_total`], when the
+    /// device would keep less than a quarter free, or when the driver
+    /// refuses: misses then go to the driver themselves. Either way the
+    /// request is over. The owner calls it under the lock a reset of its
+    /// context takes: the context cannot go between allocation and stocking.
     ///
     /// [`PoolConfig::ahead_bytes`]: super::PoolConfig::ahead_bytes
     /// [`PoolConfig::ahead_total`]: super::PoolConfig::ahead_total

@@ -49,10 +49,9 @@ impl Kind {
         }
     }
 
-    /// Whether a block of this kind with `rest` bytes over the request is
-    /// split: the rest is kept as a free block when a request could use it
-    /// (small), or when it is more than a small request (large: a sliver
-    /// of a large segment would only cut it up).
+    /// Whether a block with `rest` bytes over the request splits: small,
+    /// when a request could use the rest; large, when the rest is more than
+    /// a small request (a sliver of a large segment would only cut it up).
     #[inline]
     fn splits(self, rest: usize) -> bool {
         match self {
@@ -129,9 +128,8 @@ pub(crate) struct Arena {
     pub(crate) large_live: FastMap<usize, ClassCount>,
     /// A growth ahead for this arena was asked for and not yet done.
     pub(crate) ahead_asked: bool,
-    /// Hits that skip the look at the GPU (see [`Pool::busy_look`]).
-    ///
-    /// [`Pool::busy_look`]: super::Pool::busy_look
+    /// Hits that skip the look at the GPU
+    /// ([`Pool::busy_look`](super::Pool::busy_look)).
     pub(super) idle_skips: u32,
 }
 
@@ -307,11 +305,10 @@ impl Arena {
         self.pending_bytes + self.sealed_bytes
     }
 
-    /// Out of memory: take a block of at least `want` bytes (of its kind)
-    /// that waits for a fence out of its batch, claimed for the caller, who
-    /// waits for the fence and then takes it ([`Arena::take_claimed`]) or
-    /// puts it back ([`Arena::unclaim`]). Threads that churn the arena
-    /// meanwhile cannot take it first. Its address and size.
+    /// Out of memory: a waiting block of at least `want` bytes (of its kind)
+    /// out of its batch, claimed for the caller (no one else takes it), who
+    /// waits for the fence, then takes it ([`Arena::take_claimed`]) or puts
+    /// it back ([`Arena::unclaim`]). Its address and size.
     pub(crate) fn claim_waiting(&mut self, want: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(want);
         let fits = |&s: &Slot| self.blocks[s].kind == kind && self.blocks[s].size >= want;

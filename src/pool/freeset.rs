@@ -2,17 +2,15 @@
 //! at most [`BIN_MAX`] bytes sit in *exact bins*, one per kind, tag and
 //! size: a list threaded through the blocks' own [`Info`] (newest first,
 //! as CuPy's pool takes them), with a two-level bitmap per kind and tag of
-//! the bins that hold a block, so the best fit is the first set bit at or
-//! above the request's bin. Larger blocks, few in number, stay in a
-//! sorted list.
+//! the bins that hold a block: the best fit is the first set bit at or
+//! above the request's bin. Larger blocks, few, stay in a sorted list.
 
 use super::arena::{Blocks, Kind, Slot, Tag, ANY, MIN_BLOCK};
 use super::class::FastMap;
 use crate::driver::DevicePtr;
 
-/// The largest block kept in an exact bin: larger ones are few (a large
-/// request of 10 MiB or more has a segment of its own) and stay in an
-/// ordered set.
+/// The largest block in an exact bin: larger ones are few (a request of
+/// 10 MiB or more has a segment of its own).
 pub(super) const BIN_MAX: usize = 32 << 20;
 
 /// Bins per kind and tag (one per multiple of [`MIN_BLOCK`] up to

@@ -1,12 +1,11 @@
 //! The pool's cache of pinned host memory (`cuMemHostAlloc`): size
-//! classes, one shard per flag combination (mapped, portable,
-//! write-combined), and the device cache's reuse rule through the same
-//! fence: a freed block is *pending* until the fence thread has seen
-//! `cuCtxSynchronize` return after the free (a copy queued before it may
-//! still use it), then *ready*. Registered memory is never cached. The
-//! cache holds at most [`PoolConfig::host_cache_bytes`]: a free past it
-//! gives ready blocks back, and what passes it while still pending is given
-//! back by the helper once its fence is done ([`Pool::host_settle`]).
+//! classes, a shard per flag combination (mapped, portable,
+//! write-combined), and the device cache's fence: a freed block is
+//! *pending* until a `cuCtxSynchronize` has returned after the free (a
+//! copy queued before it may still use it), then *ready*. Registered
+//! memory is never cached. Past [`PoolConfig::host_cache_bytes`] a free
+//! gives ready blocks back, and the helper gives back what was pending
+//! once its fence is done ([`Pool::host_settle`]).
 //!
 //! [`PoolConfig::host_cache_bytes`]: super::PoolConfig::host_cache_bytes
 
@@ -174,17 +173,16 @@ impl Pool {
     }
 
     /// A pinned host block of at least `size` bytes made with `flags`
-    /// (`HOST_ALLOC_*`): a ready cached block of its class and flags, else a
-    /// new one from the driver (`cuMemHostAlloc` of the class). Out of
-    /// memory gives the ready cache back once and asks again.
+    /// (`HOST_ALLOC_*`): a ready cached block of its class and flags, else
+    /// a new one of the class from the driver; out of memory gives the
+    /// ready cache back once and asks again.
     ///
     /// `still_valid` is asked under the shard lock, which a reset's
-    /// [`Pool::forget`] takes too, before a block is handed out: `false`
-    /// (the context was reset since the caller's context was retained) is
-    /// `Ok(None)`, and nothing is taken, counted or kept (a new block goes
-    /// straight back to the driver). So a block handed out is always the
-    /// caller's context's, and is counted in the statistics a later reset
-    /// clears, never in the next context's.
+    /// [`Pool::forget`] takes too, before a block is handed out: `false` (a
+    /// reset since the caller retained its context) is `Ok(None)`, nothing
+    /// taken, counted or kept (a new block goes back to the driver). So a
+    /// block handed out is the caller's context's, counted in statistics a
+    /// later reset clears, never in the next context's.
     pub(crate) fn host_alloc(
         &self,
         context: RawContext,
@@ -231,8 +229,7 @@ impl Pool {
                 return Ok(Some(block(p)));
             }
         }
-        // Reset while the driver pinned it: this block is of no cache, and
-        // was never counted.
+        // Reset while the driver pinned it: no cache's, never counted.
         // SAFETY: pinned just now in `context`, still retained by the
         // caller, and handed to no one.
         let _ = relaxed(self.driver.as_ref(), || unsafe {
@@ -263,12 +260,10 @@ impl Pool {
     /// bytes: it waits for the next fence. `still_valid` is asked under the
     /// shard lock, which a reset's [`Pool::forget`] takes too: a block of a
     /// context reset since is refused, its memory gone. No wait; a driver
-    /// call only when the cache is past its cap (ready blocks go back).
-    /// `true` when the cache is still past its cap with blocks waiting for
-    /// a fence and no settle is posted: the owner then posts one to the
-    /// helper ([`Pool::host_settle_begin`], [`Pool::host_settle_seal`],
-    /// [`Pool::host_settle_wait`], [`Pool::host_settle`]), so that the cap holds once that fence is done, with no
-    /// later free needed.
+    /// call only past the cap (ready blocks go back). `true` when still past
+    /// it with no settle posted: the owner then posts one to the helper
+    /// ([`Pool::host_settle_begin`] to [`Pool::host_settle`]), so the cap
+    /// holds once the fence is done, with no later free needed.
     pub(crate) fn host_release(
         &self,
         context: RawContext,

@@ -70,8 +70,7 @@ pub(crate) struct Grant {
     /// Its slot in the arena's block table: where its release finds it,
     /// if the block there is still at its address.
     pub slot: u32,
-    /// The segment this request made, if it made one. Its owner registers
-    /// its range.
+    /// The segment this request made, if any: its owner registers it.
     pub new_allocation: Option<Allocation>,
     /// The pool asks its owner to grow this arena ahead of demand
     /// ([`Pool::post_ahead`], then [`Pool::grow_ahead`] on the helper).
@@ -158,11 +157,10 @@ impl Held {
     }
 }
 
-/// A segment the driver gave a growth, on its way to its arena: counted
-/// in the pool's `in_transit` from before the driver call until this is
-/// dropped (its grower adds it to the arena, or forgets it, first), so an
-/// allocation out of memory knows the device's memory is not all in view
-/// yet ([`Pool::fence_all_and_take`]).
+/// A segment the driver gave a growth, on its way to its arena: counted in
+/// the pool's `in_transit` from before the driver call until dropped (once
+/// its grower added it to the arena or forgot it), so an allocation out of
+/// memory knows not all memory is in view ([`Pool::fence_all_and_take`]).
 pub(super) struct Landing<'a> {
     segment: Allocation,
     _transit: InTransit<'a>,
@@ -192,11 +190,10 @@ impl Drop for InTransit<'_> {
 }
 
 impl Pool {
-    /// One segment of `bytes` for arena `arena`, of `kind`, from the
-    /// driver, recorded: the pool limit is checked and the bytes counted
-    /// as held before the call, so that two growths at once never both
-    /// pass it. The call's time feeds the pool's measure of what a growth
-    /// costs. The caller adds the segment to its arena before it drops the
+    /// One segment of `bytes` for arena `arena`, of `kind`, from the driver,
+    /// recorded: the limit is checked and the bytes counted before the call,
+    /// so two growths at once never both pass it; its time feeds the growth
+    /// cost. The caller adds the segment to its arena, then drops the
     /// [`Landing`].
     pub(super) fn grow(
         &self,
@@ -264,13 +261,12 @@ impl Pool {
         }
     }
 
-    /// Fill the cache ahead of demand with about `bytes` of memory free
-    /// for anyone, for requests of `size` bytes (their pool, small or
-    /// large), in segments of up to 1 GiB spread over the arenas. Returns
-    /// the segments made (their owner registers them); stops early,
-    /// keeping what it got, when the driver runs out of memory. `valid`
-    /// is asked as [`Pool::alloc`] asks it, before each segment joins its
-    /// arena: a reset meanwhile stops the reservation, its segment gone.
+    /// Fill the cache ahead of demand with about `bytes` free for anyone,
+    /// for requests of `size` bytes (their pool, small or large), in
+    /// segments of up to 1 GiB spread over the arenas; the segments made
+    /// (their owner registers them). Out of memory stops it early, keeping
+    /// what it got. `valid` is asked as [`Pool::alloc`] asks it, before each
+    /// segment joins its arena: a reset stops it, that segment gone.
     pub(crate) fn reserve(
         &self,
         context: RawContext,
@@ -313,18 +309,15 @@ impl Pool {
         (made, Ok(()))
     }
 
-    /// Give every segment all of whose memory is cached back to the driver
-    /// (`cuMemFree`, which waits for the device, so memory still waiting
-    /// for a fence, or free on a stream, is safe to free too). During a
-    /// capture no fence can run and whether `cuMemFree` still waits for the
-    /// device is not known: a segment with a block waiting for a fence then
-    /// stays, unless `everything` (the context is ending, a reset or its
-    /// last drop, and its memory goes with it). Segments with a block
-    /// handed out stay. `before_free` sees each segment before its free
-    /// (the driver may reuse its addresses at once after), and
-    /// `failed_free` each one whose free failed: it is cached again,
-    /// waiting for a fence, so nothing is lost. Returns the segments freed
-    /// and the first driver error.
+    /// Give every segment whose memory is all cached back to the driver
+    /// (`cuMemFree` waits for the device, so memory waiting for a fence or
+    /// free on a stream is safe to free). During a capture (no fence runs,
+    /// and whether `cuMemFree` still waits is not known) a segment with a
+    /// waiting block stays, unless `everything` (the context ends, by a
+    /// reset or its last drop, and its memory with it). `before_free` sees
+    /// each segment before its free (the driver may reuse its addresses at
+    /// once after), and `failed_free` each whose free failed (cached again,
+    /// waiting for a fence). The segments freed, and the first error.
     pub(crate) fn trim(
         &self,
         context: RawContext,
@@ -385,14 +378,13 @@ impl Pool {
         (freed, first_err)
     }
 
-    /// Forget every block without freeing it (the context was reset and the
-    /// memory is gone), and zero the live counts; the segments it held (the
-    /// host cache's are forgotten too). `bump` (the owner's new epoch) runs
-    /// while every arena and the record of segments are locked: no
-    /// allocation validates against the old epoch after it, and none that
-    /// validates against the new one finds a block or segment of the old.
-    /// `then` runs before the segment events (the history hears of the
-    /// live allocations' end before their segments').
+    /// Forget every block, the host cache's too, without freeing it (the
+    /// context was reset, its memory gone) and zero the live counts; the
+    /// segments held. `bump` (the owner's new epoch) runs with every arena
+    /// and the segments locked: no allocation validates against the old
+    /// epoch after it, and none that validates against the new finds a
+    /// block or segment of the old. `then` runs before the segment events
+    /// (the history hears of the live allocations' end before theirs).
     pub(crate) fn forget(&self, bump: impl FnOnce(), then: impl FnOnce()) -> Vec<Allocation> {
         let gone: Vec<Allocation> = {
             let mut arenas: Vec<_> = (0..self.arenas.len()).map(|i| self.arena(i)).collect();
@@ -454,10 +446,9 @@ impl Pool {
         (held.bytes, held.peak, held.segments_stats)
     }
 
-    /// Cap the bytes the pool holds from the driver (`usize::MAX`: none).
-    /// Past it, an allocation goes through the out-of-memory path (the
-    /// fence, then returning the cache) and fails as out of memory if that
-    /// does not make room. What it holds already is not given back.
+    /// Cap the bytes held from the driver (`usize::MAX`: none). Past it an
+    /// allocation takes the out-of-memory path (the fence, then returning
+    /// the cache), and fails if that makes no room. Nothing held goes back.
     pub(crate) fn set_limit(&self, bytes: usize) {
         self.limit.store(bytes, Ordering::Relaxed);
     }

@@ -33,10 +33,9 @@ pub(super) const IDLE_SKIPS: u32 = 7;
 /// (a `cuMemAlloc` on a busy H200 took up to 400 µs).
 pub(super) const AHEAD_WAIT: Duration = Duration::from_millis(5);
 
-/// The per-device helper that grows the pool ahead of demand
-/// ([`PoolConfig::ahead_bytes`]): it runs the jobs the pool's owner posts,
-/// one at a time, so the driver's allocation (90-270 µs on a busy H200) is
-/// never made by the thread that allocates.
+/// The per-device helper that grows the pool ahead of demand: it runs the
+/// jobs the pool's owner posts, one at a time, so no allocating thread
+/// makes the driver's allocation (90-270 µs on a busy H200).
 pub(super) struct Grower {
     pub(super) helper: Helper<GrowState, ()>,
 }
@@ -55,9 +54,8 @@ impl Grower {
         }
     }
 
-    /// Wait until the helper has run every job posted so far (at most
-    /// `limit`: a job is one driver allocation, so this never hangs);
-    /// whether it had.
+    /// Wait (at most `limit`: a job is one driver allocation) until the
+    /// helper has run every job posted so far; whether it had.
     pub(super) fn quiesce(&self, limit: Duration) -> bool {
         let sh = &self.helper.shared;
         wait_while(&sh.done, lock(&sh.state), limit, |st| {

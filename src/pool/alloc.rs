@@ -59,16 +59,15 @@ impl<V: Fn() -> bool> Ask<V> {
 
 impl Pool {
     /// A block of at least `size` bytes for an owner on `stream` (`None`:
-    /// no stream known) in `context`: the miss ladder of the module
-    /// documentation, rungs 1 to 6. Out of memory past rung 6 is the
-    /// caller's to climb on (give free segments back, ask again).
+    /// no stream known) in `context`: rungs 1 to 6 of the module's miss
+    /// ladder; past them, out of memory is the caller's (give free segments
+    /// back, ask again).
     ///
-    /// `valid` (whether `context` is still the device's: no reset since)
-    /// is asked under the arena lock before a block is handed out or a new
-    /// segment joins an arena, the lock a reset's [`Pool::forget`] takes
-    /// too: a reset either comes before (the request fails, and a segment
-    /// grown meanwhile is forgotten with its context) or after (the block
-    /// is the old context's, and goes with it).
+    /// `valid` (no reset of `context` since) is asked under the arena lock,
+    /// which a reset's [`Pool::forget`] takes too, before a block is handed
+    /// out or a segment joins an arena: a reset comes either before (the
+    /// request fails; a segment grown meanwhile goes with its context) or
+    /// after (the block is the old context's, and goes with it).
     #[inline]
     pub(crate) fn alloc(
         &self,
@@ -95,9 +94,8 @@ impl Pool {
         }
     }
 
-    /// Rung 1 of [`Pool::alloc`]: the best fit in the asker's arena, if its
-    /// context is still valid; on a miss, what waits in the arena is sealed
-    /// for a fence.
+    /// Rung 1 of [`Pool::alloc`]: the best fit in the asker's arena if its
+    /// context is still valid; a miss seals what waits there for a fence.
     #[inline]
     fn hit(&self, context: RawContext, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let mut a = self.arena(ask.home);
@@ -220,9 +218,8 @@ impl Pool {
         }
     }
 
-    /// Rung 2: a free block anyone may use from an arena other than the
-    /// asker's, which keeps it as its own (it goes back there). Arenas busy
-    /// now are skipped rather than waited for.
+    /// Rung 2: a free block anyone may use from another arena, which keeps
+    /// it (it goes back there); arenas busy now are skipped, not waited for.
     fn take_elsewhere(&self, context: RawContext, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let n = self.arenas.len();
         let done = self.fencer.done();

@@ -133,9 +133,8 @@ pub(crate) struct Arena {
     pub(super) idle_skips: u32,
 }
 
-/// The tag two merged free blocks keep: the same tag, or a stream's over
-/// [`ANY`] (memory anyone may use is safe on that stream too); `None` for
-/// two different streams, which never merge.
+/// The tag two merged free blocks keep: the same, or a stream's over
+/// [`ANY`] (safe on that stream too); `None` for two streams, never merged.
 #[inline]
 pub(super) fn merged(a: Tag, b: Tag) -> Option<Tag> {
     if a == b || b == ANY {
@@ -165,10 +164,9 @@ impl Arena {
     }
 
     /// A block of `size` bytes (rounded, [`round`]) for an owner on `tag`
-    /// ([`ANY`]: no stream known, so only blocks anyone may use): the best
-    /// fit, split when the rest is worth keeping. Its address, size and slot.
-    /// (A hit first tries the quick list's newest block inline:
-    /// [`Arena::quick_take_newest`].)
+    /// ([`ANY`]: no stream, so only blocks anyone may use): the best fit,
+    /// split when the rest is worth keeping; its address, size and slot. (A
+    /// hit first tries [`Arena::quick_take_newest`] inline.)
     pub(crate) fn take_slot(&mut self, tag: Tag, size: usize) -> Option<(DevicePtr, usize, Slot)> {
         let kind = Kind::of(size);
         if !self.quick.is_empty() {
@@ -430,9 +428,8 @@ impl Arena {
         self.free.insert(&mut self.blocks, kind, ANY, size, s);
     }
 
-    /// Take out of the arena each of `segments` (base, size) whose memory
-    /// is all cached: free on any tag, or, with `waiting`, waiting for a
-    /// fence too. Their bases.
+    /// Take out each of `segments` (base, size) whose memory is all free
+    /// (any tag), or with `waiting` free or waiting for a fence; their bases.
     pub(crate) fn take_free_segments(
         &mut self,
         segments: &[(DevicePtr, usize)],

@@ -9,9 +9,8 @@ use crate::driver::DevicePtr;
 /// A block's place in its arena's table ([`Blocks`]); 0: none.
 pub(super) type Slot = u32;
 
-/// One block: its address and size, its neighbours in its segment, its
-/// state; free, its neighbours in its bin of the free set
-/// ([`FreeSet`](super::freeset::FreeSet)).
+/// One block: address, size, neighbours in its segment, state; free, its
+/// neighbours in its bin of the [`FreeSet`](super::freeset::FreeSet).
 #[derive(Copy, Clone, Debug)]
 pub(super) struct Info {
     pub(super) at: DevicePtr,
@@ -47,14 +46,13 @@ impl Info {
     }
 }
 
-/// An arena's blocks: a table, so that a split, a merge and the free set
-/// reach a block's neighbours by slot rather than hash an address (a
-/// pair's dozen lookups were most of its time); and an index of each
-/// segment's first block by address, updated only when a segment comes or
-/// goes. A block's owner keeps its slot (see `Block::slot`); a lookup by
-/// address walks its segment from the first block. A segment's first block
-/// keeps its slot while the segment is held: a split keeps the front part
-/// in it, and a merge keeps the front block's.
+/// An arena's blocks: a table, so a split, a merge and the free set reach
+/// a block's neighbours by slot rather than hash an address (a pair's dozen
+/// lookups were most of its time); and an index of each segment's first
+/// block by address, updated only as segments come and go. An owner keeps
+/// its block's slot (`Block::slot`); a lookup by address walks the segment
+/// from its first block, which keeps its slot while the segment is held (a
+/// split keeps the front part in it, a merge the front block's).
 #[derive(Default)]
 pub(super) struct Blocks {
     pub(super) table: Vec<Info>,

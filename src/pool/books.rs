@@ -99,9 +99,8 @@ impl Arena {
         }
     }
 
-    /// Live and peak blocks per size class, with the cached blocks (quick
-    /// list merged) by size class, added into `out` (by class; their
-    /// `class` field left to the caller).
+    /// Live and peak blocks per size class, and cached ones (quick list
+    /// merged) by their size's class, added into `out` (`class` not set).
     pub(crate) fn class_counts(&mut self, out: &mut FastMap<usize, ClassStats>) {
         self.flush_quick();
         let small = self

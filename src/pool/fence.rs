@@ -95,9 +95,8 @@ pub(crate) struct FenceState {
     context: RawContext,
     /// Threads waiting on `done` (out of memory, or a capture's start).
     pub(super) waiters: usize,
-    /// Stream captures under way on the device ([`Fencer::begin_capture`]):
-    /// while any is, no fence runs (`cuCtxSynchronize` would fail and
-    /// invalidate them, in every capture mode).
+    /// Captures under way ([`Fencer::begin_capture`]): no fence runs then
+    /// (`cuCtxSynchronize` would fail and invalidate them, in any mode).
     captures: usize,
     /// A synchronize is running now.
     pub(super) syncing: bool,
@@ -147,10 +146,9 @@ impl Fencer {
     }
 
     /// Whether the fence running now has run `cost` and spins
-    /// ([`Probe::spins`]): a busy GPU (`cuCtxSynchronize` spins while queued
-    /// work runs), not a loaded host (a thread waiting for a CPU spends
-    /// none). Without a thread CPU clock, its wall time alone; no clock read
-    /// before `cost`.
+    /// ([`Probe::spins`]): a busy GPU (its `cuCtxSynchronize` spins), not a
+    /// loaded host (a thread waiting for a CPU spends none). Without a
+    /// thread CPU clock, wall time alone; no clock read before `cost`.
     pub(crate) fn spun(&self, cost: Duration) -> bool {
         let ext = self.ext();
         let started = ext.started_ns.load(Ordering::Relaxed);
@@ -168,11 +166,10 @@ impl Fencer {
         }
     }
 
-    /// Wait until fence `n` is done, or the fence running has spun `cost`
-    /// (a busy GPU: see [`Fencer::spun`]), or `limit` has passed; whether
-    /// fence `n` is done. A fence thread that waits for a CPU is waited for
-    /// (this thread yields and sleeps meanwhile, so that it runs): on a
-    /// loaded host a miss would otherwise grow the pool at every wait.
+    /// Wait until fence `n` is done (whether it is), or the fence running
+    /// has spun `cost` (a busy GPU: [`Fencer::spun`]), or `limit` passed. A
+    /// fence thread waiting for a CPU is waited for (this one yields and
+    /// sleeps so it runs): on a loaded host misses would grow at every wait.
     pub(crate) fn wait_unless_busy(&self, n: u64, cost: Duration, limit: Duration) -> bool {
         let since = Instant::now();
         loop {
@@ -191,8 +188,7 @@ impl Fencer {
     }
 
     /// Whether fence `n` may still start, or has: the fence thread exists,
-    /// and no failure, nor a capture while it has not started, holds it
-    /// back.
+    /// and neither a failure nor a capture (before its start) holds it back.
     fn may_start(&self, n: u64) -> bool {
         let st = lock(&self.helper.shared.state);
         let held_back = st.s.captures > 0 && self.started() < n;
@@ -281,9 +277,8 @@ impl Fencer {
         self.helper.lock().s.captures > 0
     }
 
-    /// Wait until fence `n` is done. `false` if it failed or cannot happen
-    /// (no helper, shut down, or a capture under way). Only out-of-memory
-    /// paths wait.
+    /// Wait until fence `n` is done (out-of-memory paths only); `false` if
+    /// it failed or cannot happen (shut down, or a capture under way).
     pub(crate) fn wait(&self, n: u64) -> bool {
         let sh = &self.helper.shared;
         let mut st = lock(&sh.state);

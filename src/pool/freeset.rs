@@ -102,10 +102,9 @@ pub(super) struct FreeSet {
     /// in its top bit, which the table's hash keeps: no size reaches it).
     pub(super) heads: FastMap<(Tag, usize), Slot>,
     pub(super) maps: Vec<BinMap>,
-    /// Blocks over [`BIN_MAX`] bytes by (kind, tag, size, address), with
-    /// their slots, sorted: a binary search finds the best fit in a few
-    /// compares (an ordered tree's range took a fifth of a CuPy pair),
-    /// and the list is short.
+    /// Blocks over [`BIN_MAX`] by (kind, tag, size, address), with slots,
+    /// sorted (a short list): a binary search finds the best fit in a few
+    /// compares (an ordered tree's range took a fifth of a CuPy pair).
     pub(super) big: Vec<(Kind, Tag, usize, DevicePtr, Slot)>,
     /// Bytes of free blocks, all tags; and of those free for anyone.
     pub(super) bytes: usize,
@@ -203,9 +202,8 @@ impl FreeSet {
         }
     }
 
-    /// Bin `b` of `kind` and `tag` holds no block any more: its bit goes
-    /// down, and the bitmap goes with it if it was the last (past the few
-    /// kept).
+    /// Bin `b` of `kind` and `tag` emptied: its bit goes down, and an empty
+    /// bitmap of a stream goes past the few kept ([`MAPS_KEPT`]).
     fn emptied(&mut self, kind: Kind, tag: Tag, b: usize) {
         let i = self.map(kind, tag).expect("a bin map for a free block");
         self.maps[i].clear(b);

@@ -1,9 +1,8 @@
-//! The one skeleton of the pool's helper threads: the fence
+//! The one skeleton of the pool's helper threads, the fence
 //! ([`Fencer`](super::fence::Fencer)) and growth ahead
-//! ([`Grower`](super::ahead::Grower)). Each is a thread started on first
-//! use, woken through a condition variable only when it sleeps, stopped
-//! without anyone waiting for it, and replaced by work on the caller's
-//! thread when no thread can be started.
+//! ([`Grower`](super::ahead::Grower)): a thread started on first use, woken
+//! through a condition variable only when it sleeps, stopped with no one
+//! waiting for it, replaced by work on the caller's thread if none starts.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -84,9 +83,8 @@ impl<S, E> Helper<S, E> {
         }
     }
 
-    /// Stop the helper after what it is doing now; `take` runs under the
-    /// lock (to take what it would have done). Nobody waits for it:
-    /// shutdown never hangs on the GPU.
+    /// Stop the helper after what it does now; `take` runs under the lock
+    /// (taking its undone work). No one waits: it never hangs on the GPU.
     pub(crate) fn shutdown<R>(&self, take: impl FnOnce(&mut S) -> R) -> R {
         let r = {
             let mut st = self.lock();

@@ -292,16 +292,14 @@ impl Pool {
             && !self.host.settle_posted.swap(true, Ordering::AcqRel)
     }
 
-    /// A settle posted after [`Pool::host_release`] starts (whether or not
-    /// its context is still live): frees from now on post their own settle
-    /// if they need one.
+    /// A settle posted after [`Pool::host_release`] starts (live context or
+    /// not): frees from now on post their own if they need one.
     pub(crate) fn host_settle_begin(&self) {
         self.host.settle_posted.store(false, Ordering::Release);
     }
 
-    /// The first step of a settle (the owner calls it while `context` is
-    /// live): seal what every host shard holds back; the number of the
-    /// fence that covers it (0: none).
+    /// A settle's first step (while `context` is live): seal what every
+    /// shard holds back; the number of the fence covering it (0: none).
     pub(crate) fn host_settle_seal(&self, context: RawContext) -> u64 {
         let mut newest = 0;
         self.host.each(|sh| {
@@ -326,9 +324,8 @@ impl Pool {
         }
     }
 
-    /// Give ready host blocks (their fence done) back to the driver until
-    /// the cache holds at most `keep` bytes; the bytes freed, and the first
-    /// driver error (a block whose free failed stays cached).
+    /// Give ready blocks back until the cache holds at most `keep` bytes;
+    /// the bytes freed, and the first driver error (that block stays).
     fn host_shrink(&self, context: RawContext, keep: usize) -> (usize, Result<()>) {
         let done = self.fencer.done();
         let mut freed = 0;
@@ -375,9 +372,8 @@ impl Pool {
     }
 
     /// Return the host cache to the driver; the bytes freed, and the first
-    /// driver error (what failed stays cached). Unless `everything` (the
-    /// context is ending), blocks waiting for a fence are fenced first and
-    /// freed once it is done; during a capture no fence runs, and they stay.
+    /// error (what failed stays). Unless `everything` (the context ends),
+    /// waiting blocks are fenced first; during a capture they stay.
     pub(crate) fn host_trim(&self, context: RawContext, everything: bool) -> (usize, Result<()>) {
         if everything {
             // Every block, whatever its fence: the context and its memory go.

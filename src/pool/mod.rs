@@ -173,9 +173,8 @@ pub(crate) struct Pool {
     /// shows yet, which an allocation out of memory waits for.
     in_transit: AtomicUsize,
     grower: Grower,
-    /// The arena the growth helper is allocating for now; a miss there
-    /// waits on `grown` rather than ask the driver too (the driver makes
-    /// one allocation at a time).
+    /// The arena the growth helper allocates for now: a miss there waits on
+    /// `grown` rather than queue its own driver allocation behind it.
     ahead: Mutex<Option<usize>>,
     grown: Condvar,
     /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests on slow
@@ -296,9 +295,8 @@ impl Pool {
         Duration::from_nanos(self.grow_ns.load(Ordering::Relaxed)).max(GROW_COST_LEAST)
     }
 
-    /// Whether a fence has spun longer than a growth costs (see
-    /// [`Fencer::spun`]): work queued on the GPU holds fenced frees back,
-    /// and waiting for them would cost more than the driver.
+    /// Whether a fence spun longer than a growth costs ([`Fencer::spun`]):
+    /// queued GPU work holds fenced frees back longer than the driver takes.
     #[inline]
     pub(crate) fn gpu_busy(&self) -> bool {
         self.fencer.spun(self.grow_cost())
@@ -355,10 +353,9 @@ impl Pool {
         }
     }
 
-    /// Per size class of the requests: blocks handed out now, the most at
-    /// once (the sum of the arenas' peaks: exact with one arena, an upper
-    /// bound with several), and free or waiting blocks by the size class of
-    /// their sizes. Classes with none of these are left out.
+    /// Per request size class: blocks handed out now and at most (the sum
+    /// of the arenas' peaks: exact with one arena, else an upper bound),
+    /// and cached blocks by their size's class; empty classes left out.
     pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
         let mut by = FastMap::default();
         for i in 0..self.arenas.len() {
@@ -373,10 +370,9 @@ impl Pool {
     }
 
     /// Take back `block`, handed out by [`Pool::alloc`], freed on `stream`
-    /// (`None`: no stream known). No driver call, and no wait.
-    /// `still_valid` is asked under the arena lock, which a reset's
-    /// [`Pool::forget`] takes too: a block of a context reset since is
-    /// refused, its memory gone.
+    /// (`None`: no stream known); no driver call, no wait. `still_valid` is
+    /// asked under the arena lock, which a reset's [`Pool::forget`] takes
+    /// too: a block of a context reset since is refused, its memory gone.
     pub(crate) fn release(
         &self,
         context: RawContext,

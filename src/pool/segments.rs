@@ -191,10 +191,9 @@ impl Drop for InTransit<'_> {
 
 impl Pool {
     /// One segment of `bytes` for arena `arena`, of `kind`, from the driver,
-    /// recorded: the limit is checked and the bytes counted before the call,
-    /// so two growths at once never both pass it; its time feeds the growth
-    /// cost. The caller adds the segment to its arena, then drops the
-    /// [`Landing`].
+    /// recorded: the limit is checked and the bytes counted before the call
+    /// (two growths at once never both pass it); its time feeds the growth
+    /// cost. The caller adds it to its arena before dropping the [`Landing`].
     pub(super) fn grow(
         &self,
         context: RawContext,
@@ -262,11 +261,10 @@ impl Pool {
     }
 
     /// Fill the cache ahead of demand with about `bytes` free for anyone,
-    /// for requests of `size` bytes (their pool, small or large), in
-    /// segments of up to 1 GiB spread over the arenas; the segments made
-    /// (their owner registers them). Out of memory stops it early, keeping
-    /// what it got. `valid` is asked as [`Pool::alloc`] asks it, before each
-    /// segment joins its arena: a reset stops it, that segment gone.
+    /// for requests of `size` bytes (their pool), in segments of up to 1 GiB
+    /// spread over the arenas; the segments made (the owner registers them).
+    /// Out of memory stops it early, keeping what it got. `valid` is asked
+    /// as [`Pool::alloc`] asks it: a reset stops it, that segment gone.
     pub(crate) fn reserve(
         &self,
         context: RawContext,
@@ -407,9 +405,8 @@ impl Pool {
         gone
     }
 
-    /// The segments the pool holds, by address, each with its blocks:
-    /// address, size and state (memory snapshots). One lock at a time; the
-    /// quick lists merge first.
+    /// The segments held, by address, with their blocks' address, size and
+    /// state (memory snapshots); one lock at a time, quick lists merged.
     pub(crate) fn allocations(&self) -> Vec<SegmentView> {
         let all: Vec<(Allocation, usize)> = lock(&self.held).segments.values().copied().collect();
         all.into_iter()

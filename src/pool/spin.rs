@@ -46,11 +46,10 @@ pub(super) fn thread_cpu_ns(clock: i64) -> Option<u64> {
     None
 }
 
-/// CPU that a fence spends only by spinning: ten times the most an idle
-/// fence spent on a noisy 2-CPU VM (110 µs, on the simulator). A fence
-/// that has spent this much was a busy GPU's when its thread last ran,
-/// even if a CPU-starved host (or valgrind, which runs one thread at a
-/// time) has not let it run since.
+/// CPU a fence spends only by spinning: ten times the most an idle fence
+/// spent on a noisy 2-CPU VM (110 µs, on the simulator). A fence that spent
+/// this was a busy GPU's when its thread last ran, even if a CPU-starved
+/// host (or valgrind, one thread at a time) has not let it run since.
 const SURELY_SPUN: u64 = 1_100_000;
 
 /// One look at a running fence: when it started (wall ns, its id), and

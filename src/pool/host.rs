@@ -332,13 +332,12 @@ impl Pool {
         let mut first_err = Ok(());
         for flags in 0..HOST_KINDS as u32 {
             while self.host.cached.load(Ordering::Relaxed) > keep {
-                let Some((p, class)) = ({
-                    let mut sh = self.host.shard(flags);
-                    sh.promote(done);
-                    sh.take_any_ready()
-                }) else {
+                let mut sh = self.host.shard(flags);
+                sh.promote(done);
+                let Some((p, class)) = sh.take_any_ready() else {
                     break;
                 };
+                drop(sh);
                 self.host.cached.fetch_sub(class, Ordering::Relaxed);
                 match self.host_free(context, p, class) {
                     Ok(()) => freed += class,

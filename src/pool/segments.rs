@@ -108,8 +108,7 @@ pub(crate) struct Allocation {
 /// state, in address order.
 pub(crate) type SegmentView = (Allocation, Vec<(DevicePtr, usize, BlockState)>);
 
-/// What the pool holds from the driver. Touched on growth, trims and
-/// resets.
+/// What the pool holds from the driver. Touched on growth, trims and resets.
 #[derive(Default)]
 pub(super) struct Held {
     /// Segments by base address, with the arena that owns each.
@@ -338,17 +337,13 @@ impl Pool {
                 a.take_free_segments(&segs, waiting)
             };
             for base in taken {
-                let Some((seg, _)) = ({
-                    let mut held = lock(&self.held);
-                    let s = held.forget(base);
-                    if let Some((s, _)) = &s {
-                        // Still the driver's until the free returns.
-                        held.pending += s.bytes;
-                    }
-                    s
-                }) else {
+                let mut held = lock(&self.held);
+                let Some((seg, _)) = held.forget(base) else {
                     continue;
                 };
+                // Still the driver's until the free returns.
+                held.pending += seg.bytes;
+                drop(held);
                 before_free(&seg);
                 self.segment_event(false, &seg);
                 // SAFETY: a segment this pool made in `context` (the
@@ -410,10 +405,7 @@ impl Pool {
     pub(crate) fn allocations(&self) -> Vec<SegmentView> {
         let all: Vec<(Allocation, usize)> = lock(&self.held).segments.values().copied().collect();
         all.into_iter()
-            .map(|(a, arena)| {
-                let blocks = self.arena(arena).segment_blocks(a.base, a.bytes);
-                (a, blocks)
-            })
+            .map(|(a, i)| (a, self.arena(i).segment_blocks(a.base, a.bytes)))
             .collect()
     }
 

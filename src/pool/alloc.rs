@@ -102,9 +102,8 @@ impl Pool {
         if !(ask.valid)() {
             return None;
         }
-        // The quick list's newest block if it fits exactly (a loop of one
-        // size), before a look at the fences done: the fence thread writes
-        // that count at every fence, so reading it fetches a line from its core.
+        // Before reading the fences done (a line the fence thread writes at
+        // every fence), the quick list's newest block if it fits (one size).
         let newest = (ask.tag == ANY).then(|| a.quick_take_newest(ask.want));
         let got = newest
             .flatten()
@@ -116,10 +115,9 @@ impl Pool {
                 a.take_slot(ask.tag, ask.want)
             });
         if let Some(mut g) = got.map(|got| ask.grant(&mut a, ask.home, got)) {
-            // A hit asks for growth ahead only once the frees waiting for a
-            // fence match what is left free for anyone, or half a growth:
-            // an idle GPU's tight loop then mostly skips the look at the
-            // fence thread's clock (a shared line).
+            // Growth ahead only once the frees waiting for a fence match what
+            // is free for anyone, or half a growth: an idle GPU's tight loop
+            // then mostly skips the look at the fence thread's shared line.
             g.ahead = ask.tag == ANY
                 && a.waiting_bytes() >= a.free_any_bytes().min(self.config.ahead_bytes / 2)
                 && self.wants_ahead(&mut a, |a| self.busy_look(a));
@@ -200,8 +198,7 @@ impl Pool {
                 }
                 a.add_segment(new.base, new.bytes, new.kind);
                 let Some(got) = a.take_slot(ask.tag, ask.want) else {
-                    // The new segment fits the request: unreachable, but a
-                    // deleter-safe answer all the same.
+                    // Unreachable (the new segment fits), but deleter-safe.
                     return Err(crate::error::Error::InvalidArgument(
                         "a new segment did not fit its request".into(),
                     ));

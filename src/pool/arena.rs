@@ -343,8 +343,7 @@ impl Arena {
         claimed
     }
 
-    /// The block claimed at `at` waits for the next fence again (its fence
-    /// failed).
+    /// The claimed block at `at` waits for the next fence (its own failed).
     pub(crate) fn unclaim(&mut self, at: DevicePtr) {
         if let Some(s) = self.slot_in(at, State::Claimed) {
             self.wait_slot(s);
@@ -489,8 +488,7 @@ impl Arena {
         self.wait_slot(s);
     }
 
-    /// Drop every block and count (the context was reset and its memory is
-    /// gone).
+    /// Drop every block and count (the context was reset, its memory gone).
     pub(crate) fn forget_all(&mut self) {
         self.blocks = Blocks::default();
         self.free = FreeSet::default();

@@ -361,8 +361,7 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
     let (mut own_ask, mut hot_until) = (0u64, None::<Instant>);
     let mut st = lock(&sh.state);
     loop {
-        // Wait for a request: poll for a while (a request then needs no
-        // wake-up), then sleep until a request wakes this thread.
+        // Wait for a request: poll a while (no wake-up needed), then sleep.
         let idle = Instant::now();
         let asked = |ext: &FenceExt| {
             ext.requested.load(Ordering::SeqCst) != ext.started.load(Ordering::SeqCst)
@@ -399,9 +398,8 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             hot_until = Some(now + FENCE_HOT);
         }
         if spare_cpus && pace.is_zero() && hot_until.is_some_and(|t| now < t) {
-            // Ask for the next fence now, after this one's start: frees
-            // sealed from here on take its number. A request that raced
-            // ahead of this one asked for it already.
+            // Ask for the next fence now, after this one's start: frees sealed
+            // from here on take its number (a racing request may have asked).
             let _ = sh.ext.requested.compare_exchange(
                 target,
                 target + 1,
@@ -432,10 +430,9 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         st = lock(&sh.state);
         st.s.syncing = false;
         // The logger only queues the record (no GIL, no lock but its own),
-        // and before the fence reads as done: a caller that waited for it
-        // (`flush_pool`) then delivers its record before it returns.
-        // Fences run back to back (`FENCE_HOT`) are not logged one by one:
-        // only those someone asked for or waits for, and long ones.
+        // before the fence reads as done, so a caller that waited for it
+        // (`flush_pool`) delivers it before returning. Back-to-back fences
+        // (`FENCE_HOT`) are logged only if asked for, waited for, or long.
         let logged = started.filter(|t| asked_for || st.s.waiters > 0 || t.elapsed() >= LOG_LONG);
         match (&r, logged) {
             (Ok(()), Some(t)) => log::debug!(
@@ -460,8 +457,7 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         if st.s.waiters > 0 {
             sh.done.notify_all();
         } else if !pace.is_zero() && !st.shutdown {
-            // Rest, so that frees gather into the next fence; an
-            // out-of-memory waiter cuts this short.
+            // Rest, so frees gather for the next fence; a waiter cuts it short.
             st = wait_timeout(&sh.work, st, pace);
         }
     }

@@ -233,8 +233,7 @@ impl FreeSet {
             .map(|&(_, _, s, _, at)| (s, at))
     }
 
-    /// Every free block on a stream (not [`ANY`]): (kind, tag, size,
-    /// slot).
+    /// Every free block on a stream (not [`ANY`]): (kind, tag, size, slot).
     pub(super) fn tagged(&self, blocks: &Blocks) -> Vec<(Kind, Tag, usize, Slot)> {
         let big = self.big.iter().filter(|k| k.1 != ANY);
         let mut out: Vec<_> = big.map(|&(k, t, s, _, at)| (k, t, s, at)).collect();

@@ -206,8 +206,7 @@ impl Pool {
                 sh.handed_out(size, true);
                 return Ok(Some(block(p as HostPtr)));
             }
-            // A miss: start the fence for what this shard holds back, so
-            // that it is ready for a later request. Nothing waits for it.
+            // A miss: fence what this shard holds back, for later (no wait).
             self.host_seal(&mut sh, context);
         }
         let p = match self.host_new(context, class, flags) {

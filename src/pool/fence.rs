@@ -69,14 +69,12 @@ pub(crate) struct FenceExt {
     /// The newest number handed out: a request shares it while it has not
     /// started (no lock), else takes the next by compare-and-swap.
     pub(super) requested: AtomicU64,
-    /// The number the running (or last) synchronize covers (written by the
-    /// fence thread, under the lock).
+    /// The number the running (or last) synchronize covers (set under lock).
     pub(super) started: AtomicU64,
     /// The newest request's context (as `FenceState::context`, which the
     /// fence thread reads under the lock): a request for another locks.
     context: std::sync::atomic::AtomicUsize,
-    /// The fence thread is about to sleep, or sleeps, until woken: a
-    /// request that takes a new number wakes it.
+    /// The fence thread sleeps, or is about to: a new number's ask wakes it.
     sleeping: std::sync::atomic::AtomicBool,
     /// When the running synchronize started ([`now_ns`]); 0: none runs.
     started_ns: Line<AtomicU64>,
@@ -264,10 +262,7 @@ impl Fencer {
     pub(crate) fn end_capture(&self) {
         let mut st = self.helper.lock();
         st.s.captures = st.s.captures.saturating_sub(1);
-        let ext = self.ext();
-        if st.s.captures == 0
-            && ext.requested.load(Ordering::SeqCst) != ext.started.load(Ordering::SeqCst)
-        {
+        if st.s.captures == 0 && asked(self.ext()) {
             self.helper.shared.work.notify_one();
         }
     }
@@ -335,9 +330,13 @@ const FENCE_SPIN: Duration = Duration::from_micros(100);
 /// fence takes about 0.3 µs on an H200; a write costs the line's trips).
 const FENCE_HOT: Duration = Duration::from_micros(100);
 
-/// Spin (yielding the CPU now and then, so that one CPU still runs the
-/// threads that allocate) until a number past `started` is asked for, or
-/// for [`FENCE_SPIN`] after `since`.
+/// Whether a fence is asked for that has not started.
+fn asked(ext: &FenceExt) -> bool {
+    ext.requested.load(Ordering::SeqCst) != ext.started.load(Ordering::SeqCst)
+}
+
+/// Spin until a number past `started` is asked for, or [`FENCE_SPIN`] past
+/// `since`, yielding now and then so one CPU still runs the allocators.
 fn spin_for_request(ext: &FenceExt, started: u64, since: Instant) {
     let mut n = 0u32;
     while ext.requested.load(Ordering::Relaxed) == started && since.elapsed() < FENCE_SPIN {
@@ -363,9 +362,6 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
     loop {
         // Wait for a request: poll a while (no wake-up needed), then sleep.
         let idle = Instant::now();
-        let asked = |ext: &FenceExt| {
-            ext.requested.load(Ordering::SeqCst) != ext.started.load(Ordering::SeqCst)
-        };
         if spare_cpus && !asked(&sh.ext) && st.s.captures == 0 && !st.shutdown {
             // First spin, without the lock: a fast loop of pairs asks again
             // within microseconds, and a fence that answers at once keeps

@@ -251,8 +251,7 @@ impl Pool {
     }
 
     /// A miss in arena `home` while the helper allocates for it: wait for
-    /// the helper (at most `ahead_wait`) rather than make a second driver
-    /// allocation behind it. Whether it waited.
+    /// it (at most `ahead_wait`), not queue behind it; whether it waited.
     pub(super) fn wait_ahead(&self, home: usize) -> bool {
         let a = lock(&self.ahead);
         if *a != Some(home) || crate::fork::forked() {

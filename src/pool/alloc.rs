@@ -48,8 +48,7 @@ impl<V: Fn() -> bool> Ask<V> {
         Some(self.grant(a, i, got))
     }
 
-    /// The block `got` (address, size, slot) of arena `i`, counted as a
-    /// hit and handed out.
+    /// Hand out `got` (address, size, slot) of arena `i`, counted as a hit.
     #[inline]
     fn grant(&self, a: &mut Arena, i: usize, got: (DevicePtr, usize, Slot)) -> Grant {
         a.handed_out(self.size, self.client, true);
@@ -233,10 +232,9 @@ impl Pool {
         })
     }
 
-    /// Rung 3: if the asker's arena holds blocks sealed for a fence, and
-    /// the request is large without a stream or the pool past its budget,
-    /// wait for the fence unless it turns out a busy GPU's (see
-    /// [`Fencer::wait_unless_busy`]), and take the best fit.
+    /// Rung 3: if the asker's arena has blocks sealed for a fence, and the
+    /// request is large without a stream or the pool past its budget, wait
+    /// for the fence unless a busy GPU's, then take the best fit.
     fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let newest = self.arena(ask.home).newest_sealed();
         if newest == 0 || self.fencer.capturing() {

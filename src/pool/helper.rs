@@ -98,9 +98,8 @@ impl<S, E> Helper<S, E> {
 }
 
 impl<S, E> Shared<S, E> {
-    /// On the helper: sleep until woken (`sleeping` is set and read under
-    /// the lock with the request, so a request is either seen before this
-    /// or wakes it).
+    /// On the helper: sleep until woken (`sleeping` is set, and read by a
+    /// request, under the lock: a request is seen before this, or wakes it).
     pub(crate) fn sleep<'a>(
         &'a self,
         mut st: MutexGuard<'a, State<S>>,

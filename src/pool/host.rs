@@ -211,8 +211,7 @@ impl Pool {
         }
         let p = match self.host_new(context, class, flags) {
             Err(e) if e.is_oom() => {
-                // Pinned memory is the host's: what the cache holds ready
-                // goes back, and the driver is asked once more.
+                // Pinned memory is the host's: free the ready ones, ask again.
                 let _ = self.host_shrink(context, 0);
                 self.host_new(context, class, flags)?
             }

@@ -177,8 +177,7 @@ pub(crate) struct Pool {
     /// `grown` rather than queue its own driver allocation behind it.
     ahead: Mutex<Option<usize>>,
     grown: Condvar,
-    /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests on slow
-    /// hosts lengthen it).
+    /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests lengthen it).
     ahead_wait: Duration,
     /// How long an allocation out of memory waits each round for growths
     /// in transit ([`alloc::TRANSIT_WAIT`]; tests on slow hosts lengthen it).

@@ -331,11 +331,10 @@ impl Pool {
         let mut freed = Vec::new();
         let mut first_err = Ok(());
         for (i, segs) in by_arena.into_iter().enumerate() {
-            let taken = {
-                let mut a = self.arena(i);
-                a.promote(done);
-                a.take_free_segments(&segs, waiting)
-            };
+            let mut a = self.arena(i);
+            a.promote(done);
+            let taken = a.take_free_segments(&segs, waiting);
+            drop(a);
             for base in taken {
                 let mut held = lock(&self.held);
                 let Some((seg, _)) = held.forget(base) else {

@@ -185,3 +185,38 @@ fn test_an_idle_device_grows_one_segment_a_miss_sized_as_pytorch_sizes_them() {
     assert_eq!(drv.live_bytes(), (10 + 20 + 12) << 20);
     drop((held, mid, big));
 }
+
+#[test]
+fn test_more_threads_than_cpus_churning_fenced_blocks_grow_the_pool_no_more_than_they_hold() {
+    // Sixteen threads on two arenas alloc and free 1 MiB with no stream.
+    // On a host with fewer CPUs than threads, the fence thread waits for a
+    // CPU, so a miss's wait for its fence often ends with the blocks it
+    // freed taken by the arena's other threads, which churn them
+    // meanwhile; if each such miss grew the pool, it would grow with every
+    // fence until the device was full (4 GiB in 800,000 pairs, before a
+    // miss claimed a waiting block instead). Live: 16 MiB at most.
+    let drv = Arc::new(gpuptr::SimDriver::new(gpuptr::SimConfig::new(1, 4 << 30)));
+    let config = gpuptr::PoolConfig {
+        shards: 2,
+        ..gpuptr::PoolConfig::default()
+    };
+    let rt = gpuptr::Runtime::with_pool(drv.clone(), Some(config)).unwrap();
+    let ctx = rt.context(0).unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..16 {
+            let ctx = ctx.clone();
+            s.spawn(move || {
+                for _ in 0..25_000 {
+                    drop(ctx.alloc(1 << 20).unwrap());
+                }
+            });
+        }
+    });
+    let st = &rt.stats()[0];
+    assert!(
+        st.peak_pool_bytes <= 512 << 20,
+        "the pool grew to {} MiB for 16 MiB live ({} misses)",
+        st.peak_pool_bytes >> 20,
+        st.pool_misses
+    );
+}

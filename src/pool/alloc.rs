@@ -2,6 +2,7 @@
 //! its rungs (see the module documentation of `pool`).
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use super::arena::{round, Arena, Kind, Slot, Tag, ANY};
 use super::segments::{self, Grant};
@@ -153,7 +154,7 @@ impl Pool {
             }
         }
         // 3. A fence that ends sooner than a growth would: wait, and reuse.
-        if let Some(g) = self.wait_fence_and_take(&ask) {
+        if let Some(g) = self.wait_fence_and_take(context, &ask) {
             return Ok(g);
         }
         // 4. The helper is growing this arena: the driver makes one
@@ -234,8 +235,17 @@ impl Pool {
 
     /// Rung 3: if the asker's arena has blocks sealed for a fence, and the
     /// request is large without a stream or the pool past its budget, wait
-    /// for the fence unless a busy GPU's, then take the best fit.
-    fn wait_fence_and_take(&self, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
+    /// for the fence unless a busy GPU's, then take the best fit. If the
+    /// arena's other threads took all it freed meanwhile (they churn it
+    /// while this one waits), claim a waiting block of at most twice the
+    /// request, as rung 6 does, and wait for its fence within the same
+    /// limit: a host whose fence thread waits for a CPU then grows the
+    /// pool no more than its threads hold, not at each wait.
+    fn wait_fence_and_take(
+        &self,
+        context: RawContext,
+        ask: &Ask<impl Fn() -> bool>,
+    ) -> Option<Grant> {
         let newest = self.arena(ask.home).newest_sealed();
         if newest == 0 || self.fencer.capturing() {
             return None;
@@ -246,13 +256,39 @@ impl Pool {
         if !large_fenced && self.budget_room(ask.size) > 0 {
             return None;
         }
-        let cost = self.grow_cost();
-        if !crate::sync::blocking(|| self.fencer.wait_unless_busy(newest, cost, FENCE_WAIT_MAX)) {
+        let (cost, since) = (self.grow_cost(), Instant::now());
+        let wait =
+            |n, limit| crate::sync::blocking(|| self.fencer.wait_unless_busy(n, cost, limit));
+        if !wait(newest, FENCE_WAIT_MAX) {
             return None;
         }
+        let (p, got, newest) = {
+            let mut a = self.arena(ask.home);
+            a.promote(self.fencer.done());
+            if let Some(g) = ask.take(&mut a, ask.home, ask.tag) {
+                return Some(g);
+            }
+            if !(ask.valid)() {
+                return None;
+            }
+            if a.pending_count() > 0 {
+                a.seal(self.fencer.request(context));
+            }
+            let (p, got) = a.claim_waiting(ask.want, ask.want.saturating_mul(2))?;
+            (p, got, a.newest_sealed())
+        };
+        let fenced = wait(newest, FENCE_WAIT_MAX.saturating_sub(since.elapsed()));
         let mut a = self.arena(ask.home);
-        a.promote(self.fencer.done());
-        ask.take(&mut a, ask.home, ask.tag)
+        match (fenced && (ask.valid)())
+            .then(|| a.take_claimed(p))
+            .flatten()
+        {
+            Some(s) => Some(ask.grant(&mut a, ask.home, (p, got, s))),
+            None => {
+                a.unclaim(p);
+                None
+            }
+        }
     }
 
     /// Rung 6, out of memory: every free block of every arena, on any
@@ -301,7 +337,9 @@ impl Pool {
         let fenced = crate::sync::blocking(|| {
             self.fence_everything(context, |i, a| {
                 if claimed.is_none() {
-                    claimed = a.claim_waiting(ask.want).map(|(p, got)| (i, p, got));
+                    claimed = a
+                        .claim_waiting(ask.want, usize::MAX)
+                        .map(|(p, got)| (i, p, got));
                 }
             })
         });

@@ -303,13 +303,16 @@ impl Arena {
         self.pending_bytes + self.sealed_bytes
     }
 
-    /// Out of memory: a waiting block of at least `want` bytes (of its kind)
-    /// out of its batch, claimed for the caller (no one else takes it), who
-    /// waits for the fence, then takes it ([`Arena::take_claimed`]) or puts
-    /// it back ([`Arena::unclaim`]). Its address and size.
-    pub(crate) fn claim_waiting(&mut self, want: usize) -> Option<(DevicePtr, usize)> {
+    /// A waiting block of `want` to `most` bytes (of its kind) out of its
+    /// batch, claimed for the caller (no one else takes it), who waits for
+    /// the fence, then takes it ([`Arena::take_claimed`]) or puts it back
+    /// ([`Arena::unclaim`]). Its address and size.
+    pub(crate) fn claim_waiting(&mut self, want: usize, most: usize) -> Option<(DevicePtr, usize)> {
         let kind = Kind::of(want);
-        let fits = |&s: &Slot| self.blocks[s].kind == kind && self.blocks[s].size >= want;
+        let fits = |&s: &Slot| {
+            let i = &self.blocks[s];
+            i.kind == kind && (want..=most).contains(&i.size)
+        };
         let (s, batch) = if let Some(i) = self.pending.iter().position(fits) {
             (self.pending.swap_remove(i), None)
         } else {

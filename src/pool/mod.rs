@@ -35,7 +35,8 @@
 //!    pool's budget (`max(1.5 x live, 32 MiB)`; within it a small miss
 //!    grows at once), a fence under way: wait for it and reuse what it
 //!    frees, unless it has spun longer than a growth costs (the pool's own
-//!    `cuMemAlloc` time, measured): a busy GPU;
+//!    `cuMemAlloc` time, measured): a busy GPU. If other threads took what
+//!    it freed, claim a waiting block and wait for its fence once more;
 //! 4. the growth helper allocating for this arena: wait for it;
 //! 5. grow by one segment; without a stream on a busy GPU (its fenced
 //!    frees come back late) by at least [`PoolConfig::ahead_bytes`], and

@@ -183,6 +183,36 @@ fn a_block_freed_without_a_stream_waits_for_its_fence() {
 }
 
 #[test]
+fn a_claim_takes_a_waiting_block_of_its_kind_within_its_bounds_only() {
+    let mut a = Arena::default();
+    a.add_segment(1 << 32, 20 * MIB, Kind::Large);
+    let (big, _) = a.take(ANY, 8 * MIB).unwrap();
+    let (mid, _) = a.take(ANY, 3 * MIB).unwrap();
+    a.wait(big);
+    a.wait(mid);
+    a.seal(3);
+    assert_eq!(
+        a.claim_waiting(4 * MIB, 5 * MIB),
+        None,
+        "8 MiB is too large, 3 too small"
+    );
+    assert_eq!(
+        a.claim_waiting(MIB, usize::MAX),
+        None,
+        "a small request: no large block"
+    );
+    assert_eq!(a.claim_waiting(2 * MIB, 4 * MIB), Some((mid, 3 * MIB)));
+    assert_eq!(
+        a.waiting_bytes(),
+        8 * MIB,
+        "the claimed block left its batch"
+    );
+    assert!(a.promote(3));
+    assert_eq!(a.take_claimed(mid).map(|s| a.blocks[s].at), Some(mid));
+    assert_eq!(a.take_claimed(big), None, "never claimed");
+}
+
+#[test]
 fn whole_free_segments_are_taken_out_and_others_stay() {
     let mut a = arena_with(1 << 32, 2 * MIB);
     a.add_segment(2 << 32, 2 * MIB, Kind::Small);

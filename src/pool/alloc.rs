@@ -262,7 +262,7 @@ impl Pool {
         if !wait(newest, FENCE_WAIT_MAX) {
             return None;
         }
-        let (p, got, newest) = {
+        let (p, got, seq) = {
             let mut a = self.arena(ask.home);
             a.promote(self.fencer.done());
             if let Some(g) = ask.take(&mut a, ask.home, ask.tag) {
@@ -274,15 +274,15 @@ impl Pool {
             if a.pending_count() > 0 {
                 a.seal(self.fencer.request(context));
             }
-            let (p, got) = a.claim_waiting(ask.want, ask.want.saturating_mul(2))?;
-            (p, got, a.newest_sealed())
+            a.claim_waiting(ask.want, ask.want.saturating_mul(2))?
         };
-        let fenced = wait(newest, FENCE_WAIT_MAX.saturating_sub(since.elapsed()));
+        let fenced = wait(seq, FENCE_WAIT_MAX.saturating_sub(since.elapsed()));
         let mut a = self.arena(ask.home);
-        match (fenced && (ask.valid)())
-            .then(|| a.take_claimed(p))
-            .flatten()
-        {
+        if !(ask.valid)() {
+            // A reset forgot the claim; `p` may be a new context's block.
+            return None;
+        }
+        match fenced.then(|| a.take_claimed(p)).flatten() {
             Some(s) => Some(ask.grant(&mut a, ask.home, (p, got, s))),
             None => {
                 a.unclaim(p);
@@ -336,22 +336,24 @@ impl Pool {
         let mut claimed = None;
         let fenced = crate::sync::blocking(|| {
             self.fence_everything(context, |i, a| {
-                if claimed.is_none() {
+                // Only while the context is valid: after a reset the arena
+                // holds a new context's blocks.
+                if claimed.is_none() && (ask.valid)() {
                     claimed = a
                         .claim_waiting(ask.want, usize::MAX)
-                        .map(|(p, got)| (i, p, got));
+                        .map(|(p, got, _)| (i, p, got));
                 }
             })
         });
         if let Some((i, p, got)) = claimed {
             let mut a = self.arena(i);
-            let taken = (fenced && (ask.valid)())
-                .then(|| a.take_claimed(p))
-                .flatten();
-            if let Some(s) = taken {
-                return Some(ask.grant(&mut a, i, (p, got, s)));
+            // Invalid now: a reset forgot the claim (see rung 3).
+            if (ask.valid)() {
+                if let Some(s) = fenced.then(|| a.take_claimed(p)).flatten() {
+                    return Some(ask.grant(&mut a, i, (p, got, s)));
+                }
+                a.unclaim(p);
             }
-            a.unclaim(p);
         }
         let done = self.fencer.done();
         (0..n).find_map(|d| {

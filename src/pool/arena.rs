@@ -303,37 +303,33 @@ impl Arena {
         self.pending_bytes + self.sealed_bytes
     }
 
-    /// A waiting block of `want` to `most` bytes (of its kind) out of its
-    /// batch, claimed for the caller (no one else takes it), who waits for
-    /// the fence, then takes it ([`Arena::take_claimed`]) or puts it back
-    /// ([`Arena::unclaim`]). Its address and size.
-    pub(crate) fn claim_waiting(&mut self, want: usize, most: usize) -> Option<(DevicePtr, usize)> {
+    /// A block sealed for a fence, of `want` to `most` bytes (of its kind),
+    /// out of its batch, claimed for the caller (no one else takes it), who
+    /// waits for its fence, then takes it ([`Arena::take_claimed`]) or puts
+    /// it back ([`Arena::unclaim`]). Its address, size and fence. Pending
+    /// blocks are not claimed: the caller seals them first.
+    pub(crate) fn claim_waiting(
+        &mut self,
+        want: usize,
+        most: usize,
+    ) -> Option<(DevicePtr, usize, u64)> {
         let kind = Kind::of(want);
         let fits = |&s: &Slot| {
             let i = &self.blocks[s];
             i.kind == kind && (want..=most).contains(&i.size)
         };
-        let (s, batch) = if let Some(i) = self.pending.iter().position(fits) {
-            (self.pending.swap_remove(i), None)
-        } else {
-            let (b, i) = self
-                .sealed
-                .iter()
-                .enumerate()
-                .find_map(|(b, batch)| batch.blocks.iter().position(fits).map(|i| (b, i)))?;
-            (self.sealed[b].blocks.swap_remove(i), Some(b))
-        };
-        let i = &mut self.blocks[s];
-        i.state = State::Claimed;
-        let (at, size) = (i.at, i.size);
-        match batch {
-            None => self.pending_bytes -= size,
-            Some(b) => {
-                self.sealed[b].bytes -= size;
-                self.sealed_bytes -= size;
-            }
-        }
-        Some((at, size))
+        let (b, i) = self
+            .sealed
+            .iter()
+            .enumerate()
+            .find_map(|(b, batch)| batch.blocks.iter().position(fits).map(|i| (b, i)))?;
+        let batch = &mut self.sealed[b];
+        let s = batch.blocks.swap_remove(i);
+        let info = &mut self.blocks[s];
+        info.state = State::Claimed;
+        batch.bytes -= info.size;
+        self.sealed_bytes -= info.size;
+        Some((info.at, info.size, batch.seq))
     }
 
     /// The block claimed at `at`, its fence done, handed out: its slot,

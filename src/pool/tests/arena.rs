@@ -190,6 +190,11 @@ fn a_claim_takes_a_waiting_block_of_its_kind_within_its_bounds_only() {
     let (mid, _) = a.take(ANY, 3 * MIB).unwrap();
     a.wait(big);
     a.wait(mid);
+    assert_eq!(
+        a.claim_waiting(2 * MIB, usize::MAX),
+        None,
+        "pending: not sealed"
+    );
     a.seal(3);
     assert_eq!(
         a.claim_waiting(4 * MIB, 5 * MIB),
@@ -201,7 +206,7 @@ fn a_claim_takes_a_waiting_block_of_its_kind_within_its_bounds_only() {
         None,
         "a small request: no large block"
     );
-    assert_eq!(a.claim_waiting(2 * MIB, 4 * MIB), Some((mid, 3 * MIB)));
+    assert_eq!(a.claim_waiting(2 * MIB, 4 * MIB), Some((mid, 3 * MIB, 3)));
     assert_eq!(
         a.waiting_bytes(),
         8 * MIB,

@@ -299,7 +299,7 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 7] {
                 a.promote(done);
             }
             76..=78 => {
-                if let Some((p, n)) = a.claim_waiting(round(size_of(&mut r)), usize::MAX) {
+                if let Some((p, n, _)) = a.claim_waiting(round(size_of(&mut r)), usize::MAX) {
                     assert!(!used.contains_key(&p), "{ctx}");
                     claimed.push((p, n));
                     c[2] += 1;

@@ -8,6 +8,7 @@ mod arena;
 mod audit;
 mod batch;
 mod busy;
+mod claim;
 mod class;
 mod fence;
 mod freeset;

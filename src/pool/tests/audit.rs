@@ -268,7 +268,9 @@ fn run(seed: u64, steps: usize, calm: bool) -> [usize; 7] {
                 }
             }
             36..=65 if !used.is_empty() => {
-                let keys: Vec<_> = used.keys().copied().collect();
+                // Sorted: a run is its seed's alone (a map's order is not).
+                let mut keys: Vec<_> = used.keys().copied().collect();
+                keys.sort_unstable();
                 let p = keys[r.below(keys.len())];
                 let n = used.remove(&p).unwrap();
                 let s = a

@@ -49,6 +49,28 @@ impl<V: Fn() -> bool> Ask<V> {
         Some(self.grant(a, i, got))
     }
 
+    /// Its claim at `p` in arena `i` (locked as `a`), fence waited for or
+    /// not: handed out, or put back. Neither after a reset, which forgot
+    /// the claim (a block at `p` now is the new context's).
+    fn take_claim(
+        &self,
+        a: &mut Arena,
+        i: usize,
+        (p, got): (DevicePtr, usize),
+        fenced: bool,
+    ) -> Option<Grant> {
+        if !(self.valid)() {
+            return None;
+        }
+        match fenced.then(|| a.take_claimed(p)).flatten() {
+            Some(s) => Some(self.grant(a, i, (p, got, s))),
+            None => {
+                a.unclaim(p);
+                None
+            }
+        }
+    }
+
     /// Hand out `got` (address, size, slot) of arena `i`, counted as a hit.
     #[inline]
     fn grant(&self, a: &mut Arena, i: usize, got: (DevicePtr, usize, Slot)) -> Grant {
@@ -277,18 +299,7 @@ impl Pool {
             a.claim_waiting(ask.want, ask.want.saturating_mul(2))?
         };
         let fenced = wait(seq, FENCE_WAIT_MAX.saturating_sub(since.elapsed()));
-        let mut a = self.arena(ask.home);
-        if !(ask.valid)() {
-            // A reset forgot the claim; `p` may be a new context's block.
-            return None;
-        }
-        match fenced.then(|| a.take_claimed(p)).flatten() {
-            Some(s) => Some(ask.grant(&mut a, ask.home, (p, got, s))),
-            None => {
-                a.unclaim(p);
-                None
-            }
-        }
+        ask.take_claim(&mut self.arena(ask.home), ask.home, (p, got), fenced)
     }
 
     /// Rung 6, out of memory: every free block of every arena, on any
@@ -346,13 +357,8 @@ impl Pool {
             })
         });
         if let Some((i, p, got)) = claimed {
-            let mut a = self.arena(i);
-            // Invalid now: a reset forgot the claim (see rung 3).
-            if (ask.valid)() {
-                if let Some(s) = fenced.then(|| a.take_claimed(p)).flatten() {
-                    return Some(ask.grant(&mut a, i, (p, got, s)));
-                }
-                a.unclaim(p);
+            if let Some(g) = ask.take_claim(&mut self.arena(i), i, (p, got), fenced) {
+                return Some(g);
             }
         }
         let done = self.fencer.done();

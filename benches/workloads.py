@@ -12,7 +12,14 @@ CuPy, numba-cuda, RMM and cuda-bindings; what is missing is skipped):
 
     python benches/workloads.py [--rounds N] [--only gpt2,resnet,cupy,numba]
         [--allocators own,rmm,gpuptr,strict] [--steps N] [--warmup N]
-        [--timeout S] [--cpus LIST] [--json FILE]
+        [--timeout S] [--cpus LIST] [--lockstep] [--json FILE]
+
+With ``--lockstep`` a workload's children under every allocator run at
+once and take their steps in turn, another allocator first each round:
+on a host whose speed drifts (a VM's CPUs shared with its neighbours) the
+step ratios then compare steps taken side by side. The device memory
+columns are left out there (the children share the device); the
+allocators' own counts stand.
 
 The default allocators are own, rmm, gpuptr (``gpuptr.install()``'s
 defaults) and whichever of strict (``stream_ordered=False``) and ordered

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -544,3 +544,107 @@ def test_the_script_without_a_gpu_prints_skips_and_exits_1_as_the_bench_does():
     for w in wl.WORKLOADS:
         assert f"{w}: skipped (" in out.stderr
     assert all("skipped:" in line for line in out.stdout.strip().splitlines()[1:])
+
+
+# --- lockstep: the children take their steps in turn ------------------------
+
+_RING_CHILD = r"""
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("workload_child", sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+turns = m.Turns(os.environ.get(m.TURNS_ENV))
+name, steps, log = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+for i in range(steps):
+    with turns:
+        with open(log, "a") as f:  # two lines a step, another child's between them if it ran at once
+            f.write(f"{name} {i} start\n"); f.flush(); time.sleep(0.01); f.write(f"{name} {i} end\n")
+turns.finish()
+print(turns.taken)
+"""
+
+
+def _ring(tmp_path: Path, steps: List[int], first: int = 0) -> Tuple[List[str], List[int]]:
+    """Children ``a``, ``b``, ... with ``steps[i]`` steps each, in a ring of
+    pipes as run_together makes it; the log of their steps, in order."""
+    log = tmp_path / "log"
+    n = len(steps)
+    ring = [os.pipe() for _ in range(n)]
+    procs = []
+    for i, k in enumerate(steps):
+        inp, out = ring[i][0], ring[(i + 1) % n][1]
+        env = dict(os.environ, **{wl.TURNS_ENV: f"{inp},{out}"})
+        procs.append(subprocess.Popen([sys.executable, "-c", _RING_CHILD, str(CHILD), "abc"[i], str(k), str(log)],
+                                      env=env, pass_fds=(inp, out), stdout=subprocess.PIPE, text=True))
+    os.write(ring[first][1], b"t")
+    for fds in ring:
+        for fd in fds:
+            os.close(fd)
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return log.read_text().splitlines(), [int(o) for o in outs]
+
+
+def test_children_in_a_ring_take_their_steps_one_at_a_time_in_order(tmp_path):
+    lines, taken = _ring(tmp_path, [4, 4, 4], first=1)
+    steps = [line.rsplit(" ", 1)[0] for line in lines[::2]]
+    assert [line.rsplit(" ", 1)[0] for line in lines[1::2]] == steps, "no step began inside another's"
+    assert steps == [f"{c} {i}" for i in range(4) for c in "bca"], "b first, then round the ring"
+    assert taken == [4, 4, 4]
+
+
+def test_a_child_that_ends_early_leaves_the_others_to_go_on_alone(tmp_path):
+    # b leaves after one step (as a child that failed does): a and c must
+    # not wait for it, and finish every step.
+    lines, taken = _ring(tmp_path, [5, 1, 5])
+    done = [line for line in lines if line.endswith("end")]
+    assert sum(line.startswith("a ") for line in done) == 5
+    assert sum(line.startswith("c ") for line in done) == 5
+    assert taken[1] == 1 and taken[0] >= 1 and taken[2] >= 1
+
+
+def test_without_the_variable_turns_do_nothing():
+    m = _child_module()
+    t = m.Turns(None)
+    with t:
+        pass
+    t.finish()
+    assert t.taken == 0
+
+
+def test_run_together_never_waits_on_children_that_skip_and_drops_the_device_readings(monkeypatch):
+    # Without the GPU each child skips before its first step: the ring is
+    # gone at once, and the parent's token finds no reader.
+    monkeypatch.setenv("GPUPTR_DRIVER", "sim")
+    recs = wl.run_together("numba", ["own", "gpuptr"], first=1, steps=1, timeout=120)
+    assert [r["allocator"] for r in recs] == ["own", "gpuptr"]
+    for r in recs:
+        assert r["skipped"] and r["error"] is None, r
+        assert r["lockstep"] == ["gpuptr", "own"]
+        assert all(r.get(k) is None for k in wl.DEVICE_KEYS)
+
+
+def test_lockstep_rounds_run_every_allocator_together_another_first_each_round(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(wl, "missing_library", lambda w: None)
+    monkeypatch.setattr(wl, "gpu_problem", lambda: None)
+    groups: List[tuple] = []
+
+    def run_group(w: str, allocators: List[str], *, first: int, **k: Any) -> List[Dict[str, Any]]:
+        groups.append((w, tuple(allocators), first))
+        order = allocators[first:] + allocators[:first]
+        return [child(w, a, median=10.0 if a == "own" else 10.3, dev=None, end=None, released=None,
+                      lockstep=order) for a in allocators]
+
+    def run(*a: Any, **k: Any) -> Dict[str, Any]:
+        raise AssertionError("lockstep runs no child alone")
+
+    out = tmp_path / "w.json"
+    assert wl.main(["--lockstep", "--rounds", "3", "--only", "gpt2", "--allocators", "own,gpuptr",
+                    "--json", str(out)], run=run, run_group=run_group) == 0
+    assert groups == [("gpt2", ("own", "gpuptr"), 0), ("gpt2", ("own", "gpuptr"), 1), ("gpt2", ("own", "gpuptr"), 0)]
+    table = capsys.readouterr().out
+    assert "lockstep: a workload's children ran at once" in table
+    gp = next(line for line in table.splitlines() if line.startswith("gpt2") and "gpuptr" in line)
+    assert "1.03x" in gp and "-" in gp
+    report = json.loads(out.read_text())
+    assert report["meta"]["lockstep"] is True
+    assert all(s["lockstep"] for s in report["summary"])

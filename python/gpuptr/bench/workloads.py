@@ -1,6 +1,8 @@
 """Real programs under gpuptr and under the library's own allocator: each
 workload runs in a child process of its own (``children/workload.py``)
-per allocator, the allocators alternating round by round.
+per allocator, the allocators alternating round by round, or, with
+``--lockstep`` (:func:`run_together`), all at once taking their steps in
+turn.
 
 The workloads (``children/workload.py`` says how each is timed and what
 each memory number is):
@@ -58,6 +60,7 @@ The bench's rows (``python -m gpuptr bench --only workloads``) are gpuptr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -66,6 +69,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from importlib import resources
@@ -126,10 +130,16 @@ PEAK_FLAG = 1.10
 QUICK_SKIP = "left out of a --quick run of every group (minutes of child processes): --only workloads runs them"
 #: The characters of a failed child's stderr kept in its JSON.
 STDERR_TAIL = 2000
+#: The child's variable for a lockstep run's pipes (``Turns`` there).
+TURNS_ENV = "GPUPTR_BENCH_TURNS"
+#: A child's readings of the device's free memory: another process's
+#: memory moves them, so a lockstep run drops them.
+DEVICE_KEYS = ("device_lost_bytes", "peak_device_lost_bytes", "released_device_lost_bytes")
 
 Record = Dict[str, Any]
 Say = Callable[[str], None]
 RunChild = Callable[..., Record]
+RunGroup = Callable[..., List[Record]]
 
 
 # --- what runs --------------------------------------------------------------
@@ -247,11 +257,7 @@ def run_child(
     ``child_wall_s``; never raises: a child that timed out, died or printed
     no JSON gives an object with ``error``, and a failed child's JSON keeps
     the end of its stderr as ``stderr_tail``."""
-    args = [workload, allocator]
-    if warmup is not None:
-        args += ["--warmup", str(warmup)]
-    if steps is not None:
-        args += ["--steps", str(steps)]
+    args = _child_args(workload, allocator, warmup, steps)
     source = resources.files("gpuptr.bench.children").joinpath("workload.py")
     t0 = time.perf_counter()
     try:
@@ -270,23 +276,120 @@ def run_child(
         return rec
     except OSError as e:
         return _failed(workload, allocator, f"could not start the child: {type(e).__name__}: {e}")
-    wall = round(time.perf_counter() - t0, 2)
-    found = last_json(out.stdout)
+    return _record(workload, allocator, out.returncode, out.stdout, out.stderr, time.perf_counter() - t0)
+
+
+def _record(workload: str, allocator: str, returncode: int, stdout: str, stderr: str, wall: float) -> Record:
+    """A finished child's record, from its exit status and output."""
+    found = last_json(stdout)
     if found is None:
-        how = f"exit status {out.returncode}" if out.returncode >= 0 else f"killed by signal {-out.returncode}"
-        rec = _failed(workload, allocator, f"the child printed no result ({how})", out.stderr)
+        how = f"exit status {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
+        rec = _failed(workload, allocator, f"the child printed no result ({how})", stderr)
     else:
         rec = found
         rec.setdefault("workload", workload)
         rec.setdefault("allocator", allocator)
         rec.setdefault("skipped", None)
         rec.setdefault("error", None)
-        if out.returncode != 0:
-            rec["returncode"] = out.returncode
-        if rec["error"] or out.returncode != 0:
-            rec["stderr_tail"] = out.stderr[-STDERR_TAIL:]
-    rec["child_wall_s"] = wall
+        if returncode != 0:
+            rec["returncode"] = returncode
+        if rec["error"] or returncode != 0:
+            rec["stderr_tail"] = stderr[-STDERR_TAIL:]
+    rec["child_wall_s"] = round(wall, 2)
     return rec
+
+
+def _child_args(workload: str, allocator: str, warmup: Optional[int], steps: Optional[int]) -> List[str]:
+    args = [workload, allocator]
+    if warmup is not None:
+        args += ["--warmup", str(warmup)]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    return args
+
+
+def run_together(
+    workload: str,
+    allocators: Sequence[str],
+    *,
+    first: int = 0,
+    warmup: Optional[int] = None,
+    steps: Optional[int] = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> List[Record]:
+    """``workload``'s children under every allocator at once, taking their
+    steps in turn (``--lockstep``; ``children/workload.py``'s ``Turns``):
+    a ring of pipes in the order of ``allocators``, the token first to
+    ``allocators[first]``. A step of each runs between two of the others',
+    so a host whose speed drifts (a VM's CPU taken by its neighbours) moves
+    every allocator's steps alike. The device's free memory is then read
+    while the others hold theirs, so the device readings are dropped
+    (None); the allocators' own counts stand. One record per allocator, in
+    order, as :func:`run_child` makes them, each with ``lockstep`` (the
+    ring's order) and the child's ``turns``."""
+    n = len(allocators)
+    source = resources.files("gpuptr.bench.children").joinpath("workload.py")
+    ring = [os.pipe() for _ in range(n)]  # child i reads ring[i], writes ring[i + 1]
+    started: List[Tuple[str, Any, Any, Any]] = []
+    failed: Dict[str, Record] = {}
+    t0 = time.perf_counter()
+    try:
+        with resources.as_file(source) as path:
+            for i, a in enumerate(allocators):
+                inp, out = ring[i][0], ring[(i + 1) % n][1]
+                env = child_env(workload, a)
+                env[TURNS_ENV] = f"{inp},{out}"
+                so, se = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+                try:
+                    proc = subprocess.Popen([sys.executable, "-P", str(path), *_child_args(workload, a, warmup, steps)],
+                                            env=env, stdout=so, stderr=se, pass_fds=(inp, out))
+                except OSError as e:
+                    so.close()
+                    se.close()
+                    failed[a] = _failed(workload, a, f"could not start the child: {type(e).__name__}: {e}")
+                    continue
+                started.append((a, proc, so, se))
+            # The token, then the parent's ends go: a child that is gone
+            # leaves its neighbours a pipe that reads empty or refuses.
+            with contextlib.suppress(OSError):
+                os.write(ring[first % n][1], b"t")
+    finally:
+        for fds in ring:
+            for fd in fds:
+                os.close(fd)
+    deadline = t0 + timeout
+    recs: Dict[str, Record] = dict(failed)
+    late = False
+    for a, proc, so, se in started:
+        try:
+            proc.wait(timeout=None if late else max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            late = True
+            for _, other, _, _ in started:
+                with contextlib.suppress(OSError):
+                    other.kill()
+            proc.wait()
+    for a, proc, so, se in started:
+        with so, se:
+            so.seek(0)
+            se.seek(0)
+            stdout, stderr = _text(so.read()), _text(se.read())
+        wall = time.perf_counter() - t0
+        if late and last_json(stdout) is None:
+            rec = _failed(workload, a, f"timed out after {timeout:g} s (--timeout)", stderr)
+            rec["child_wall_s"] = round(wall, 2)
+        else:
+            rec = _record(workload, a, proc.returncode, stdout, stderr, wall)
+        recs[a] = rec
+    out_recs = []
+    for a in allocators:
+        rec = recs[a]
+        rec["lockstep"] = list(allocators[first % n:]) + list(allocators[:first % n])
+        for key in DEVICE_KEYS:
+            if key in rec:
+                rec[key] = None
+        out_recs.append(rec)
+    return out_recs
 
 
 def reason(rec: Record) -> Optional[str]:
@@ -315,10 +418,14 @@ def run_rounds(
     gpu: Optional[str] = None,
     say: Optional[Say] = None,
     run: RunChild = run_child,
+    together: bool = False,
+    run_group: RunGroup = run_together,
 ) -> List[Record]:
     """Every pair's children, round by round, the allocators alternating in
     each round (round 1: each workload under each allocator in order;
-    round 2: the same ...). A pair that cannot run (``gpu``: why nothing
+    round 2: the same ...); with ``together``, a workload's children under
+    every allocator at once, in lockstep (:func:`run_together`), another
+    allocator first each round. A pair that cannot run (``gpu``: why nothing
     can; a library or RMM not installed; :func:`not_run`) gets one record
     with ``skipped`` and ``"round": None`` and no child; a pair whose child
     skipped or failed is not run again. Each child's record gets its
@@ -342,23 +449,32 @@ def run_rounds(
             for a in allocators:
                 if (w, a) in stopped:
                     say(f"{w} under {a}: skipped ({stopped[(w, a)]})")
+
+    def note(r: int, w: str, a: str, rec: Record, t0: float) -> None:
+        rec["round"] = r
+        records.append(rec)
+        why = reason(rec)
+        took = f"{time.perf_counter() - t0:.1f} s"
+        if why is None:
+            say(f"[round {r}/{rounds}] {w} under {a}: median step {rec['median_ms']:.2f} ms ({took})")
+        else:
+            stopped[(w, a)] = why
+            kind = "skipped" if rec.get("skipped") else "FAILED"
+            say(f"[round {r}/{rounds}] {w} under {a}: {kind}: {why} ({took}; not run again)")
+
     for r in range(1, rounds + 1):
         for w in workloads:
-            for a in allocators:
-                if (w, a) in stopped:
-                    continue
+            live = [a for a in allocators if (w, a) not in stopped]
+            if together and live:
                 t0 = time.perf_counter()
-                rec = run(w, a, warmup=warmup, steps=steps, timeout=timeout)
-                rec["round"] = r
-                records.append(rec)
-                why = reason(rec)
-                took = f"{time.perf_counter() - t0:.1f} s"
-                if why is None:
-                    say(f"[round {r}/{rounds}] {w} under {a}: median step {rec['median_ms']:.2f} ms ({took})")
-                else:
-                    stopped[(w, a)] = why
-                    kind = "skipped" if rec.get("skipped") else "FAILED"
-                    say(f"[round {r}/{rounds}] {w} under {a}: {kind}: {why} ({took}; not run again)")
+                # Each round another allocator takes the first step.
+                recs = run_group(w, live, first=(r - 1) % len(live), warmup=warmup, steps=steps, timeout=timeout)
+                for a, rec in zip(live, recs):
+                    note(r, w, a, rec, t0)
+                continue
+            for a in live:
+                t0 = time.perf_counter()
+                note(r, w, a, run(w, a, warmup=warmup, steps=steps, timeout=timeout), t0)
     return records
 
 
@@ -399,6 +515,7 @@ def summarize(records: Sequence[Record]) -> Dict[Tuple[str, str], Record]:
                 released_device_lost_bytes=_most([r.get("released_device_lost_bytes") for r in ok]),
                 gpuptr=last.get("gpuptr"),
                 stream_ordered=last.get("stream_ordered"),
+                lockstep=any(r.get("lockstep") for r in ok),
                 step=last.get("step"),
             )
         out[key] = s
@@ -607,6 +724,12 @@ def format_table(
         "released: still down once the objects went and the cache was given back as the library's users do "
         "(torch.cuda.empty_cache(), CuPy's free_all_blocks(), numba's pending frees and gpuptr.trim())"
     )
+    if any(s.get("lockstep") for s in summary.values()):
+        lines.append(
+            "lockstep: a workload's children ran at once, taking their steps in turn (another allocator first "
+            "each round), so by round compares steps taken side by side; the device columns read '-' (the "
+            "children shared the device's free memory)"
+        )
     if flagged:
         lines.append(f"! a gpuptr allocator over {STEP_FLAG:.2f}x own's median step or {PEAK_FLAG:.2f}x own's peak")
     lines += notes
@@ -688,6 +811,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--cpus", type=_cpus, default=None, metavar="LIST",
                     help="run every child on these CPUs only (such as 3 or 2-5): a host-bound loop such as "
                     "cupy's then varies less from process to process (default: any CPU)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="run a workload's children under every allocator at once, taking their steps in turn, "
+                    "so a host whose speed drifts moves them alike (the device memory columns are then left "
+                    "out: the children share the device)")
     ap.add_argument("--json", metavar="FILE", help="also write every child's JSON and the summary to FILE")
     args = ap.parse_args(argv)
     if args.allocators is None:
@@ -699,7 +826,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None, run: RunChild = run_child) -> int:
+def main(argv: Optional[Sequence[str]] = None, run: RunChild = run_child, run_group: RunGroup = run_together) -> int:
     """``benches/workloads.py``: the table on stdout; 1 if nothing could be
     measured (as ``python -m gpuptr bench``), else 0."""
     args = parse_args(argv)
@@ -711,11 +838,13 @@ def main(argv: Optional[Sequence[str]] = None, run: RunChild = run_child) -> int
         os.sched_setaffinity(0, args.cpus)  # the children inherit it
     gpu = gpu_problem()
     say(f"workloads {','.join(args.only)} under {','.join(args.allocators)}, {args.rounds} round(s)"
+        f"{', in lockstep' if args.lockstep else ''}"
         f"{'' if gpu is None else ' - ' + gpu}")
     t0 = time.perf_counter()
     records = run_rounds(
         args.only, args.allocators, args.rounds,
         warmup=args.warmup, steps=args.steps, timeout=args.timeout, gpu=gpu, say=say, run=run,
+        together=args.lockstep, run_group=run_group,
     )
     summary = summarize(records)
     print(format_table(summary, args.only, args.allocators))
@@ -752,6 +881,7 @@ def _meta(args: argparse.Namespace, gpu: Optional[str], wall_s: float) -> Record
         "warmup": args.warmup,
         "timeout_s": args.timeout,
         "cpus": args.cpus,
+        "lockstep": args.lockstep,
         "gpuptr": gpuptr.__version__,
         "gpuptr_default_stream_ordered": default_stream_ordered(),
         "python": platform.python_version(),

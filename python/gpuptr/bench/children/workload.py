@@ -111,6 +111,8 @@ GPUPTR_KEYS = (
     "num_ooms",
 )
 NUMBA_MANAGER = "NUMBA_CUDA_MEMORY_MANAGER"
+#: ``IN,OUT``: the pipes of a lockstep run (see :class:`Turns`).
+TURNS_ENV = "GPUPTR_BENCH_TURNS"
 CUDA_ERROR_NO_DEVICE = 100
 #: cupy: arrays a pass, their sizes (log2 of bytes, log-uniform), results kept.
 CUPY_ARRAYS, CUPY_LOG2, CUPY_KEEP = 3000, (10.0, 26.0), 20
@@ -275,6 +277,57 @@ class Peaks:
             self.live = live if self.live is None else max(self.live, live)
 
 
+class Turns:
+    """Steps taken in turn with other children (``benches/workloads.py
+    --lockstep``): the parent joins the children in a ring of pipes
+    (``GPUPTR_BENCH_TURNS=IN,OUT``, file descriptors) and hands one token
+    round it. A child runs a step (and its readings) only while it holds the
+    token, then passes it on, so the steps of the allocators compared run
+    one after the other, each beside the others' in time: a host whose speed
+    drifts moves them alike. Without the variable every ``with`` block runs
+    at once. A ring that breaks (a child failed or ended early: its pipe
+    reads empty or refuses a write) is left, and the steps go on alone;
+    ``result["turns"]`` says how many steps were taken in turn."""
+
+    def __init__(self, spec: Optional[str]) -> None:
+        self.fds: Optional[Tuple[int, int]] = None
+        self.taken = 0
+        if spec:
+            inp, _, out = spec.partition(",")
+            self.fds = (int(inp), int(out))
+
+    def __enter__(self) -> None:
+        if self.fds is not None and not os.read(self.fds[0], 1):
+            self._leave()  # every other child is gone: nobody passes it on
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fds is None:
+            return
+        self.taken += 1
+        try:
+            os.write(self.fds[1], b"t")
+        except OSError:  # the next child is gone (BrokenPipeError)
+            self._leave()
+
+    def finish(self) -> None:
+        """After the last step: wait for the token once more (the others'
+        last steps run alone), pass it on and leave the ring."""
+        if self.fds is not None and os.read(self.fds[0], 1):
+            with contextlib.suppress(OSError):
+                os.write(self.fds[1], b"t")
+        self._leave()
+
+    def _leave(self) -> None:
+        if self.fds is not None:
+            for fd in self.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.fds = None
+
+
+TURNS = Turns(None)
+
+
 def timed(fn: Callable[[], Any], sync: Callable[[], Any]) -> Tuple[float, Any]:
     """``fn()``'s wall time in ms, up to and including ``sync()``."""
     t0 = time.perf_counter()
@@ -370,8 +423,9 @@ def torch_steps(
     ``torch.cuda.synchronize()``; keeps the last step's output alive."""
     last: List[Any] = [None]
     for i in range(warmup + steps):
-        ms, last[0] = timed(lambda: step(i), torch.cuda.synchronize)
-        peaks()
+        with TURNS:
+            ms, last[0] = timed(lambda: step(i), torch.cuda.synchronize)
+            peaks()
         result["warmup_ms" if i < warmup else "steps_ms"].append(round(ms, 3))
     return last
 
@@ -486,8 +540,9 @@ def passes(
     for i in range(args.warmup + args.steps):
         warm = i < args.warmup
         alive = None  # the last pass's objects go before this one starts
-        ms, alive = timed(lambda: one_pass(peaks if warm else None), sync)
-        peaks()
+        with TURNS:
+            ms, alive = timed(lambda: one_pass(peaks if warm else None), sync)
+            peaks()
         result["warmup_ms" if warm else "steps_ms"].append(round(ms, 3))
     result["per_item_us"] = round(statistics.median(result["steps_ms"]) * 1e3 / items, 3)
     return alive
@@ -618,6 +673,9 @@ def run(args: argparse.Namespace, result: Result) -> None:
 
     runner = {"gpt2": run_gpt2, "resnet": run_resnet, "cupy": run_cupy, "numba": run_numba}[workload]
     alive = runner(lib, args, peaks, result)
+    TURNS.finish()
+    if os.environ.get(TURNS_ENV):
+        result["turns"] = TURNS.taken
     result["median_ms"] = round(statistics.median(result["steps_ms"]), 3)
 
     # With the workload's objects still alive.
@@ -668,7 +726,9 @@ def release(workload: str, lib: Any, gpuptr: Any) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    global TURNS
     args = parse(argv)
+    TURNS = Turns(os.environ.get(TURNS_ENV))
     result = blank(args.workload, args.allocator)
     out = sys.stdout
     t0 = time.perf_counter()

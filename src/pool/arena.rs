@@ -163,6 +163,16 @@ impl Arena {
         }
     }
 
+    /// Whether the best fit for a large `size` on [`ANY`] is larger than
+    /// `size` while blocks wait for a fence: one of them, or one merged
+    /// with its free neighbours once its fence is done, may fit better.
+    pub(crate) fn better_fit_waits(&self, size: usize) -> bool {
+        self.waiting_bytes() > 0
+            && self
+                .best_fit(Kind::Large, ANY, size)
+                .is_some_and(|(_, have, _)| have > size)
+    }
+
     /// A block of `size` bytes (rounded, [`round`]) for an owner on `tag`
     /// ([`ANY`]: no stream, so only blocks anyone may use): the best fit,
     /// split when the rest is worth keeping; its address, size and slot. (A

@@ -9,10 +9,10 @@ use super::*;
 
 thread_local! {
     /// Steps run, one per wait, before this thread's next `blocking` waits.
-    static STEPS: RefCell<Vec<Box<dyn FnOnce()>>> = const { RefCell::new(Vec::new()) };
+    pub(super) static STEPS: RefCell<Vec<Box<dyn FnOnce()>>> = const { RefCell::new(Vec::new()) };
 }
 
-fn hook(f: &mut dyn FnMut()) {
+pub(super) fn hook(f: &mut dyn FnMut()) {
     let step = STEPS.with(|s| {
         let mut s = s.borrow_mut();
         (!s.is_empty()).then(|| s.remove(0))

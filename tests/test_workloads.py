@@ -648,3 +648,23 @@ def test_lockstep_rounds_run_every_allocator_together_another_first_each_round(m
     report = json.loads(out.read_text())
     assert report["meta"]["lockstep"] is True
     assert all(s["lockstep"] for s in report["summary"])
+
+
+def test_the_bench_rows_run_gpuptr_and_own_in_lockstep(monkeypatch):
+    monkeypatch.setattr(wl, "missing_library", lambda w: None)
+    groups: List[tuple] = []
+
+    def run_together(w: str, allocators: List[str], *, first: int, **k: Any) -> List[Dict[str, Any]]:
+        groups.append((w, tuple(allocators), first))
+        return [child(w, a, median=10.0 if a == "own" else 8.0, lib=(1 << 30) if a == "own" else (1 << 29),
+                      dev=None, end=None, released=None) for a in allocators]
+
+    monkeypatch.setattr(wl, "run_together", run_together)
+    b = bench.Bench(quick=False, out=io.StringIO(), only="cupy", on_gpu=True)
+    monkeypatch.setattr(b, "need_gpu", lambda: None)
+    wl.rows(b)
+    assert groups == [("cupy", ("own", "gpuptr"), r % 2) for r in range(wl.DEFAULT_ROUNDS)]
+    by_row = {r.row: r for r in b.results}
+    step = by_row["workload cupy: median step"]
+    assert step.skipped is None and (step.gpuptr_ns, step.baseline_ns, step.ratio) == (8e6, 10e6, 1.25)
+    assert by_row["workload cupy: peak memory (library count)"].ratio == 2.0

@@ -35,9 +35,10 @@ starts: :func:`default_allocators` runs the other one beside ``gpuptr``
 shows it). numba frees without a stream, so it runs ``gpuptr`` alone.
 
 The bench's rows (``python -m gpuptr bench --only workloads``) are gpuptr
-(defaults) against the library's own allocator, in 3 rounds (1 with
-``--quick``; a ``--quick`` run without ``--only`` leaves them out, as
-:data:`QUICK_SKIP` says), per workload:
+(defaults) against the library's own allocator, in 3 rounds in lockstep
+(:func:`run_together`; 1 round with ``--quick``; a ``--quick`` run
+without ``--only`` leaves them out, as :data:`QUICK_SKIP` says), per
+workload:
 
 - ``workload <name>: median step``: the median over rounds of each child's
   median step time (in ns, as every row; each round's median is in
@@ -419,7 +420,7 @@ def run_rounds(
     say: Optional[Say] = None,
     run: RunChild = run_child,
     together: bool = False,
-    run_group: RunGroup = run_together,
+    run_group: Optional[RunGroup] = None,
 ) -> List[Record]:
     """Every pair's children, round by round, the allocators alternating in
     each round (round 1: each workload under each allocator in order;
@@ -431,6 +432,7 @@ def run_rounds(
     skipped or failed is not run again. Each child's record gets its
     ``round``."""
     say = say or (lambda s: None)
+    group = run_group or run_together
     records: List[Record] = []
     stopped: Dict[Tuple[str, str], str] = {}
     for w in workloads:
@@ -468,7 +470,7 @@ def run_rounds(
             if together and live:
                 t0 = time.perf_counter()
                 # Each round another allocator takes the first step.
-                recs = run_group(w, live, first=(r - 1) % len(live), warmup=warmup, steps=steps, timeout=timeout)
+                recs = group(w, live, first=(r - 1) % len(live), warmup=warmup, steps=steps, timeout=timeout)
                 for a, rec in zip(live, recs):
                     note(r, w, a, rec, t0)
                 continue
@@ -601,7 +603,8 @@ def rows(b: Bench) -> None:
             if lib:
                 raise Skipped(lib)
             b.need_gpu()
-            records = run_rounds([w], ["own", "gpuptr"], rounds, say=lambda s: print(f"    {s}", file=b.out, flush=True))
+            records = run_rounds([w], ["own", "gpuptr"], rounds, together=True,
+                                 say=lambda s: print(f"    {s}", file=b.out, flush=True))
             summary = summarize(records)
         except Exception as e:  # a library missing, no GPU
             for row, _ in wanted:
@@ -826,7 +829,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None, run: RunChild = run_child, run_group: RunGroup = run_together) -> int:
+def main(argv: Optional[Sequence[str]] = None, run: RunChild = run_child, run_group: Optional[RunGroup] = None) -> int:
     """``benches/workloads.py``: the table on stdout; 1 if nothing could be
     measured (as ``python -m gpuptr bench``), else 0."""
     args = parse_args(argv)

@@ -1,10 +1,8 @@
-//! Growth ahead of demand ([`PoolConfig::ahead_bytes`]): while a busy GPU
-//! holds frees without a stream back, a helper thread ([`Grower`]) grows an
-//! arena that churns them, so an allocation finds a block rather than wait
-//! for the driver. The pool decides when and what; its owner posts the job
-//! (it registers the segment and knows whether its context is live).
-//!
-//! [`PoolConfig::ahead_bytes`]: super::PoolConfig::ahead_bytes
+//! Growth ahead of demand ([`ahead_bytes`](super::PoolConfig::ahead_bytes)):
+//! while a busy GPU holds frees without a stream back, a helper thread
+//! ([`Grower`]) grows an arena that churns them, so an allocation finds a block
+//! rather than wait for the driver. The pool decides when and what; its owner
+//! posts the job (it registers the segment and knows if its context is live).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -128,12 +126,10 @@ fn grow_loop(sh: &Shared<GrowState, ()>) {
 }
 
 impl Pool {
-    /// After a hand-out without a stream from arena `a` (locked): whether
-    /// to ask for growth ahead, once until served: while a busy GPU holds
-    /// such frees back (`busy`, asked last: see [`Pool::gpu_busy`]) and the
-    /// arena's memory free for anyone is under [`PoolConfig::ahead_bytes`].
-    ///
-    /// [`PoolConfig::ahead_bytes`]: super::PoolConfig::ahead_bytes
+    /// After a hand-out without a stream from arena `a` (locked): whether to
+    /// ask for growth ahead, once until served: while a busy GPU holds such
+    /// frees back (`busy`, asked last: see [`Pool::gpu_busy`]) and `a` has less
+    /// free for anyone than [`ahead_bytes`](super::PoolConfig::ahead_bytes).
     #[inline]
     pub(super) fn wants_ahead(&self, a: &mut Arena, busy: impl FnOnce(&mut Arena) -> bool) -> bool {
         if a.ahead_asked
@@ -170,18 +166,16 @@ impl Pool {
         self.grower.post(job);
     }
 
-    /// On the helper: one segment of [`PoolConfig::ahead_bytes`] for arena
-    /// `arena`, of `kind` (the asking request's pool), recorded as held,
-    /// handed to `register` (the owner registers it), then put in the arena
-    /// free for anyone. `None` when a fence freed enough meanwhile, when the
-    /// pool's free bytes would pass [`PoolConfig::ahead_total`], when the
-    /// device would keep less than a quarter free, or when the driver
-    /// refuses: misses then go to the driver themselves. Either way the
-    /// request is over. The owner calls it under the lock a reset of its
-    /// context takes: the context cannot go between allocation and stocking.
-    ///
-    /// [`PoolConfig::ahead_bytes`]: super::PoolConfig::ahead_bytes
-    /// [`PoolConfig::ahead_total`]: super::PoolConfig::ahead_total
+    /// On the helper: for arena `arena`, one segment of `kind` (the asking
+    /// request's pool), sized [`ahead_bytes`](super::PoolConfig::ahead_bytes),
+    /// recorded as held, handed to `register` (the owner registers it), then
+    /// put in the arena free for anyone. `None` if a fence freed enough
+    /// meanwhile, if the pool's free bytes would pass
+    /// [`ahead_total`](super::PoolConfig::ahead_total), if the device would
+    /// keep less than a quarter free, or if the driver refuses: misses then go
+    /// to the driver themselves. Either way the request is over. The owner
+    /// calls it under the lock a reset of its context takes: the context cannot
+    /// go between allocation and stocking.
     pub(crate) fn grow_ahead(
         &self,
         context: RawContext,
@@ -242,11 +236,7 @@ impl Pool {
     pub(crate) fn ahead_over(&self, arena: usize) {
         let arena = arena & (self.arenas.len() - 1);
         self.arena(arena).ahead_asked = false;
-        let mut a = lock(&self.ahead);
-        if *a == Some(arena) {
-            *a = None;
-        }
-        drop(a);
+        lock(&self.ahead).take_if(|a| *a == arena);
         self.grown.notify_all();
     }
 

@@ -81,10 +81,9 @@ impl<V: Fn() -> bool> Ask<V> {
 }
 
 impl Pool {
-    /// A block of at least `size` bytes for an owner on `stream` (`None`:
-    /// no stream known) in `context`: rungs 1 to 6 of the module's miss
-    /// ladder; past them, out of memory is the caller's (give free segments
-    /// back, ask again).
+    /// A block of at least `size` bytes for an owner on `stream` (`None`: no
+    /// stream) in `context`: rungs 1 to 6 of the module's ladder; past them,
+    /// out of memory is the caller's (give free segments back, ask again).
     ///
     /// `valid` (no reset of `context` since) is asked under the arena lock,
     /// which a reset's [`Pool::forget`] takes too, before a block is handed
@@ -155,14 +154,13 @@ impl Pool {
         None
     }
 
-    /// Rung 1 for a large request without a stream whose best fit is
-    /// larger than it while blocks wait for a fence: wait for that fence as
-    /// rung 3 does (not past a busy GPU's reading or [`FENCE_WAIT_MAX`];
-    /// not during a capture), so it takes the block it fits, not a cut of a
-    /// larger one: the cut left the replayed mixed trace (b) at 1.90-2.04x
-    /// its live bytes where reuse after every fence holds 1.79x, as
-    /// PyTorch's allocator does. The arena (`a`) is unlocked during the
-    /// wait; `None` if the asker's context was reset meanwhile.
+    /// Rung 1 for a large request without a stream whose best fit is larger
+    /// than it while blocks wait for a fence: wait for that fence as rung 3
+    /// does (not past a busy GPU's reading or [`FENCE_WAIT_MAX`]; not during a
+    /// capture), so it takes the block it fits, not a cut of a larger one: the
+    /// cut left the replayed mixed trace (b) at 1.90-2.04x its live bytes where
+    /// reuse after every fence holds 1.79x, as PyTorch's allocator does. `a` is
+    /// unlocked as it waits; `None` if the asker's context was reset meanwhile.
     #[inline(never)]
     fn wait_for_better_fit<'p>(
         &'p self,
@@ -296,13 +294,12 @@ impl Pool {
     }
 
     /// Rung 3: if the asker's arena has blocks sealed for a fence, and the
-    /// request is large without a stream or the pool past its budget, wait
-    /// for the fence unless a busy GPU's, then take the best fit. If the
-    /// arena's other threads took all it freed meanwhile (they churn it
-    /// while this one waits), claim a waiting block of at most twice the
-    /// request, as rung 6 does, and wait for its fence within the same
-    /// limit: a host whose fence thread waits for a CPU then grows the
-    /// pool no more than its threads hold, not at each wait.
+    /// request is large without a stream or the pool past its budget, wait for
+    /// the fence unless a busy GPU's, then take the best fit. If the arena's
+    /// other threads, churning it meanwhile, took all it freed, claim a waiting
+    /// block of at most twice the request, as rung 6 does, and wait for its
+    /// fence within the same limit: a host whose fence thread waits for a CPU
+    /// then grows the pool no more than its threads hold, not at each wait.
     fn wait_fence_and_take(
         &self,
         context: RawContext,
@@ -374,10 +371,9 @@ impl Pool {
         None
     }
 
-    /// One round of [`Pool::fence_all_and_take`]: a waiting block that fits
-    /// is claimed before the wait (threads churning the cache meanwhile
-    /// cannot take it) and handed out once its fence is done; else any
-    /// block free after the fence.
+    /// One round of [`Pool::fence_all_and_take`]: a waiting block that fits is
+    /// claimed before the wait (so threads churning the cache cannot take it)
+    /// and handed out once its fence is done; else any block free after it.
     fn fence_once_and_take(
         &self,
         context: RawContext,

@@ -1,12 +1,11 @@
-//! An arena: one lock's share of a pool, a best-fit allocator over the
-//! driver allocations (*segments*) it owns, as PyTorch's caching allocator
-//! keeps its blocks. A segment is cut into blocks that tile it. A block is
-//! *used*, *free* on a stream or for anyone ([`ANY`]), *waiting* for a
-//! fence (freed without a stream), or on the quick list (`quick.rs`). A
-//! request takes the smallest free block of its kind that it may use and
-//! splits off the rest worth keeping; a freed block merges with its free
-//! neighbours. Small requests (at most 1 MiB) and large ones never share a
-//! segment (PyTorch's two pools). Nothing here calls the driver or waits.
+//! An arena: one lock's share of a pool, a best-fit allocator over the driver
+//! allocations (*segments*) it owns, as PyTorch's caching allocator keeps its
+//! blocks. Blocks tile a segment; each is *used*, *free* on a stream or for
+//! anyone ([`ANY`]), *waiting* for a fence (freed without a stream), or on the
+//! quick list (`quick.rs`). A request takes the smallest free block of its kind
+//! it may use and splits off the rest worth keeping; a freed one merges with
+//! its free neighbours. Small requests (at most 1 MiB) and large ones never
+//! share a segment (PyTorch's two pools). No driver call, no wait here.
 
 use std::collections::VecDeque;
 
@@ -213,10 +212,9 @@ impl Arena {
         Some((info.at, info.size, s))
     }
 
-    /// The slot of `at` if it is a block this arena handed out: in slot
-    /// `hint` (where it was handed out; a used block keeps its slot), or by
-    /// address where that slot holds another block (a vacant slot's entry
-    /// is at 0, and keeps its old state).
+    /// The slot of `at` if this arena handed it out: `hint` (its slot when
+    /// handed out, kept while used), or by address if that slot holds another
+    /// block (a vacant slot's entry is at 0 and keeps its old state).
     #[inline]
     pub(crate) fn used_at(&self, hint: Slot, at: DevicePtr) -> Option<Slot> {
         match self.blocks.table.get(hint as usize) {
@@ -466,26 +464,19 @@ impl Arena {
             out.push(base);
         }
         if waited {
-            // Slots removed above are vacant now; the lists keep the rest.
+            // Slots removed above are vacant now; the lists keep the rest,
+            // their bytes counted afresh.
             let live = |s: &Slot| self.blocks[*s].at != 0;
             self.pending.retain(live);
+            self.pending_bytes = self.pending.iter().map(|&s| self.blocks[s].size).sum();
+            self.sealed_bytes = 0;
             for b in &mut self.sealed {
                 b.blocks.retain(live);
+                b.bytes = b.blocks.iter().map(|&s| self.blocks[s].size).sum();
+                self.sealed_bytes += b.bytes;
             }
-            self.recount_waiting();
         }
         out
-    }
-
-    /// Count the bytes of the pending and sealed lists afresh (after
-    /// blocks left them other than by a seal or a fence).
-    fn recount_waiting(&mut self) {
-        self.pending_bytes = self.pending.iter().map(|&s| self.blocks[s].size).sum();
-        self.sealed_bytes = 0;
-        for b in &mut self.sealed {
-            b.bytes = b.blocks.iter().map(|&s| self.blocks[s].size).sum();
-            self.sealed_bytes += b.bytes;
-        }
     }
 
     /// A segment whose free failed comes back, waiting for a fence as a
@@ -503,11 +494,9 @@ impl Arena {
         self.free = FreeSet::default();
         (self.quick, self.quick_bytes) = (VecDeque::new(), 0);
         self.pending.clear();
-        self.pending_bytes = 0;
         self.sealed.clear();
-        self.sealed_bytes = 0;
-        self.live_bytes = 0;
-        self.live_count = 0;
+        (self.pending_bytes, self.sealed_bytes) = (0, 0);
+        (self.live_bytes, self.live_count) = (0, 0);
         self.class_live.0.iter_mut().for_each(|c| c.live = 0);
         self.large_live.clear();
         for k in &mut self.clients {

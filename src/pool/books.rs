@@ -39,8 +39,7 @@ impl Arena {
         out
     }
 
-    /// The block handed out that holds `address`, in the segment at
-    /// `base`: its start and size.
+    /// In the segment at `base`, the used block holding `address`: start, size.
     pub(crate) fn used_block_at(
         &self,
         base: DevicePtr,

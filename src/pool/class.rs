@@ -44,11 +44,10 @@ pub(crate) struct IdentityHasher(u64);
 
 impl std::hash::Hasher for IdentityHasher {
     fn finish(&self) -> u64 {
-        // Classes and blocks are multiples of 512: drop the always-zero
-        // bits, and multiply (Fibonacci hashing) so that the top bits,
-        // which the table compares a group's slots by, differ between
-        // neighbouring blocks too; the high half folded down keeps the
-        // low bits, its bucket, as spread.
+        // Classes and blocks are multiples of 512: drop the zero bits, and
+        // multiply (Fibonacci hashing) so that the top bits, which the table
+        // compares a group's slots by, differ between neighbouring blocks too;
+        // the high half folded down keeps the low bits, its bucket, as spread.
         let m = (self.0 >> 9 ^ self.0 >> 40).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         m ^ m >> 32
     }

@@ -1,8 +1,7 @@
 //! [`Fencer`]: the per-device helper that makes freed blocks safe to reuse.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::helper::{Helper, Shared};
@@ -56,11 +55,10 @@ impl<T> std::ops::Deref for Line<T> {
     }
 }
 
-/// What the fence thread and its users read without the lock. In order
-/// (`repr(C)`), on three sets of lines: `done` (read by allocations that
-/// find a batch sealed), the request fields (written by requests and by
-/// each fence's start), and `started_ns` (written around each fence, read
-/// by misses).
+/// What the fence thread and its users read without the lock, in order
+/// (`repr(C)`) on three sets of lines: `done` (read by allocations that find
+/// a batch sealed), the request fields (written by requests and each fence's
+/// start), and `started_ns` (written around each fence, read by misses).
 #[repr(C)]
 pub(crate) struct FenceExt {
     driver: Arc<dyn Driver>,
@@ -213,9 +211,8 @@ impl Fencer {
                     .compare_exchange(r, r + 1, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
                 {
-                    // The fence thread sets `sleeping` and then looks at
-                    // `requested` again before it sleeps: one of the two
-                    // sees the other's store.
+                    // The fence thread sets `sleeping`, then reads `requested`
+                    // again before sleeping: one side sees the other's store.
                     if ext.sleeping.load(Ordering::SeqCst) {
                         drop(self.helper.lock());
                         self.helper.shared.work.notify_one();

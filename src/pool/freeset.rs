@@ -24,8 +24,7 @@ const SUMMARY: usize = WORDS.div_ceil(64);
 /// each time; beyond it an empty one goes (a stream destroyed leaves none).
 const MAPS_KEPT: usize = 8;
 
-/// The bin of a block of `size` bytes (a multiple of [`MIN_BLOCK`], at
-/// most [`BIN_MAX`]).
+/// The bin of `size` bytes (a multiple of [`MIN_BLOCK`], at most [`BIN_MAX`]).
 #[inline]
 fn bin(size: usize) -> usize {
     size / MIN_BLOCK - 1
@@ -212,8 +211,7 @@ impl FreeSet {
         }
     }
 
-    /// The smallest free block of `kind` with `tag` of at least `size`
-    /// bytes: its size and slot.
+    /// The best fit of `kind` on `tag` for `size` bytes: its size and slot.
     #[inline]
     pub(super) fn fit(&self, kind: Kind, tag: Tag, size: usize) -> Option<(usize, Slot)> {
         if size <= BIN_MAX {

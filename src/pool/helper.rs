@@ -117,21 +117,14 @@ impl<S, E> Drop for Helper<S, E> {
     }
 }
 
-/// Let this thread's short sleeps be short: Linux otherwise lets a timed
-/// wait run up to 50 µs late.
+/// Punctual timed waits on this thread (Linux lets them run up to 50 µs late).
 fn short_timer_slack() {
     #[cfg(target_os = "linux")]
     // SAFETY: PR_SET_TIMERSLACK takes an integer and changes only the
     // calling thread's timer slack; no memory is passed. prctl is variadic
     // and reads five words: pass them all, so none is uninitialised.
     unsafe {
-        let zero: libc::c_ulong = 0;
-        libc::prctl(
-            libc::PR_SET_TIMERSLACK,
-            1000 as libc::c_ulong,
-            zero,
-            zero,
-            zero,
-        );
+        let (slack, zero): (libc::c_ulong, libc::c_ulong) = (1000, 0);
+        libc::prctl(libc::PR_SET_TIMERSLACK, slack, zero, zero, zero);
     }
 }

@@ -1,13 +1,11 @@
-//! The pool's cache of pinned host memory (`cuMemHostAlloc`): size
-//! classes, a shard per flag combination (mapped, portable,
-//! write-combined), and the device cache's fence: a freed block is
-//! *pending* until a `cuCtxSynchronize` has returned after the free (a
-//! copy queued before it may still use it), then *ready*. Registered
-//! memory is never cached. Past [`PoolConfig::host_cache_bytes`] a free
-//! gives ready blocks back, and the helper gives back what was pending
-//! once its fence is done ([`Pool::host_settle`]).
-//!
-//! [`PoolConfig::host_cache_bytes`]: super::PoolConfig::host_cache_bytes
+//! The pool's cache of pinned host memory (`cuMemHostAlloc`): size classes, a
+//! shard per flag combination (mapped, portable, write-combined), and the
+//! device cache's fence: a freed block is *pending* until a `cuCtxSynchronize`
+//! returns after the free (a copy queued before it may still use it), then
+//! *ready*. Registered memory is never cached. Past
+//! [`host_cache_bytes`](super::PoolConfig::host_cache_bytes) a free gives ready
+//! blocks back, and the helper what was pending once its fence is done
+//! ([`Pool::host_settle`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -98,8 +96,7 @@ impl Shard {
         }
     }
 
-    /// Empty the cache into `out`: every block with its class and whether
-    /// its fence is done.
+    /// Empty the cache into `out`: (block, class, whether its fence is done).
     fn drain(&mut self, out: &mut Vec<(DevicePtr, usize, bool)>) {
         for (class, v) in self.ready.drain() {
             out.extend(v.into_iter().map(|p| (p, class, true)));
@@ -359,12 +356,8 @@ impl Pool {
             self.driver.host_free(context, p as HostPtr)
         })?;
         // Saturating: a reset's forget may have zeroed it meanwhile.
-        let _ = self
-            .host
-            .held
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
-                Some(h.saturating_sub(class))
-            });
+        let (held, r) = (&self.host.held, Ordering::Relaxed);
+        let _ = held.fetch_update(r, r, |h| Some(h.saturating_sub(class)));
         Ok(())
     }
 

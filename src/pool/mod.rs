@@ -1,58 +1,54 @@
-//! The caching pool in front of `cuMemAlloc`, one per device: PyTorch's
-//! caching allocator's design, with a second reuse rule for memory freed
-//! without a stream.
+//! One device's caching pool in front of `cuMemAlloc`: PyTorch's caching
+//! allocator's design, plus a reuse rule for memory freed without a stream.
 //!
-//! **Blocks fit the request.** The pool cuts driver allocations
-//! (*segments*) into blocks: a request takes the smallest free block that
-//! fits (sizes round up to 512 bytes) and splits off the rest; a freed
-//! block merges with its free neighbours (`arena.rs`). A miss grows the
-//! pool by a segment sized as PyTorch's: 2 MiB for requests up to 1 MiB
-//! (the *small* pool; its segments never serve larger ones), 20 MiB under
-//! 10 MiB, else the request rounded up to 2 MiB (`segments.rs`). Nothing
-//! goes back to the driver until a user asks ([`Pool::trim`]) or it runs
-//! out of memory.
+//! **Blocks fit the request.** The pool cuts driver allocations (*segments*)
+//! into blocks: a request takes the smallest free block that fits (sizes
+//! round up to 512 bytes) and splits off the rest; a freed block merges with
+//! its free neighbours (`arena.rs`). A miss grows the pool by a segment sized
+//! as PyTorch's: 2 MiB for requests up to 1 MiB (the *small* pool; its
+//! segments never serve larger ones), 20 MiB under 10 MiB, else the request
+//! rounded up to 2 MiB (`segments.rs`). Nothing goes back to the driver until
+//! a user asks ([`Pool::trim`]) or it runs out of memory.
 //!
 //! **Two reuse rules.**
 //! - *Stream-ordered* (allocated for, or freed on, a known stream: PyTorch,
-//!   CuPy, RMM, cuda.core, `alloc(n, stream=s)`): a block freed on stream
-//!   `s` is free on `s` at once (stream order puts later work on `s` after
-//!   the old owner's); other streams get it after a fence, or out of memory.
-//! - *Fenced* (freed with no stream known: numba's plugin, `gpuptr.alloc`,
-//!   or memory also used on another stream, `record_stream`): the block
-//!   *waits* for a fence run after its free, the fence thread's
-//!   `cuCtxSynchronize`, which returns once every task queued before it on
-//!   every stream is done (`fence.rs`). It is then free for anyone, kept
-//!   whole on the arena's quick list for a request of its size (`quick.rs`).
-//!   An arena asks for a fence as soon as a block waits and none is under
-//!   way; frees meanwhile gather for the next. A hit on the quick list's
-//!   newest block reads nothing the fence thread writes ([`Pool::alloc`]).
+//!   CuPy, RMM, cuda.core, `alloc(n, stream=s)`): a block freed on stream `s`
+//!   is free on `s` at once (stream order puts later work on `s` after the
+//!   old owner's); other streams get it after a fence, or out of memory.
+//! - *Fenced* (freed with no stream known: numba's plugin, `gpuptr.alloc`, or
+//!   memory also used on another stream, `record_stream`): the block *waits*
+//!   for a fence run after its free, the fence thread's `cuCtxSynchronize`,
+//!   which returns once every task queued before it on every stream is done
+//!   (`fence.rs`). It is then free for anyone, kept whole on the arena's
+//!   quick list for a request of its size (`quick.rs`). An arena asks for a
+//!   fence as soon as a block waits and none is under way; frees meanwhile
+//!   gather for the next. A hit on the quick list's newest block reads
+//!   nothing the fence thread writes ([`Pool::alloc`]).
 //!
-//! **A miss, top to bottom** ([`Pool::alloc`]: rung 1 inline, the rest in
-//! one function):
+//! **A miss** ([`Pool::alloc`]: rung 1 inline, the rest in one function):
 //! 1. the best fit in the caller's arena; for a large request without a
-//!    stream whose best fit is larger than it while blocks wait, after
-//!    their fence as in rung 3 (a cut of a larger block fragments);
+//!    stream whose best fit is larger than it while blocks wait, after their
+//!    fence as in rung 3 (a cut of a larger block fragments);
 //! 2. (no stream) memory anyone may use in another arena;
-//! 3. for a large request (over 1 MiB) without a stream, or past the
-//!    pool's budget (`max(1.5 x live, 32 MiB)`; within it a small miss
-//!    grows at once), a fence under way: wait for it and reuse what it
-//!    frees, unless it has spun longer than a growth costs (the pool's own
-//!    `cuMemAlloc` time, measured): a busy GPU. If other threads took what
-//!    it freed, claim a waiting block and wait for its fence once more;
+//! 3. for a large request (over 1 MiB) without a stream, or past the pool's
+//!    budget (`max(1.5 x live, 32 MiB)`; within it a small miss grows at
+//!    once), a fence under way: wait for it and reuse what it frees, unless
+//!    it has spun longer than a growth costs (the pool's own `cuMemAlloc`
+//!    time, measured): a busy GPU. If other threads took what it freed, claim
+//!    a waiting block and wait for its fence once more;
 //! 4. the growth helper allocating for this arena: wait for it;
-//! 5. grow by one segment; without a stream on a busy GPU (its fenced
-//!    frees come back late) by at least [`PoolConfig::ahead_bytes`], and
-//!    the helper grows the arena ahead of demand (`ahead.rs`);
-//! 6. the driver refused: seal every arena, wait for the fence covering it
-//!    all, make every free block free for anyone, and take the best fit
-//!    anywhere; the device then gives free segments back and asks again
-//!    (`device/oom.rs`).
+//! 5. grow by one segment; without a stream on a busy GPU (its fenced frees
+//!    come back late) by at least [`PoolConfig::ahead_bytes`], and the helper
+//!    grows the arena ahead of demand (`ahead.rs`);
+//! 6. the driver refused: seal every arena, wait for one fence for all, make
+//!    every cached block free for anyone, take the best fit anywhere; the
+//!    device then gives free segments back and asks again (`device/oom.rs`).
 //!
 //! **Arenas.** The cache is split into arenas, each behind its own lock:
-//! stream-ordered requests go to the arena of their stream, others to the
-//! arena of their thread (dealt out round-robin). A block goes back to the
-//! arena it came from. The pool talks to the driver alone (no
-//! [`Runtime`](crate::Runtime)), so it is tested on a bare simulator.
+//! stream-ordered requests go to their stream's arena, others to their
+//! thread's (dealt out round-robin). A block goes back to the arena it came
+//! from. The pool talks to the driver alone (no [`Runtime`](crate::Runtime)),
+//! so it is tested on a bare simulator.
 
 mod ahead;
 mod alloc;
@@ -76,13 +72,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::driver::{Driver, RawContext, RawStream};
-
 use crate::stats::{ClassStats, PoolStats};
 use crate::sync::lock;
 use ahead::{Grower, AHEAD_WAIT};
 use arena::Arena;
-pub(crate) use arena::BlockState;
-pub(crate) use arena::Kind;
+pub(crate) use arena::{BlockState, Kind};
 pub use class::size_class;
 pub(crate) use class::FastMap;
 use fence::Fencer;
@@ -94,14 +88,12 @@ pub(crate) use segments::{Allocation, Block, Grant, SegmentView};
 /// How a pool batches fences and splits its cache.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// An arena seals its blocks freed without a stream into a batch for a
-    /// fence as soon as no batch of it waits for one, and once this many
-    /// are pending in any case.
+    /// An arena seals its frees without a stream into a batch for a fence
+    /// once none of its batches waits for one, or at this many pending.
     pub fence_count: usize,
-    /// ... or once this many bytes are.
+    /// ... or at this many bytes.
     pub fence_bytes: usize,
-    /// Number of arenas, rounded up to a power of two. The default is the
-    /// number of CPUs, at most 16.
+    /// Number of arenas, a power of two (rounded up); default: CPUs, at most 16.
     pub shards: usize,
     /// The least time between two fences' starts: the fence thread rests
     /// this long after each (unless an out-of-memory waiter needs the
@@ -117,9 +109,8 @@ pub struct PoolConfig {
     /// than grow (a request over 1 MiB without a stream always waits), so
     /// an idle GPU's pool stays close to what is live.
     pub headroom_bytes: usize,
-    /// The most bytes free for anyone the pool holds before it stops
-    /// growing ahead. Growth ahead also stops while it would leave less
-    /// than a quarter of the device's memory free.
+    /// Growth ahead stops at this many bytes free for anyone in the pool, or
+    /// while it would leave under a quarter of the device's memory free.
     pub ahead_total: usize,
     /// The most bytes of pinned host memory (`cuMemHostAlloc`) the pool
     /// caches, under the same fence as device memory; larger classes are
@@ -204,8 +195,7 @@ impl std::fmt::Debug for Pool {
     }
 }
 
-/// An arena on cache lines of its own, so threads on neighbouring arenas
-/// do not slow each other down.
+/// An arena on cache lines of its own: no false sharing between arenas.
 #[repr(align(128))]
 struct Padded(Mutex<Arena>);
 
@@ -342,11 +332,10 @@ impl Pool {
 
     /// Forget the peaks: each arena's peak becomes its live bytes.
     pub(crate) fn reset_peak(&self) {
-        {
-            let mut held = lock(&self.held);
-            held.peak = held.bytes;
-            held.segments_stats.reset_peak();
-        }
+        let mut held = lock(&self.held);
+        held.peak = held.bytes;
+        held.segments_stats.reset_peak();
+        drop(held);
         for i in 0..self.arenas.len() {
             let mut a = self.arena(i);
             a.peak_bytes = a.live_bytes;
@@ -428,10 +417,9 @@ impl Pool {
         self.fencer.capturing()
     }
 
-    /// Let growth ahead under way finish (so what the pool holds stays put
-    /// for statistics and trims), wait for the fence covering every block
-    /// freed so far, and make those blocks free (tests, `synchronize`).
-    /// `false` if the fence failed.
+    /// Let growth ahead under way finish (so what the pool holds stays put for
+    /// statistics and trims), wait for the fence after every free so far, and
+    /// make those blocks free (tests, `synchronize`); `false` if it failed.
     pub(crate) fn flush(&self, context: RawContext) -> bool {
         self.grower.quiesce(Duration::from_secs(1));
         let ok = match self.fencer.capturing() {

@@ -1,6 +1,5 @@
-//! What the pool holds from the driver: its segments, their sizes, the
-//! limit, growth, and giving memory back (a trim, a reservation's undo,
-//! forgetting it after a reset).
+//! What the pool holds from the driver (segments, sizes, the limit), growth,
+//! and giving it back: a trim, a reservation's undo, forgetting after a reset.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -50,8 +49,7 @@ pub(crate) struct Block {
     pub class: usize,
     /// The arena it goes back to (arenas are at most 1024).
     pub shard: u16,
-    /// Its slot in that arena's block table, as [`Grant::slot`] (0: look
-    /// it up by address).
+    /// Its slot in the arena's table, as [`Grant::slot`] (0: find by address).
     pub slot: u32,
     /// The bytes it was handed out for.
     pub size: usize,
@@ -104,8 +102,7 @@ pub(crate) struct Allocation {
     pub(crate) kind: Kind,
 }
 
-/// A segment as a memory snapshot sees it: each block's address, size and
-/// state, in address order.
+/// A segment as a snapshot sees it: its blocks' address, size, state, in order.
 pub(crate) type SegmentView = (Allocation, Vec<(DevicePtr, usize, BlockState)>);
 
 /// What the pool holds from the driver. Touched on growth, trims and resets.
@@ -120,8 +117,7 @@ pub(super) struct Held {
     /// Bytes of driver allocations and frees under way: the driver may
     /// hold them beyond `bytes`, so the limit counts them.
     pub(super) pending: usize,
-    /// The segments as PyTorch counts them (`bytes` and `peak` by pool,
-    /// with totals).
+    /// Segments as PyTorch counts them (`bytes`, `peak` by pool, and totals).
     pub(super) segments_stats: SegmentStats,
 }
 

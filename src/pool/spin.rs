@@ -1,7 +1,6 @@
-//! Whether a fence spins: the fence thread's CPU clock, read by the
-//! threads that miss, tells a busy GPU (its `cuCtxSynchronize` spins on the
-//! thread's CPU while queued work runs) from a loaded host (the thread
-//! waits for a CPU and spends none meanwhile).
+//! Whether a fence spins: the fence thread's CPU clock, read by misses, tells a
+//! busy GPU (its `cuCtxSynchronize` spins on the thread's CPU while queued work
+//! runs) from a loaded host (the thread waits for a CPU, spending none).
 
 use std::sync::Mutex;
 use std::time::Duration;

@@ -155,11 +155,10 @@ impl Pool {
     }
 
     /// Rung 1 for a large request without a stream whose best fit is larger
-    /// than it while blocks wait for a fence: wait for that fence as rung 3
-    /// does (not past a busy GPU's reading or [`FENCE_WAIT_MAX`]; not during a
-    /// capture), so it takes the block it fits, not a cut of a larger one: the
-    /// cut left the replayed mixed trace (b) at 1.90-2.04x its live bytes where
-    /// reuse after every fence holds 1.79x, as PyTorch's allocator does. `a` is
+    /// than it while large blocks wait: wait for their fence as rung 3 does
+    /// (not past a busy GPU's reading or [`FENCE_WAIT_MAX`], nor in a capture)
+    /// and take the block it fits, not a cut of a larger one (the cuts left
+    /// trace (b) at 1.90-2.04x its live bytes; 1.79x so, as PyTorch's). `a` is
     /// unlocked as it waits; `None` if the asker's context was reset meanwhile.
     #[inline(never)]
     fn wait_for_better_fit<'p>(
@@ -168,14 +167,11 @@ impl Pool {
         mut a: MutexGuard<'p, Arena>,
         ask: &Ask<impl Fn() -> bool>,
     ) -> Option<MutexGuard<'p, Arena>> {
-        if self.fencer.capturing() {
-            return Some(a);
-        }
         if a.pending_count() > 0 {
             a.seal(self.fencer.request(context));
         }
         let newest = a.newest_sealed();
-        if newest == 0 {
+        if newest == 0 || self.fencer.capturing() {
             return Some(a);
         }
         drop(a);

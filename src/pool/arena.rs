@@ -60,6 +60,11 @@ impl Kind {
     }
 }
 
+/// A block's bytes if it is large, else 0.
+fn large(i: &Info) -> usize {
+    usize::from(i.kind == Kind::Large) * i.size
+}
+
 /// `size` rounded up to the arena's granule (at least [`MIN_BLOCK`]).
 #[inline]
 pub(crate) fn round(size: usize) -> usize {
@@ -108,6 +113,8 @@ pub(crate) struct Arena {
     /// Sealed batches, oldest first.
     pub(super) sealed: VecDeque<Batch>,
     pub(super) sealed_bytes: usize,
+    /// Of the bytes pending or sealed, those of large blocks.
+    pub(super) waiting_large: usize,
     /// Emptied batch vectors, reused (no allocation per batch).
     spare: Vec<Vec<Slot>>,
     /// Blocks a fence freed, kept whole, oldest first (`quick.rs`).
@@ -165,8 +172,12 @@ impl Arena {
     /// Whether the best fit for a large `size` on [`ANY`] is larger than
     /// `size` while blocks wait for a fence: one of them, or one merged
     /// with its free neighbours once its fence is done, may fit better.
+    /// (A small block never merges into a large one; an exact fit on the
+    /// quick list is taken as it is.)
     pub(crate) fn better_fit_waits(&self, size: usize) -> bool {
-        self.waiting_bytes() > 0
+        let exact = |&s: &Slot| self.blocks[s].size == size && self.blocks[s].kind == Kind::Large;
+        self.waiting_large > 0
+            && !self.quick.iter().any(exact)
             && self
                 .best_fit(Kind::Large, ANY, size)
                 .is_some_and(|(_, have, _)| have > size)
@@ -290,6 +301,7 @@ impl Arena {
         let i = &mut self.blocks[s];
         i.state = State::Waiting;
         self.pending_bytes += i.size;
+        self.waiting_large += large(i);
         self.pending.push(s);
     }
 
@@ -337,6 +349,7 @@ impl Arena {
         info.state = State::Claimed;
         batch.bytes -= info.size;
         self.sealed_bytes -= info.size;
+        self.waiting_large -= large(info);
         Some((info.at, info.size, batch.seq))
     }
 
@@ -404,6 +417,7 @@ impl Arena {
             let mut batch = self.sealed.pop_front().expect("checked");
             self.sealed_bytes -= batch.bytes;
             for s in batch.blocks.drain(..) {
+                self.waiting_large -= large(&self.blocks[s]);
                 self.quick_push(s);
             }
             self.spare.push(batch.blocks);
@@ -475,6 +489,9 @@ impl Arena {
                 b.bytes = b.blocks.iter().map(|&s| self.blocks[s].size).sum();
                 self.sealed_bytes += b.bytes;
             }
+            let sealed = self.sealed.iter().flat_map(|b| &b.blocks);
+            let waiting = self.pending.iter().chain(sealed);
+            self.waiting_large = waiting.map(|&s| large(&self.blocks[s])).sum();
         }
         out
     }
@@ -495,7 +512,7 @@ impl Arena {
         (self.quick, self.quick_bytes) = (VecDeque::new(), 0);
         self.pending.clear();
         self.sealed.clear();
-        (self.pending_bytes, self.sealed_bytes) = (0, 0);
+        (self.pending_bytes, self.sealed_bytes, self.waiting_large) = (0, 0, 0);
         (self.live_bytes, self.live_count) = (0, 0);
         self.class_live.0.iter_mut().for_each(|c| c.live = 0);
         self.large_live.clear();

@@ -148,6 +148,14 @@ fn audit(a: &Arena, segments: &[(DevicePtr, usize, Kind)]) {
         sealed += b.bytes;
     }
     assert_eq!(sealed, a.sealed_bytes, "sealed bytes");
+    let large: usize = a
+        .pending
+        .iter()
+        .chain(a.sealed.iter().flat_map(|b| &b.blocks))
+        .filter(|&&s| a.blocks[s].kind == Kind::Large)
+        .map(size)
+        .sum();
+    assert_eq!(large, a.waiting_large, "large waiting bytes");
     for &s in a
         .pending
         .iter()

@@ -7,6 +7,7 @@ mod access;
 mod arena;
 mod audit;
 mod batch;
+mod better_fit;
 mod busy;
 mod claim;
 mod class;

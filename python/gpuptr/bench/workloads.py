@@ -75,7 +75,7 @@ import time
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from gpuptr.bench._bench import Bench, Measured, Result, Skipped
 from gpuptr.bench._child import manager_env
@@ -334,49 +334,63 @@ def run_together(
     started: List[Tuple[str, Any, Any, Any]] = []
     failed: Dict[str, Record] = {}
     t0 = time.perf_counter()
+    killed: Set[Any] = set()
     try:
-        with resources.as_file(source) as path:
-            for i, a in enumerate(allocators):
-                inp, out = ring[i][0], ring[(i + 1) % n][1]
-                env = child_env(workload, a)
-                env[TURNS_ENV] = f"{inp},{out}"
-                so, se = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-                try:
-                    proc = subprocess.Popen([sys.executable, "-P", str(path), *_child_args(workload, a, warmup, steps)],
-                                            env=env, stdout=so, stderr=se, pass_fds=(inp, out))
-                except OSError as e:
-                    so.close()
-                    se.close()
-                    failed[a] = _failed(workload, a, f"could not start the child: {type(e).__name__}: {e}")
-                    continue
-                started.append((a, proc, so, se))
-            # The token, then the parent's ends go: a child that is gone
-            # leaves its neighbours a pipe that reads empty or refuses.
-            with contextlib.suppress(OSError):
-                os.write(ring[first % n][1], b"t")
-    finally:
-        for fds in ring:
-            for fd in fds:
-                os.close(fd)
-    deadline = t0 + timeout
-    recs: Dict[str, Record] = dict(failed)
-    late = False
-    for a, proc, so, se in started:
         try:
-            proc.wait(timeout=None if late else max(0.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            late = True
-            for _, other, _, _ in started:
+            with resources.as_file(source) as path:
+                for i, a in enumerate(allocators):
+                    inp, out = ring[i][0], ring[(i + 1) % n][1]
+                    env = child_env(workload, a)
+                    env[TURNS_ENV] = f"{inp},{out}"
+                    files: List[Any] = []
+                    try:
+                        for _ in range(2):
+                            files.append(tempfile.TemporaryFile())
+                        proc = subprocess.Popen([sys.executable, "-P", str(path),
+                                                 *_child_args(workload, a, warmup, steps)],
+                                                env=env, stdout=files[0], stderr=files[1], pass_fds=(inp, out))
+                    except OSError as e:
+                        for f in files:
+                            f.close()
+                        failed[a] = _failed(workload, a, f"could not start the child: {type(e).__name__}: {e}")
+                        continue
+                    started.append((a, proc, files[0], files[1]))
+                # The token, then the parent's ends go: a child that is gone
+                # leaves its neighbours a pipe that reads empty or refuses.
                 with contextlib.suppress(OSError):
-                    other.kill()
+                    os.write(ring[first % n][1], b"t")
+        finally:
+            for fds in ring:
+                for fd in fds:
+                    os.close(fd)
+        deadline = t0 + timeout
+        for a, proc, so, se in started:
+            try:
+                proc.wait(timeout=None if killed else max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                for _, other, _, _ in started:
+                    if other.poll() is None:
+                        killed.add(other)
+                        with contextlib.suppress(OSError):
+                            other.kill()
+                proc.wait()
+    except BaseException:
+        # As subprocess.run does: no child outlives an error or an interrupt.
+        for _, proc, so, se in started:
+            with contextlib.suppress(OSError):
+                proc.kill()
             proc.wait()
+            so.close()
+            se.close()
+        raise
+    recs: Dict[str, Record] = dict(failed)
     for a, proc, so, se in started:
         with so, se:
             so.seek(0)
             se.seek(0)
             stdout, stderr = _text(so.read()), _text(se.read())
         wall = time.perf_counter() - t0
-        if late and last_json(stdout) is None:
+        if proc in killed and last_json(stdout) is None:
             rec = _failed(workload, a, f"timed out after {timeout:g} s (--timeout)", stderr)
             rec["child_wall_s"] = round(wall, 2)
         else:

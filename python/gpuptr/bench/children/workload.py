@@ -295,6 +295,15 @@ class Turns:
         if spec:
             inp, _, out = spec.partition(",")
             self.fds = (int(inp), int(out))
+            # Only this process holds the ring's ends: a process it starts
+            # (exec'd, or forked) would keep a dead child's pipes open.
+            for fd in self.fds:
+                os.set_inheritable(fd, False)
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        """In a forked process: close its copies of the ends, passing nothing."""
+        self._leave()
 
     def __enter__(self) -> None:
         if self.fds is not None and not os.read(self.fds[0], 1):
@@ -739,6 +748,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result["skipped"] = str(e)
     except Exception:
         result["error"] = traceback.format_exc()
+    # A run that failed leaves the ring at once (its token, if it held it,
+    # was passed on): the others need not wait for this process to end.
+    TURNS._leave()
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     sys.stderr.flush()
     print(json.dumps(result, default=str), file=out, flush=True)

@@ -82,7 +82,7 @@ pub(crate) fn set_blocking(f: Blocking) {
 /// the GPU, another thread's growth), as the embedding asks: the Python
 /// binding lets the GIL go around it, so that a Python thread whose work
 /// ends the wait (a stream callback, a thread that feeds the GPU) runs.
-/// The pool's fast paths never come here.
+/// A hit comes here only for a large request's wait for a better fit.
 pub(crate) fn blocking<R>(f: impl FnOnce() -> R) -> R {
     match BLOCKING.get() {
         None => f(),

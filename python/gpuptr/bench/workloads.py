@@ -329,8 +329,18 @@ def run_together(
     order, as :func:`run_child` makes them, each with ``lockstep`` (the
     ring's order) and the child's ``turns``."""
     n = len(allocators)
+    if n == 0:
+        return []
     source = resources.files("gpuptr.bench.children").joinpath("workload.py")
-    ring = [os.pipe() for _ in range(n)]  # child i reads ring[i], writes ring[i + 1]
+    ring: List[Tuple[int, int]] = []  # child i reads ring[i], writes ring[i + 1]
+    try:
+        for _ in range(n):
+            ring.append(os.pipe())
+    except OSError as e:
+        for fds in ring:
+            for fd in fds:
+                os.close(fd)
+        return [_failed(workload, a, f"could not make the ring's pipes: {e}") for a in allocators]
     started: List[Tuple[str, Any, Any, Any]] = []
     failed: Dict[str, Record] = {}
     t0 = time.perf_counter()

@@ -1,5 +1,6 @@
-"""A hostile pass over ``run_together`` and the children's ``Turns`` ring
-(23eb201, daa9e90): children that fail, linger, or are interrupted."""
+"""``run_together`` and the children's ``Turns`` ring (``--lockstep``) when
+children fail, linger, or the parent is interrupted: no child outlives the
+parent's run, and no failure holds the others up."""
 
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ from gpuptr.bench import workloads as wl
 CHILD = Path(str(resources.files("gpuptr.bench.children").joinpath("workload.py")))
 
 # A stand-in for children/workload.py: the real Turns, steps that take
-# ATTACK_STEP_S, and per allocator (ATTACK_BEHAVE, JSON) a way to fail.
+# FAKE_STEP_S, and per allocator (FAKE_BEHAVE, JSON) a way to fail.
 _FAKE_CHILD = r"""
 import importlib.util, json, os, sys, time
-spec = importlib.util.spec_from_file_location("workload_child", os.environ["ATTACK_REAL_CHILD"])
+spec = importlib.util.spec_from_file_location("workload_child", os.environ["FAKE_REAL_CHILD"])
 m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
 workload, allocator = sys.argv[1], sys.argv[2]
-how = json.loads(os.environ.get("ATTACK_BEHAVE", "{}")).get(allocator, {})
-step_s = float(os.environ.get("ATTACK_STEP_S", "0.01"))
+how = json.loads(os.environ.get("FAKE_BEHAVE", "{}")).get(allocator, {})
+step_s = float(os.environ.get("FAKE_STEP_S", "0.01"))
 if how.get("exit_now") is not None:
     os._exit(how["exit_now"])
 if how.get("sleep_first"):
@@ -70,10 +71,10 @@ def fake(monkeypatch, tmp_path):
     children's behaviour."""
     (tmp_path / "workload.py").write_text(_FAKE_CHILD)
     monkeypatch.setattr(wl, "resources", SimpleNamespace(files=lambda pkg: tmp_path, as_file=contextlib.nullcontext))
-    monkeypatch.setenv("ATTACK_REAL_CHILD", str(CHILD))
+    monkeypatch.setenv("FAKE_REAL_CHILD", str(CHILD))
 
     def behave(**how: Dict[str, Any]) -> None:
-        monkeypatch.setenv("ATTACK_BEHAVE", json.dumps(how))
+        monkeypatch.setenv("FAKE_BEHAVE", json.dumps(how))
 
     return behave
 
@@ -106,7 +107,7 @@ def _kill_all(procs: List[subprocess.Popen]) -> None:
 # --- guards: what the ring already survives ---------------------------------
 
 
-def test_guard_a_child_that_never_starts_leaves_the_others_to_finish(fake, monkeypatch):
+def test_a_child_that_never_starts_leaves_the_others_to_finish(fake, monkeypatch):
     fake()
     real = subprocess.Popen
 
@@ -122,7 +123,7 @@ def test_guard_a_child_that_never_starts_leaves_the_others_to_finish(fake, monke
         assert r["error"] is None and r["median_ms"] == 1.0, r
 
 
-def test_guard_a_child_that_dies_holding_the_token_leaves_the_others_to_finish(fake):
+def test_a_child_that_dies_holding_the_token_leaves_the_others_to_finish(fake):
     fake(gpuptr={"die_in_step": 1})
     recs = wl.run_together("numba", ["own", "gpuptr", "gpuptr_stream"], timeout=30)
     assert "exit status 1" in recs[1]["error"]
@@ -130,7 +131,7 @@ def test_guard_a_child_that_dies_holding_the_token_leaves_the_others_to_finish(f
         assert r["error"] is None and r["median_ms"] == 1.0, r
 
 
-def test_guard_a_ring_of_one_child_passes_the_token_to_itself(fake):
+def test_a_ring_of_one_child_passes_the_token_to_itself(fake):
     fake()
     (rec,) = wl.run_together("numba", ["gpuptr"], timeout=30)
     assert rec["error"] is None and rec["turns"] == 5, rec
@@ -201,7 +202,7 @@ def test_a_child_that_raises_in_a_step_does_not_hold_the_others_up_while_it_ends
     round to it, the others wait out its teardown (here 6 s; a teardown
     that hangs holds them until the group's timeout, and their results are
     lost with it)."""
-    monkeypatch.setenv("ATTACK_STEP_S", "0.02")
+    monkeypatch.setenv("FAKE_STEP_S", "0.02")
     fake(gpuptr={"raise_in_step": 1, "linger": 6})
     recs = wl.run_together("numba", ["own", "gpuptr"], timeout=60)
     own = recs[0]

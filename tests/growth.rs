@@ -120,6 +120,37 @@ fn test_growth_under_a_busy_fence_takes_64_mib_a_driver_call() {
     );
 }
 
+/// Under `CU_CTX_SCHED_BLOCKING_SYNC` the driver sleeps in
+/// `cuCtxSynchronize` while the GPU works, so a busy GPU's fence spends no
+/// CPU: the pool tells it by wall time alone, or every large request and
+/// every miss past the budget would wait up to 4 ms for a kernel.
+#[test]
+fn test_a_busy_fence_under_a_blocking_sync_reads_busy_by_its_wall_time() {
+    let (drv, rt) = sim_pooled(1, 1 << 30);
+    drv.set_primary_flags(0, 0x4);
+    let ctx = rt.context(0).unwrap();
+    let first = ctx.alloc(1 << 20).unwrap();
+    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
+        .unwrap();
+    drop(first);
+    drop(ctx.alloc(1 << 20).unwrap()); // a fence is outstanding from here
+    let t = std::time::Instant::now();
+    let busy = loop {
+        if rt.pool_reads_busy(0) {
+            break true;
+        }
+        if t.elapsed() > std::time::Duration::from_secs(2) {
+            break false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    };
+    drv.complete(None);
+    assert!(
+        busy,
+        "a sleeping fence behind a kernel reads as a busy GPU's"
+    );
+}
+
 #[test]
 fn test_a_reservation_serves_a_busy_device_without_driver_calls() {
     let (drv, rt) = sim_pooled(1, 1 << 30);

@@ -47,6 +47,7 @@ impl Context {
     pub(crate) fn retain(state: Arc<DeviceState>) -> Result<Self> {
         let device = state.ordinal();
         let raw = state.driver().primary_context_retain(device)?;
+        state.context_retained();
         Ok(Context {
             born: state.epoch(),
             services: state.services_arc().clone(),

@@ -435,6 +435,16 @@ impl DeviceState {
         self.pool.as_ref().map_or(0, Pool::held_blocks)
     }
 
+    /// The primary context was retained: its scheduling flags tell the pool
+    /// how its fence waits (a blocking sync spends no CPU while the GPU is
+    /// busy). A failed read leaves the pool as it was.
+    pub(crate) fn context_retained(&self) {
+        if let (Some(pool), Ok(s)) = (&self.pool, self.driver().primary_context_state(self.device))
+        {
+            pool.set_blocking_sync(s.blocking_sync());
+        }
+    }
+
     /// Whether the pool reads its GPU as busy now (false without a pool).
     pub(crate) fn pool_reads_busy(&self) -> bool {
         self.pool.as_ref().is_some_and(Pool::gpu_busy)

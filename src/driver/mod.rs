@@ -93,6 +93,15 @@ pub struct PrimaryContextState {
     pub active: bool,
 }
 
+impl PrimaryContextState {
+    /// Whether its `cuCtxSynchronize` sleeps while the GPU works
+    /// (`CU_CTX_SCHED_BLOCKING_SYNC` in `CU_CTX_SCHED_MASK`) rather than
+    /// spinning or yielding.
+    pub fn blocking_sync(&self) -> bool {
+        self.flags & 0x07 == 0x04
+    }
+}
+
 /// The kinds of call a driver makes; the simulator can fail the Nth of a kind.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CallKind {

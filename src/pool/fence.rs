@@ -80,6 +80,8 @@ pub(crate) struct FenceExt {
     started_cpu: AtomicU64,
     /// The fence thread's CPU-time clock ([`NO_CLOCK`] until it starts).
     cpu_clock: std::sync::atomic::AtomicI64,
+    /// The context's sync blocks (`CU_CTX_SCHED_BLOCKING_SYNC`): no CPU spent.
+    pub(super) blocking_sync: std::sync::atomic::AtomicBool,
     /// The last look at the running fence's CPU ([`Fencer::spun`]).
     probe: Probe,
 }
@@ -118,6 +120,7 @@ impl Fencer {
             started_ns: Line(AtomicU64::new(0)),
             started_cpu: AtomicU64::new(0),
             cpu_clock: std::sync::atomic::AtomicI64::new(NO_CLOCK),
+            blocking_sync: std::sync::atomic::AtomicBool::new(false),
             probe: Probe::default(),
         };
         Fencer {
@@ -143,8 +146,8 @@ impl Fencer {
 
     /// Whether the fence running now has run `cost` and spins
     /// ([`Probe::spins`]): a busy GPU (its `cuCtxSynchronize` spins), not a
-    /// loaded host (a thread waiting for a CPU spends none). Without a
-    /// thread CPU clock, wall time alone; no clock read before `cost`.
+    /// loaded host (a thread waiting for a CPU spends none). Wall time alone
+    /// without a CPU clock or for a blocking sync; no clock read before `cost`.
     pub(crate) fn spun(&self, cost: Duration) -> bool {
         let ext = self.ext();
         let started = ext.started_ns.load(Ordering::Relaxed);
@@ -156,7 +159,8 @@ impl Fencer {
             return false;
         }
         let start_cpu = ext.started_cpu.load(Ordering::Acquire);
-        match thread_cpu_ns(ext.cpu_clock.load(Ordering::Relaxed)) {
+        let blocks = ext.blocking_sync.load(Ordering::Relaxed);
+        match thread_cpu_ns(ext.cpu_clock.load(Ordering::Relaxed)).filter(|_| !blocks) {
             Some(cpu) => ext.probe.spins((started, start_cpu), (now, cpu), cost),
             None => true,
         }

@@ -287,6 +287,12 @@ impl Pool {
         Duration::from_nanos(self.grow_ns.load(Ordering::Relaxed)).max(GROW_COST_LEAST)
     }
 
+    /// Whether the context's sync blocks (read at each retain; [`Fencer::spun`]).
+    pub(crate) fn set_blocking_sync(&self, on: bool) {
+        let flag = &self.fencer.ext().blocking_sync;
+        flag.store(on, Ordering::Relaxed);
+    }
+
     /// Whether a fence spun longer than a growth costs ([`Fencer::spun`]):
     /// queued GPU work holds fenced frees back longer than the driver takes.
     #[inline]

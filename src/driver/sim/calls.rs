@@ -78,7 +78,7 @@ impl Driver for SimDriver {
         self.check_device(device)?;
         let st = self.lock();
         Ok(PrimaryContextState {
-            flags: 0,
+            flags: st.flags[device],
             active: st.retains[device] > 0,
         })
     }
@@ -111,7 +111,15 @@ impl Driver for SimDriver {
     unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
         let (mut st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
         st.sync_capture_rule("cuCtxSynchronize", device)?;
-        drop(self.spin_until_idle(st, device));
+        let flags = PrimaryContextState {
+            flags: st.flags[device],
+            active: true,
+        };
+        if flags.blocking_sync() {
+            drop(self.wait_idle(st, device, None));
+        } else {
+            drop(self.spin_until_idle(st, device));
+        }
         Ok(())
     }
 

@@ -189,6 +189,8 @@ struct State {
     used: Vec<usize>,
     host_used: usize,
     retains: Vec<u32>,
+    /// Each device's primary context flags ([`SimDriver::set_primary_flags`]).
+    flags: Vec<u32>,
     current: HashMap<ThreadId, RawContext>,
     calls: HashMap<CallKind, u64>,
     /// The same counts, readable without the lock ([`SimDriver::calls`]):
@@ -435,6 +437,7 @@ impl SimDriver {
         let state = State {
             used: vec![0; config.devices],
             retains: vec![0; config.devices],
+            flags: vec![0; config.devices],
             ..State::default()
         };
         use std::hash::{BuildHasher, Hasher};
@@ -542,6 +545,14 @@ impl SimDriver {
             st = self.lock();
         }
         st
+    }
+
+    /// Set `device`'s primary context flags (`cuDevicePrimaryCtxSetFlags`).
+    /// Under `CU_CTX_SCHED_BLOCKING_SYNC` (4) `cuCtxSynchronize` sleeps until
+    /// the work is done, as the real driver's blocking sync does, instead of
+    /// spinning.
+    pub fn set_primary_flags(&self, device: usize, flags: u32) {
+        self.lock().flags[device] = flags;
     }
 
     /// Queue a write of `bytes` at `ptr` on `stream`, as a kernel that runs

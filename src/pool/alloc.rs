@@ -224,10 +224,7 @@ impl Pool {
         // frees, which come back only once its work is done.
         let busy = ask.tag == ANY && self.gpu_busy();
         let fit = segments::segment_size(ask.want);
-        let first = match busy {
-            true => fit.max(self.config.ahead_bytes),
-            false => fit,
-        };
+        let first = fit.max(self.config.ahead_bytes * usize::from(busy));
         let kind = Kind::of(ask.want);
         let mut grown = self.grow(context, ask.home, first, kind);
         // A device too full for a whole segment may still fit less.

@@ -356,11 +356,8 @@ impl Arena {
     /// The block claimed at `at`, its fence done, handed out: its slot,
     /// if it still was claimed (a reset may have forgotten it meanwhile).
     pub(crate) fn take_claimed(&mut self, at: DevicePtr) -> Option<Slot> {
-        let claimed = self.slot_in(at, State::Claimed);
-        if let Some(s) = claimed {
-            self.blocks[s].state = State::Used;
-        }
-        claimed
+        self.slot_in(at, State::Claimed)
+            .inspect(|&s| self.blocks[s].state = State::Used)
     }
 
     /// The claimed block at `at` waits for the next fence (its own failed).
@@ -442,9 +439,8 @@ impl Arena {
 
     /// A new segment of `size` bytes at `base`, of `kind`, free for anyone.
     pub(crate) fn add_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
-        let s = self
-            .blocks
-            .add_segment(Info::new(base, size, 0, 0, State::Free(ANY), kind));
+        let info = Info::new(base, size, 0, 0, State::Free(ANY), kind);
+        let s = self.blocks.add_segment(info);
         self.free.insert(&mut self.blocks, kind, ANY, size, s);
     }
 
@@ -499,9 +495,8 @@ impl Arena {
     /// A segment whose free failed comes back, waiting for a fence as a
     /// whole (its blocks' queued work may not be done).
     pub(crate) fn add_waiting_segment(&mut self, base: DevicePtr, size: usize, kind: Kind) {
-        let s = self
-            .blocks
-            .add_segment(Info::new(base, size, 0, 0, State::Used, kind));
+        let info = Info::new(base, size, 0, 0, State::Used, kind);
+        let s = self.blocks.add_segment(info);
         self.wait_slot(s);
     }
 

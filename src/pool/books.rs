@@ -1,7 +1,7 @@
 //! An arena's books: its counts by size class and client, and what a
 //! memory snapshot or a wrap sees of its blocks.
 
-use super::arena::{Arena, BlockState, Slot, State};
+use super::arena::{Arena, BlockState, Info, Slot, State};
 use super::class::{class_index, class_of_index, size_class, ClassCount, FastMap};
 use crate::driver::DevicePtr;
 use crate::stats::{ClassStats, Client};
@@ -20,12 +20,9 @@ impl Arena {
             State::Free(_) | State::Quick => BlockState::Free,
             State::Waiting | State::Claimed => BlockState::Waiting,
         };
-        let info = |s: Slot| &self.blocks[s];
+        let view = |i: &Info| (i.at, i.size, state(i.state));
         let slots = self.segment_slots(base, size).into_iter();
-        slots
-            .map(info)
-            .map(|i| (i.at, i.size, state(i.state)))
-            .collect()
+        slots.map(|s| view(&self.blocks[s])).collect()
     }
 
     /// The segment's blocks' slots, in address order (none if none is at `base`).
@@ -102,12 +99,8 @@ impl Arena {
     /// merged) by their size's class, added into `out` (`class` not set).
     pub(crate) fn class_counts(&mut self, out: &mut FastMap<usize, ClassStats>) {
         self.flush_quick();
-        let small = self
-            .class_live
-            .0
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (class_of_index(i), *c));
+        let live = self.class_live.0.iter().enumerate();
+        let small = live.map(|(i, c)| (class_of_index(i), *c));
         for (class, c) in small.chain(self.large_live.iter().map(|(k, c)| (*k, *c))) {
             if c.peak > 0 {
                 let e = out.entry(class).or_default();

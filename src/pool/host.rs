@@ -140,9 +140,7 @@ pub(super) struct HostCache {
 impl HostCache {
     pub(super) fn new(cap: usize) -> Self {
         HostCache {
-            shards: (0..HOST_KINDS)
-                .map(|_| Mutex::new(Shard::default()))
-                .collect(),
+            shards: (0..HOST_KINDS).map(|_| Mutex::default()).collect(),
             held: AtomicUsize::new(0),
             cached: AtomicUsize::new(0),
             cap,
@@ -323,8 +321,7 @@ impl Pool {
     /// the bytes freed, and the first driver error (that block stays).
     fn host_shrink(&self, context: RawContext, keep: usize) -> (usize, Result<()>) {
         let done = self.fencer.done();
-        let mut freed = 0;
-        let mut first_err = Ok(());
+        let (mut freed, mut first_err) = (0, Ok(()));
         for flags in 0..HOST_KINDS as u32 {
             while self.host.cached.load(Ordering::Relaxed) > keep {
                 let mut sh = self.host.shard(flags);
@@ -367,8 +364,7 @@ impl Pool {
     pub(crate) fn host_trim(&self, context: RawContext, everything: bool) -> (usize, Result<()>) {
         if everything {
             // Every block, whatever its fence: the context and its memory go.
-            let mut freed = 0;
-            let mut first_err = Ok(());
+            let (mut freed, mut first_err) = (0, Ok(()));
             for flags in 0..HOST_KINDS as u32 {
                 let mut cached = Vec::new();
                 self.host.shard(flags).drain(&mut cached);

@@ -226,9 +226,7 @@ impl Pool {
             },
             fencer: Fencer::new(driver.clone(), config.fence_pace),
             driver,
-            arenas: (0..n)
-                .map(|_| Padded(Mutex::new(Arena::default())))
-                .collect(),
+            arenas: (0..n).map(|_| Padded(Mutex::default())).collect(),
             held: Mutex::new(Held::default()),
             limit: AtomicUsize::new(usize::MAX),
             grow_ns: AtomicU64::new(GROW_COST_FIRST.as_nanos() as u64),
@@ -289,8 +287,7 @@ impl Pool {
 
     /// Whether the context's sync blocks (read at each retain; [`Fencer::spun`]).
     pub(crate) fn set_blocking_sync(&self, on: bool) {
-        let flag = &self.fencer.ext().blocking_sync;
-        flag.store(on, Ordering::Relaxed);
+        self.fencer.ext().blocking_sync.store(on, Ordering::Relaxed);
     }
 
     /// Whether a fence spun longer than a growth costs ([`Fencer::spun`]):

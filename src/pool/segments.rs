@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use super::arena::BlockState;
-use super::arena::{round, Kind, SMALL_MAX};
+use super::arena::{round, BlockState, Kind, SMALL_MAX};
 use super::Pool;
 use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
@@ -271,9 +270,7 @@ impl Pool {
         let kind = Kind::of(want);
         let least = segment_size(want).max(want);
         let mut chunk = RESERVE_SEGMENT.max(least);
-        let mut left = bytes;
-        let mut made = Vec::new();
-        let mut arena = 0;
+        let (mut left, mut made, mut arena) = (bytes, Vec::new(), 0);
         while left > 0 {
             let n = round(left.min(chunk).max(want));
             match self.grow(context, arena, n, kind) {
@@ -324,8 +321,7 @@ impl Pool {
         for (&base, &(a, arena)) in &lock(&self.held).segments {
             by_arena[arena].push((base, a.bytes));
         }
-        let mut freed = Vec::new();
-        let mut first_err = Ok(());
+        let (mut freed, mut first_err) = (Vec::new(), Ok(()));
         for (i, segs) in by_arena.into_iter().enumerate() {
             let mut a = self.arena(i);
             a.promote(done);

@@ -108,8 +108,9 @@ impl Pool {
             client,
             valid,
         };
-        // 1. The best fit in the caller's arena: one lock, no driver call;
-        // inline, the rest out of line (a hit runs no more than it needs).
+        // 1. The best fit in the caller's arena: one lock (two if a large
+        // request waits for a better fit), no driver call; inline, the rest
+        // out of line (a hit runs no more than it needs).
         match self.hit(context, &ask) {
             Some(g) => Ok(g),
             None => self.climb(context, ask, device),
@@ -117,7 +118,8 @@ impl Pool {
     }
 
     /// Rung 1 of [`Pool::alloc`]: the best fit in the asker's arena if its
-    /// context is still valid; a miss seals what waits there for a fence.
+    /// context is still valid (after [`Pool::wait_for_better_fit`] where it
+    /// applies); a miss seals what waits there for a fence.
     #[inline]
     fn hit(&self, context: RawContext, ask: &Ask<impl Fn() -> bool>) -> Option<Grant> {
         let mut a = self.arena(ask.home);
@@ -224,7 +226,10 @@ impl Pool {
         // frees, which come back only once its work is done.
         let busy = ask.tag == ANY && self.gpu_busy();
         let fit = segments::segment_size(ask.want);
-        let first = fit.max(self.config.ahead_bytes * usize::from(busy));
+        let first = match busy {
+            true => fit.max(self.config.ahead_bytes),
+            false => fit,
+        };
         let kind = Kind::of(ask.want);
         let mut grown = self.grow(context, ask.home, first, kind);
         // A device too full for a whole segment may still fit less.

@@ -158,9 +158,11 @@ impl Fencer {
         if now.saturating_sub(started) < cost.as_nanos() as u64 {
             return false;
         }
+        if ext.blocking_sync.load(Ordering::Relaxed) {
+            return true;
+        }
         let start_cpu = ext.started_cpu.load(Ordering::Acquire);
-        let blocks = ext.blocking_sync.load(Ordering::Relaxed);
-        match thread_cpu_ns(ext.cpu_clock.load(Ordering::Relaxed)).filter(|_| !blocks) {
+        match thread_cpu_ns(ext.cpu_clock.load(Ordering::Relaxed)) {
             Some(cpu) => ext.probe.spins((started, start_cpu), (now, cpu), cost),
             None => true,
         }
@@ -170,6 +172,7 @@ impl Fencer {
     /// has spun `cost` (a busy GPU: [`Fencer::spun`]), or `limit` passed. A
     /// fence thread waiting for a CPU is waited for (this one yields and
     /// sleeps so it runs): on a loaded host misses would grow at every wait.
+    /// (Under a blocking sync, wall time alone tells: a late one reads busy.)
     pub(crate) fn wait_unless_busy(&self, n: u64, cost: Duration, limit: Duration) -> bool {
         let since = Instant::now();
         loop {

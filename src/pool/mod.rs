@@ -27,8 +27,9 @@
 //!
 //! **A miss** ([`Pool::alloc`]: rung 1 inline, the rest in one function):
 //! 1. the best fit in the caller's arena; for a large request without a
-//!    stream whose best fit is larger than it while blocks wait, after their
-//!    fence as in rung 3 (a cut of a larger block fragments);
+//!    stream whose best fit is larger than it while large blocks wait (and
+//!    none of its size is on the quick list), after their fence as in rung 3
+//!    (a cut of a larger block fragments);
 //! 2. (no stream) memory anyone may use in another arena;
 //! 3. for a large request (over 1 MiB) without a stream, or past the pool's
 //!    budget (`max(1.5 x live, 32 MiB)`; within it a small miss grows at

@@ -1,6 +1,7 @@
 //! Whether a fence spins: the fence thread's CPU clock, read by misses, tells a
 //! busy GPU (its `cuCtxSynchronize` spins on the thread's CPU while queued work
-//! runs) from a loaded host (the thread waits for a CPU, spending none).
+//! runs) from a loaded host (the thread waits for a CPU, spending none). Not
+//! under a blocking sync, which spends none either: `Fencer::spun` skips it.
 
 use std::sync::Mutex;
 use std::time::Duration;

@@ -52,7 +52,8 @@ workload:
   reads 1.00x), speed-up ``own / gpuptr`` (above 1: gpuptr holds less),
   and a line with both peaks in MiB and the peak bytes live. numba's own
   manager keeps no such count: its row is skipped (``benches/workloads.py``
-  reads the device's free memory for every allocator).
+  without ``--lockstep`` reads the device's free memory for every
+  allocator).
 
 ``benches/workloads.py`` runs all four allocators and prints one table
 (its ``main`` is :func:`main` here).
@@ -96,6 +97,7 @@ __all__ = [
     "rows",
     "run_child",
     "run_rounds",
+    "run_together",
     "step_measured",
     "summarize",
 ]
@@ -325,9 +327,14 @@ def run_together(
     so a host whose speed drifts (a VM's CPU taken by its neighbours) moves
     every allocator's steps alike. The device's free memory is then read
     while the others hold theirs, so the device readings are dropped
-    (None); the allocators' own counts stand. One record per allocator, in
-    order, as :func:`run_child` makes them, each with ``lockstep`` (the
-    ring's order) and the child's ``turns``."""
+    (None); the allocators' own counts stand. The children share the
+    device's memory, so an allocator that takes much up front (RMM's pool
+    takes half the GPU) may leave the others short: ``own,gpuptr`` is the
+    pair to run so. ``timeout`` is each child's: the group may run ``n``
+    times it. One record per allocator, in order, as :func:`run_child`
+    makes them (``child_wall_s`` is then the group's), each with
+    ``lockstep`` (the ring's order) and, for a child that finished, its
+    ``turns``."""
     n = len(allocators)
     if n == 0:
         return []
@@ -373,7 +380,7 @@ def run_together(
             for fds in ring:
                 for fd in fds:
                     os.close(fd)
-        deadline = t0 + timeout
+        deadline = t0 + timeout * n  # the steps run in turn: n children's time
         for a, proc, so, se in started:
             try:
                 proc.wait(timeout=None if killed else max(0.0, deadline - time.perf_counter()))
@@ -550,8 +557,9 @@ def summarize(records: Sequence[Record]) -> Dict[Tuple[str, str], Record]:
 
 def paired_ratio(mine: Record, own: Record) -> Optional[float]:
     """The median over rounds of ``mine``'s median step over ``own``'s in
-    the same round (the two ran one after the other, so a host that drifts
-    between rounds moves both); None without a round measured by both."""
+    the same round (the two ran one after the other, or in lockstep side by
+    side, so a host that drifts between rounds moves both); None without a
+    round measured by both."""
     a, b = mine.get("by_round") or {}, own.get("by_round") or {}
     xs = [a[r] / b[r] for r in a if b.get(r)]
     return statistics.median(xs) if xs else None
@@ -834,14 +842,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=_positive(int, 0), default=None,
                     help="warm-up steps (cupy, numba: passes) for every workload (default: each workload's)")
     ap.add_argument("--timeout", type=_positive(float, 1), default=DEFAULT_TIMEOUT_S,
-                    help="seconds a child may run (default %(default)g)")
+                    help="seconds a child may run; in lockstep, a workload's children together may run this "
+                    "times their number (default %(default)g)")
     ap.add_argument("--cpus", type=_cpus, default=None, metavar="LIST",
                     help="run every child on these CPUs only (such as 3 or 2-5): a host-bound loop such as "
                     "cupy's then varies less from process to process (default: any CPU)")
     ap.add_argument("--lockstep", action="store_true",
                     help="run a workload's children under every allocator at once, taking their steps in turn, "
                     "so a host whose speed drifts moves them alike (the device memory columns are then left "
-                    "out: the children share the device)")
+                    "out: the children share the device and its memory, so run own,gpuptr so, not rmm's "
+                    "half-the-GPU pool beside the others)")
     ap.add_argument("--json", metavar="FILE", help="also write every child's JSON and the summary to FILE")
     args = ap.parse_args(argv)
     if args.allocators is None:

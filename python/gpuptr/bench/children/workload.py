@@ -334,6 +334,7 @@ class Turns:
             self.fds = None
 
 
+#: This process's turns: set from ``GPUPTR_BENCH_TURNS`` by :func:`main`.
 TURNS = Turns(None)
 
 

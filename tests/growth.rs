@@ -244,8 +244,15 @@ fn test_more_threads_than_cpus_churning_fenced_blocks_grow_the_pool_no_more_than
         }
     });
     let st = &rt.stats()[0];
+    // Under valgrind (scripts/memcheck) one thread runs at a time, and the
+    // fence thread gets a seventeenth of the CPU: 386-680 MiB in five runs,
+    // where a native 2-CPU host holds 40-228 MiB.
+    let bound = match std::env::var_os("GPUPTR_UNDER_VALGRIND") {
+        Some(_) => 1 << 30,
+        None => 512 << 20,
+    };
     assert!(
-        st.peak_pool_bytes <= 512 << 20,
+        st.peak_pool_bytes <= bound,
         "the pool grew to {} MiB for 16 MiB live ({} misses)",
         st.peak_pool_bytes >> 20,
         st.pool_misses

@@ -9,6 +9,29 @@ mod common;
 
 use common::{sim_pooled, EndsKernels, NON_BLOCKING};
 use gpuptr::driver::CallKind;
+use gpuptr::{Context, Runtime, SimDriver};
+
+/// Free a 1 MiB block that a queued kernel still writes, then miss: from
+/// here a fence is outstanding behind the kernel (until `drv.complete`).
+fn fence_behind_a_kernel(drv: &SimDriver, ctx: &Arc<Context>) {
+    let first = ctx.alloc(1 << 20).unwrap();
+    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
+        .unwrap();
+    drop(first);
+    drop(ctx.alloc(1 << 20).unwrap());
+}
+
+/// Whether device 0's pool reads its GPU as busy within `limit`.
+fn reads_busy_within(rt: &Runtime, limit: std::time::Duration) -> bool {
+    let t = std::time::Instant::now();
+    while !rt.pool_reads_busy(0) {
+        if t.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    true
+}
 
 #[test]
 fn test_growth_on_a_busy_device_never_hands_out_a_block_its_work_still_writes() {
@@ -76,26 +99,12 @@ fn test_growth_on_a_busy_device_never_hands_out_a_block_its_work_still_writes() 
 fn test_growth_under_a_busy_fence_takes_64_mib_a_driver_call() {
     let (drv, rt) = sim_pooled(1, 1 << 30);
     let ctx = rt.context(0).unwrap();
-    let first = ctx.alloc(1 << 20).unwrap();
-    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
-        .unwrap();
-    drop(first);
-    // A fence is outstanding from here.
-    drop(ctx.alloc(1 << 20).unwrap());
+    fence_behind_a_kernel(&drv, &ctx);
     // Let it spin long enough to read as busy whatever the host's load:
     // misses before that grow a segment or a few at a time.
     // (Once: the reading can flip back where the fence thread gets about
     // a quarter of a CPU, as under valgrind.)
-    let t = std::time::Instant::now();
-    let busy = loop {
-        if rt.pool_reads_busy(0) {
-            break true;
-        }
-        if t.elapsed() > std::time::Duration::from_secs(5) {
-            break false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    };
+    let busy = reads_busy_within(&rt, std::time::Duration::from_secs(5));
     if !busy {
         // A failed assertion must not leave the teardown waiting.
         drv.complete(None);
@@ -129,21 +138,8 @@ fn test_a_busy_fence_under_a_blocking_sync_reads_busy_by_its_wall_time() {
     let (drv, rt) = sim_pooled(1, 1 << 30);
     drv.set_primary_flags(0, 0x4);
     let ctx = rt.context(0).unwrap();
-    let first = ctx.alloc(1 << 20).unwrap();
-    drv.queue_write(NON_BLOCKING, first.address(), &[1; 8])
-        .unwrap();
-    drop(first);
-    drop(ctx.alloc(1 << 20).unwrap()); // a fence is outstanding from here
-    let t = std::time::Instant::now();
-    let busy = loop {
-        if rt.pool_reads_busy(0) {
-            break true;
-        }
-        if t.elapsed() > std::time::Duration::from_secs(2) {
-            break false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    };
+    fence_behind_a_kernel(&drv, &ctx);
+    let busy = reads_busy_within(&rt, std::time::Duration::from_secs(2));
     drv.complete(None);
     assert!(
         busy,

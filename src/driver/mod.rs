@@ -94,12 +94,17 @@ pub struct PrimaryContextState {
 }
 
 impl PrimaryContextState {
-    /// Whether its `cuCtxSynchronize` sleeps while the GPU works
-    /// (`CU_CTX_SCHED_BLOCKING_SYNC` in `CU_CTX_SCHED_MASK`) rather than
-    /// spinning or yielding.
+    /// Whether its `cuCtxSynchronize` sleeps while the GPU works rather than
+    /// spinning or yielding (`CU_CTX_SCHED_BLOCKING_SYNC`).
     pub fn blocking_sync(&self) -> bool {
-        self.flags & 0x07 == 0x04
+        blocking_sync(self.flags)
     }
+}
+
+/// Whether context `flags` schedule a blocking sync
+/// (`CU_CTX_SCHED_BLOCKING_SYNC` in `CU_CTX_SCHED_MASK`).
+pub(crate) fn blocking_sync(flags: u32) -> bool {
+    flags & 0x07 == 0x04
 }
 
 /// The kinds of call a driver makes; the simulator can fail the Nth of a kind.

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 use std::time::Instant;
 
-use super::arena::{round, Arena, Kind, Slot, Tag, ANY, SMALL_MAX};
+use super::arena::{round, Arena, Kind, Slot, Tag, ANY};
 use super::segments::{self, Grant};
 use super::{Pool, FENCE_WAIT_MAX};
 use crate::driver::{DevicePtr, RawContext, RawStream};
@@ -72,6 +72,12 @@ impl<V: Fn() -> bool> Ask<V> {
         }
     }
 
+    /// Large and without a stream: it waits for a fence (rungs 1 and 3).
+    #[inline]
+    fn large_fenced(&self) -> bool {
+        self.tag == ANY && Kind::of(self.want) == Kind::Large
+    }
+
     /// Hand out `got` (address, size, slot) of arena `i`, counted as a hit.
     #[inline]
     fn grant(&self, a: &mut Arena, i: usize, got: (DevicePtr, usize, Slot)) -> Grant {
@@ -135,7 +141,7 @@ impl Pool {
                 if a.has_sealed() {
                     a.promote(self.fencer.done());
                 }
-                if ask.tag == ANY && ask.want > SMALL_MAX && a.better_fit_waits(ask.want) {
+                if ask.large_fenced() && a.better_fit_waits(ask.want) {
                     a = self.wait_for_better_fit(context, a, ask)?;
                 }
                 a.take_slot(ask.tag, ask.want)
@@ -150,9 +156,7 @@ impl Pool {
                 && self.wants_ahead(&mut a, |a| self.busy_look(a));
             return Some(g);
         }
-        if a.pending_count() > 0 {
-            a.seal(self.fencer.request(context));
-        }
+        self.seal_pending(context, &mut a);
         None
     }
 
@@ -169,22 +173,33 @@ impl Pool {
         mut a: MutexGuard<'p, Arena>,
         ask: &Ask<impl Fn() -> bool>,
     ) -> Option<MutexGuard<'p, Arena>> {
-        if a.pending_count() > 0 {
-            a.seal(self.fencer.request(context));
-        }
+        self.seal_pending(context, &mut a);
         let newest = a.newest_sealed();
         if newest == 0 || self.fencer.capturing() {
             return Some(a);
         }
         drop(a);
-        let cost = self.grow_cost();
-        crate::sync::blocking(|| self.fencer.wait_unless_busy(newest, cost, FENCE_WAIT_MAX));
+        self.wait_fence(newest, FENCE_WAIT_MAX);
         let mut a = self.arena(ask.home);
         if !(ask.valid)() {
             return None;
         }
         a.promote(self.fencer.done());
         Some(a)
+    }
+
+    /// Seal what waits in arena `a` for a fence, if anything does.
+    #[inline]
+    fn seal_pending(&self, context: RawContext, a: &mut Arena) {
+        if a.pending_count() > 0 {
+            a.seal(self.fencer.request(context));
+        }
+    }
+
+    /// Wait (at most `limit`) for fence `n` unless a busy GPU's; whether done.
+    fn wait_fence(&self, n: u64, limit: std::time::Duration) -> bool {
+        let cost = self.grow_cost();
+        crate::sync::blocking(|| self.fencer.wait_unless_busy(n, cost, limit))
     }
 
     /// Rungs 2 to 6 of [`Pool::alloc`], after a miss in the asker's arena
@@ -309,14 +324,11 @@ impl Pool {
         }
         // Within the budget, a small request grows at once, and so does a
         // stream's (as its library's own pool would).
-        let large_fenced = ask.tag == ANY && Kind::of(ask.want) == Kind::Large;
-        if !large_fenced && self.budget_room(ask.size) > 0 {
+        if !ask.large_fenced() && self.budget_room(ask.size) > 0 {
             return None;
         }
-        let (cost, since) = (self.grow_cost(), Instant::now());
-        let wait =
-            |n, limit| crate::sync::blocking(|| self.fencer.wait_unless_busy(n, cost, limit));
-        if !wait(newest, FENCE_WAIT_MAX) {
+        let since = Instant::now();
+        if !self.wait_fence(newest, FENCE_WAIT_MAX) {
             return None;
         }
         let (p, got, seq) = {
@@ -328,12 +340,10 @@ impl Pool {
             if !(ask.valid)() {
                 return None;
             }
-            if a.pending_count() > 0 {
-                a.seal(self.fencer.request(context));
-            }
+            self.seal_pending(context, &mut a);
             a.claim_waiting(ask.want, ask.want.saturating_mul(2))?
         };
-        let fenced = wait(seq, FENCE_WAIT_MAX.saturating_sub(since.elapsed()));
+        let fenced = self.wait_fence(seq, FENCE_WAIT_MAX.saturating_sub(since.elapsed()));
         ask.take_claim(&mut self.arena(ask.home), ask.home, (p, got), fenced)
     }
 
@@ -421,9 +431,7 @@ impl Pool {
         for i in 0..self.arenas.len() {
             let mut a = self.arena(i);
             a.wait_all_tagged();
-            if a.pending_count() > 0 {
-                a.seal(self.fencer.request(context));
-            }
+            self.seal_pending(context, &mut a);
             newest = newest.max(a.newest_sealed());
             also(i, &mut a);
         }

@@ -111,11 +111,7 @@ impl Driver for SimDriver {
     unsafe fn synchronize(&self, context: RawContext) -> Result<()> {
         let (mut st, device) = self.begin(CallKind::Synchronize, "cuCtxSynchronize", context)?;
         st.sync_capture_rule("cuCtxSynchronize", device)?;
-        let flags = PrimaryContextState {
-            flags: st.flags[device],
-            active: true,
-        };
-        if flags.blocking_sync() {
+        if crate::driver::blocking_sync(st.flags[device]) {
             drop(self.wait_idle(st, device, None));
         } else {
             drop(self.spin_until_idle(st, device));

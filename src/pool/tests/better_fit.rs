@@ -19,17 +19,23 @@ fn note_a_wait() -> Rc<Cell<bool>> {
     waited
 }
 
+/// `size` allocated without a stream: the grant, whether a `blocking`
+/// wait came on the way, and how long it took.
+fn alloc_noting_wait(pool: &Pool, ctx: RawContext, size: usize) -> (Grant, bool, Duration) {
+    let waited = note_a_wait();
+    let t = Instant::now();
+    let g = alloc(pool, ctx, size, None);
+    let took = t.elapsed();
+    STEPS.with(|s| s.borrow_mut().clear());
+    (g, waited.get(), took)
+}
+
 /// A reset during the unlocked wait fails the request, and the new
 /// context's block at the old one's address is not handed out.
 #[test]
 fn a_reset_during_the_better_fit_wait_fails_the_request_and_takes_nothing_new() {
     crate::sync::set_blocking(hook);
-    let config = PoolConfig {
-        shards: 1,
-        ahead_bytes: 0,
-        ..PoolConfig::default()
-    };
-    let (sim, ctx, pool) = pool_with(1 << 30, config);
+    let (sim, ctx, pool) = pool_without_ahead(1 << 30);
     let pool = Arc::new(pool);
     // One 20 MiB segment: a 4 MiB | b 4 MiB | 12 MiB free for anyone.
     let a = alloc(&pool, ctx, 4 * MIB, None);
@@ -126,12 +132,7 @@ fn a_large_hit_does_not_wait_for_a_fence_that_frees_only_small_blocks() {
         64 << 10,
         "only a small block waits"
     );
-    let waited = note_a_wait();
-    let t = Instant::now();
-    let g = alloc(&pool, ctx, 2 * MIB, None);
-    let took = t.elapsed();
-    STEPS.with(|s| s.borrow_mut().clear());
-    let waited = waited.get();
+    let (g, waited, took) = alloc_noting_wait(&pool, ctx, 2 * MIB);
     sim.complete(None);
     for (g, n) in [(g, 2 * MIB), (big, 4 * MIB)] {
         pool.release(ctx, back(g, n), None, || true);
@@ -181,12 +182,7 @@ fn a_large_hit_does_not_wait_when_the_quick_list_holds_an_exact_fit() {
     // Fences cannot end while k's queued write is pending.
     sim.queue_write(S, k.address, &[1; 4]).unwrap();
     pool.release(ctx, back(d, 2 * MIB), None, || true);
-    let waited = note_a_wait();
-    let t = Instant::now();
-    let g = alloc(&pool, ctx, 4 * MIB, None);
-    let took = t.elapsed();
-    STEPS.with(|s| s.borrow_mut().clear());
-    let waited = waited.get();
+    let (g, waited, took) = alloc_noting_wait(&pool, ctx, 4 * MIB);
     assert_eq!(g.address, at, "the quick list's exact fit");
     sim.complete(None);
     pool.release(ctx, back(g, 4 * MIB), None, || true);

@@ -39,12 +39,7 @@ fn state_at(pool: &Pool, at: u64) -> Option<State> {
 #[test]
 fn a_claim_put_back_after_a_reset_is_not_the_new_contexts() {
     crate::sync::set_blocking(hook);
-    let config = PoolConfig {
-        shards: 1,
-        ahead_bytes: 0,
-        ..PoolConfig::default()
-    };
-    let (_sim, ctx, pool) = pool_with(1 << 30, config);
+    let (_sim, ctx, pool) = pool_without_ahead(1 << 30);
     let pool = Arc::new(pool);
     // One 20 MiB segment: g1 4 MiB | g2 2 MiB | g3 14 MiB, all used.
     let g1 = alloc(&pool, ctx, 4 * MIB, None);

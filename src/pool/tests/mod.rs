@@ -51,6 +51,16 @@ fn pool_with(memory: usize, config: PoolConfig) -> (Arc<SimDriver>, RawContext, 
     (sim.clone(), ctx, Pool::new(config, sim))
 }
 
+/// [`pool`] with growth ahead off: only the asking threads allocate.
+fn pool_without_ahead(memory: usize) -> (Arc<SimDriver>, RawContext, Pool) {
+    let config = PoolConfig {
+        shards: 1,
+        ahead_bytes: 0,
+        ..PoolConfig::default()
+    };
+    pool_with(memory, config)
+}
+
 /// A pool of one arena over a simulator of `memory` bytes.
 fn pool(memory: usize) -> (Arc<SimDriver>, RawContext, Pool) {
     let config = PoolConfig {
@@ -96,12 +106,7 @@ fn the_growth_helper_starts_on_the_first_growth_without_a_stream() {
     );
     let a = alloc(&pool, ctx, 4 << 20, None);
     assert!(a.new_allocation.is_some() && pool.grower.started());
-    let config = PoolConfig {
-        shards: 1,
-        ahead_bytes: 0,
-        ..PoolConfig::default()
-    };
-    let (_sim, ctx, off) = pool_with(64 << 20, config);
+    let (_sim, ctx, off) = pool_without_ahead(64 << 20);
     let _b = alloc(&off, ctx, 4 << 20, None);
     assert!(!off.grower.started(), "growth ahead is off");
 }

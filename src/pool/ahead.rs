@@ -5,6 +5,7 @@
 //! posts the job (it registers the segment and knows if its context is live).
 
 use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use super::arena::{Arena, Kind};
@@ -36,6 +37,12 @@ pub(super) const AHEAD_WAIT: Duration = Duration::from_millis(5);
 /// makes the driver's allocation (90-270 µs on a busy H200).
 pub(super) struct Grower {
     pub(super) helper: Helper<GrowState, ()>,
+    /// The arena the helper allocates for now: a miss there waits on `grown`
+    /// ([`Pool::wait_ahead`]), not queue its own driver allocation behind it.
+    pub(super) arena: Mutex<Option<usize>>,
+    grown: Condvar,
+    /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests lengthen it).
+    pub(super) wait: Duration,
 }
 
 #[derive(Default)]
@@ -49,6 +56,9 @@ impl Grower {
     pub(super) fn new() -> Self {
         Grower {
             helper: Helper::new("gpuptr-grow", ()),
+            arena: Mutex::new(None),
+            grown: Condvar::new(),
+            wait: AHEAD_WAIT,
         }
     }
 
@@ -166,16 +176,13 @@ impl Pool {
         self.grower.post(job);
     }
 
-    /// On the helper: for arena `arena`, one segment of `kind` (the asking
-    /// request's pool), sized [`ahead_bytes`](super::PoolConfig::ahead_bytes),
-    /// recorded as held, handed to `register` (the owner registers it), then
-    /// put in the arena free for anyone. `None` if a fence freed enough
-    /// meanwhile, if the pool's free bytes would pass
-    /// [`ahead_total`](super::PoolConfig::ahead_total), if the device would
-    /// keep less than a quarter free, or if the driver refuses: misses then go
-    /// to the driver themselves. Either way the request is over. The owner
-    /// calls it under the lock a reset of its context takes: the context cannot
-    /// go between allocation and stocking.
+    /// On the helper: one segment of [`ahead_bytes`](super::PoolConfig::ahead_bytes)
+    /// of `kind` for arena `arena`, recorded as held, handed to `register` (the
+    /// owner registers it), then free for anyone there. `None` if a fence freed
+    /// enough meanwhile, past [`ahead_total`](super::PoolConfig::ahead_total),
+    /// if the device would keep under a quarter free, or if the driver refuses
+    /// (misses then grow themselves). Either way the request is over. Called
+    /// under the lock a reset of the context takes: it cannot go meanwhile.
     pub(crate) fn grow_ahead(
         &self,
         context: RawContext,
@@ -226,7 +233,7 @@ impl Pool {
         if free < bytes.saturating_add(total / AHEAD_HEADROOM) {
             return Err("the device would be left with less than a quarter free");
         }
-        *lock(&self.ahead) = Some(arena);
+        *lock(&self.grower.arena) = Some(arena);
         self.grow(context, arena, bytes, kind)
             .map_err(|_| "the driver or the pool limit refused")
     }
@@ -236,19 +243,21 @@ impl Pool {
     pub(crate) fn ahead_over(&self, arena: usize) {
         let arena = arena & (self.arenas.len() - 1);
         self.arena(arena).ahead_asked = false;
-        lock(&self.ahead).take_if(|a| *a == arena);
-        self.grown.notify_all();
+        lock(&self.grower.arena).take_if(|a| *a == arena);
+        self.grower.grown.notify_all();
     }
 
     /// A miss in arena `home` while the helper allocates for it: wait for
     /// it (at most `ahead_wait`), not queue behind it; whether it waited.
     pub(super) fn wait_ahead(&self, home: usize) -> bool {
-        let a = lock(&self.ahead);
+        let a = lock(&self.grower.arena);
         if *a != Some(home) || crate::fork::forked() {
             return false;
         }
         let started = std::time::Instant::now();
-        let _ = wait_while(&self.grown, a, self.ahead_wait, |a| *a == Some(home));
+        let _ = wait_while(&self.grower.grown, a, self.grower.wait, |a| {
+            *a == Some(home)
+        });
         log::debug!(
             target: "gpuptr::pool",
             "a miss waited {} us for growth ahead",

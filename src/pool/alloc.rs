@@ -1,7 +1,6 @@
 //! The miss ladder: [`Pool::alloc`], top to bottom in one function, and
 //! its rungs (see the module documentation of `pool`).
 
-use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 use std::time::Instant;
 
@@ -90,11 +89,10 @@ impl Pool {
     /// A block of at least `size` bytes for an owner on `stream` (`None`: no
     /// stream) in `context`: rungs 1 to 6 of the module's ladder; past them,
     /// out of memory is the caller's (give free segments back, ask again).
-    ///
     /// `valid` (no reset of `context` since) is asked under the arena lock,
     /// which a reset's [`Pool::forget`] takes too, before a block is handed
     /// out or a segment joins an arena: a reset comes either before (the
-    /// request fails; a segment grown meanwhile goes with its context) or
+    /// request fails, a segment grown meanwhile goes with its context) or
     /// after (the block is the old context's, and goes with it).
     #[inline]
     pub(crate) fn alloc(
@@ -198,7 +196,7 @@ impl Pool {
 
     /// Wait (at most `limit`) for fence `n` unless a busy GPU's; whether done.
     fn wait_fence(&self, n: u64, limit: std::time::Duration) -> bool {
-        let cost = self.grow_cost();
+        let cost = self.segments.grow_cost();
         crate::sync::blocking(|| self.fencer.wait_unless_busy(n, cost, limit))
     }
 
@@ -241,10 +239,7 @@ impl Pool {
         // frees, which come back only once its work is done.
         let busy = ask.tag == ANY && self.gpu_busy();
         let fit = segments::segment_size(ask.want);
-        let first = match busy {
-            true => fit.max(self.config.ahead_bytes),
-            false => fit,
-        };
+        let first = fit.max(if busy { self.config.ahead_bytes } else { 0 });
         let kind = Kind::of(ask.want);
         let mut grown = self.grow(context, ask.home, first, kind);
         // A device too full for a whole segment may still fit less.
@@ -366,11 +361,7 @@ impl Pool {
             if self.fencer.capturing() || !(ask.valid)() {
                 break;
             }
-            let growing = self.in_transit.load(Ordering::Acquire) > 0;
-            let until = std::time::Instant::now() + self.transit_wait;
-            while self.in_transit.load(Ordering::Acquire) > 0 && std::time::Instant::now() < until {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            }
+            let growing = self.segments.wait_in_transit();
             let waiting = (0..self.arenas.len()).any(|i| self.arena(i).waiting_bytes() > 0);
             if !waiting && !growing {
                 break;

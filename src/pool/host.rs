@@ -168,16 +168,13 @@ impl Pool {
     }
 
     /// A pinned host block of at least `size` bytes made with `flags`
-    /// (`HOST_ALLOC_*`): a ready cached block of its class and flags, else
-    /// a new one of the class from the driver; out of memory gives the
-    /// ready cache back once and asks again.
-    ///
-    /// `still_valid` is asked under the shard lock, which a reset's
-    /// [`Pool::forget`] takes too, before a block is handed out: `false` (a
-    /// reset since the caller retained its context) is `Ok(None)`, nothing
-    /// taken, counted or kept (a new block goes back to the driver). So a
-    /// block handed out is the caller's context's, counted in statistics a
-    /// later reset clears, never in the next context's.
+    /// (`HOST_ALLOC_*`): a ready cached block of its class and flags, else a
+    /// new one from the driver; out of memory gives the ready cache back once
+    /// and asks again. `still_valid` is asked under the shard lock, which a
+    /// reset's [`Pool::forget`] takes too, before a block is handed out:
+    /// `false` (a reset since the caller retained its context) is `Ok(None)`,
+    /// nothing taken, counted or kept (a new block goes back to the driver),
+    /// so a block handed out is counted in the caller's context's statistics.
     pub(crate) fn host_alloc(
         &self,
         context: RawContext,
@@ -250,11 +247,10 @@ impl Pool {
     }
 
     /// Take back `block`, handed out by [`Pool::host_alloc`] for `size`
-    /// bytes: it waits for the next fence. `still_valid` is asked under the
-    /// shard lock, which a reset's [`Pool::forget`] takes too: a block of a
-    /// context reset since is refused, its memory gone. No wait; a driver
-    /// call only past the cap (ready blocks go back). `true` when still past
-    /// it with no settle posted: the owner then posts one to the helper
+    /// bytes: it waits for the next fence. A block of a context reset since
+    /// (`still_valid`, asked under the shard lock a reset takes) is refused.
+    /// No wait; a driver call only past the cap (ready blocks go back). `true`
+    /// when still past it with no settle posted: the owner then posts one
     /// ([`Pool::host_settle_begin`] to [`Pool::host_settle`]), so the cap
     /// holds once the fence is done, with no later free needed.
     pub(crate) fn host_release(

@@ -1,14 +1,13 @@
 //! One device's caching pool in front of `cuMemAlloc`: PyTorch's caching
 //! allocator's design, plus a reuse rule for memory freed without a stream.
 //!
-//! **Blocks fit the request.** The pool cuts driver allocations (*segments*)
-//! into blocks: a request takes the smallest free block that fits (sizes
-//! round up to 512 bytes) and splits off the rest; a freed block merges with
-//! its free neighbours (`arena.rs`). A miss grows the pool by a segment sized
-//! as PyTorch's: 2 MiB for requests up to 1 MiB (the *small* pool; its
-//! segments never serve larger ones), 20 MiB under 10 MiB, else the request
-//! rounded up to 2 MiB (`segments.rs`). Nothing goes back to the driver until
-//! a user asks ([`Pool::trim`]) or it runs out of memory.
+//! **Blocks fit the request.** A request takes the smallest free block that
+//! fits (sizes round up to 512 bytes) and splits off the rest; a freed block
+//! merges with its free neighbours (`arena.rs`). A miss grows the pool by a
+//! driver allocation (*segment*) sized as PyTorch's: 2 MiB for requests up to
+//! 1 MiB (the *small* pool, never serving larger ones), 20 MiB under 10 MiB,
+//! else the request rounded up to 2 MiB. Nothing goes back to the driver
+//! until a user asks ([`Pool::trim`]) or it runs out of memory.
 //!
 //! **Two reuse rules.**
 //! - *Stream-ordered* (allocated for, or freed on, a known stream: PyTorch,
@@ -17,39 +16,35 @@
 //!   old owner's); other streams get it after a fence, or out of memory.
 //! - *Fenced* (freed with no stream known: numba's plugin, `gpuptr.alloc`, or
 //!   memory also used on another stream, `record_stream`): the block *waits*
-//!   for a fence run after its free, the fence thread's `cuCtxSynchronize`,
-//!   which returns once every task queued before it on every stream is done
-//!   (`fence.rs`). It is then free for anyone, kept whole on the arena's
-//!   quick list for a request of its size (`quick.rs`). An arena asks for a
-//!   fence as soon as a block waits and none is under way; frees meanwhile
-//!   gather for the next. A hit on the quick list's newest block reads
-//!   nothing the fence thread writes ([`Pool::alloc`]).
+//!   for the fence thread's next `cuCtxSynchronize`, which returns once every
+//!   task queued before it on every stream is done. It is then free for
+//!   anyone, kept whole on the arena's quick list for a request of its size
+//!   (`quick.rs`). An arena asks for a fence as soon as a block waits and
+//!   none is under way; frees meanwhile gather for the next.
 //!
 //! **A miss** ([`Pool::alloc`]: rung 1 inline, the rest in one function):
 //! 1. the best fit in the caller's arena; for a large request without a
-//!    stream whose best fit is larger than it while large blocks wait (and
-//!    none of its size is on the quick list), after their fence as in rung 3
-//!    (a cut of a larger block fragments);
+//!    stream whose best fit is larger while large blocks wait (none of its
+//!    size on the quick list), after their fence as in rung 3;
 //! 2. (no stream) memory anyone may use in another arena;
 //! 3. for a large request (over 1 MiB) without a stream, or past the pool's
-//!    budget (`max(1.5 x live, 32 MiB)`; within it a small miss grows at
-//!    once), a fence under way: wait for it and reuse what it frees, unless
-//!    it has spun longer than a growth costs (the pool's own `cuMemAlloc`
-//!    time, measured): a busy GPU. If other threads took what it freed, claim
-//!    a waiting block and wait for its fence once more;
+//!    budget (`max(1.5 x live, 32 MiB)`), a fence under way: wait for it and
+//!    reuse what it frees, unless it has spun longer than a growth costs (the
+//!    pool's own `cuMemAlloc` time): a busy GPU. If other threads took what
+//!    it freed, claim a waiting block and wait for its fence once more;
 //! 4. the growth helper allocating for this arena: wait for it;
-//! 5. grow by one segment; without a stream on a busy GPU (its fenced frees
-//!    come back late) by at least [`PoolConfig::ahead_bytes`], and the helper
-//!    grows the arena ahead of demand (`ahead.rs`);
-//! 6. the driver refused: seal every arena, wait for one fence for all, make
-//!    every cached block free for anyone, take the best fit anywhere; the
-//!    device then gives free segments back and asks again (`device/oom.rs`).
+//! 5. grow by one segment; without a stream on a busy GPU by at least
+//!    [`PoolConfig::ahead_bytes`], and the helper grows the arena ahead;
+//! 6. the driver refused: seal every arena, wait for one fence for all, take
+//!    the best fit anywhere; the device then gives free segments back and
+//!    asks again (`device/oom.rs`).
 //!
-//! **Arenas.** The cache is split into arenas, each behind its own lock:
-//! stream-ordered requests go to their stream's arena, others to their
-//! thread's (dealt out round-robin). A block goes back to the arena it came
-//! from. The pool talks to the driver alone (no [`Runtime`](crate::Runtime)),
-//! so it is tested on a bare simulator.
+//! **Parts.** The *arenas*, each behind its own lock: stream-ordered requests
+//! go to their stream's, others to their thread's (round-robin); a block
+//! goes back to its own. The *fencer* (`fence.rs`), the *segments* held from
+//! the driver (`segments.rs`), the *grower* ahead of demand (`ahead.rs`) and
+//! the pinned *host* cache (`host.rs`). The pool talks to the driver alone
+//! (no [`Runtime`](crate::Runtime)), so it is tested on a bare simulator.
 
 mod ahead;
 mod alloc;
@@ -68,14 +63,14 @@ mod spin;
 mod tests;
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::driver::{Driver, RawContext, RawStream};
 use crate::stats::{ClassStats, PoolStats};
 use crate::sync::lock;
-use ahead::{Grower, AHEAD_WAIT};
+use ahead::Grower;
 use arena::Arena;
 pub(crate) use arena::{BlockState, Kind};
 pub use class::size_class;
@@ -83,7 +78,7 @@ pub(crate) use class::FastMap;
 use fence::Fencer;
 pub(crate) use host::HostBlock;
 use host::HostCache;
-use segments::Held;
+use segments::Segments;
 pub(crate) use segments::{Allocation, Block, Grant, SegmentView};
 
 /// How a pool batches fences and splits its cache.
@@ -134,10 +129,6 @@ impl Default for PoolConfig {
     }
 }
 
-/// What a growth costs before one is measured: a `cuMemAlloc` took
-/// 39-99 µs on an H100 while kernels ran, 40-60 µs on an idle H200.
-const GROW_COST_FIRST: Duration = Duration::from_micros(50);
-
 /// The longest a miss waits for a fence that has not spun enough to mean a
 /// busy GPU ([`Fencer::wait_unless_busy`]): its thread waits for a CPU, or
 /// the driver blocks rather than spins. Linux gives every runnable thread a
@@ -146,55 +137,22 @@ const GROW_COST_FIRST: Duration = Duration::from_micros(50);
 /// let a 3 MiB loop grow to 58 MiB in one run of eight.
 const FENCE_WAIT_MAX: Duration = Duration::from_millis(4);
 
-/// The least a growth is taken to cost: an idle H200's `cuMemAlloc` took
-/// at least 20 µs, and a faster driver (the simulator) would make every
-/// wait for a fence look dearer than growing.
-const GROW_COST_LEAST: Duration = Duration::from_micros(20);
-
 /// A device's caching pool, over the driver alone.
 pub(crate) struct Pool {
     config: PoolConfig,
     driver: Arc<dyn Driver>,
     arenas: Box<[Padded]>,
     fencer: Fencer,
-    held: Mutex<Held>,
-    /// The most bytes `held` may hold (`usize::MAX`: no limit).
-    limit: AtomicUsize,
-    /// The pool's `cuMemAlloc` calls' mean time in ns (a moving average):
-    /// what a growth costs, so the most a wait for a fence may cost.
-    grow_ns: AtomicU64,
-    /// Growths between their driver call and their arena (see
-    /// [`segments::Landing`]): memory the device no longer has and no arena
-    /// shows yet, which an allocation out of memory waits for.
-    in_transit: AtomicUsize,
+    /// What the pool holds from the driver, and what a growth costs.
+    segments: Segments,
+    /// Growth ahead of demand, on its helper thread.
     grower: Grower,
-    /// The arena the growth helper allocates for now: a miss there waits on
-    /// `grown` rather than queue its own driver allocation behind it.
-    ahead: Mutex<Option<usize>>,
-    grown: Condvar,
-    /// How long such a miss waits at most ([`AHEAD_WAIT`]; tests lengthen it).
-    ahead_wait: Duration,
-    /// How long an allocation out of memory waits each round for growths
-    /// in transit ([`alloc::TRANSIT_WAIT`]; tests on slow hosts lengthen it).
-    transit_wait: Duration,
-    /// Told of each driver allocation the pool records (`true`) or gives up
-    /// (`false`), before any of its blocks is handed out and before the
-    /// driver may hand its addresses to someone else ([`Pool::on_segments`]).
-    segments: Option<SegmentEvents>,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,
 }
 
 /// What [`Pool::on_segments`] calls.
 pub(crate) type SegmentEvents = Box<dyn Fn(bool, &Allocation) + Send + Sync>;
-
-impl std::fmt::Debug for Pool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
 
 /// An arena on cache lines of its own: no false sharing between arenas.
 #[repr(align(128))]
@@ -228,16 +186,8 @@ impl Pool {
             fencer: Fencer::new(driver.clone(), config.fence_pace),
             driver,
             arenas: (0..n).map(|_| Padded(Mutex::default())).collect(),
-            held: Mutex::new(Held::default()),
-            limit: AtomicUsize::new(usize::MAX),
-            grow_ns: AtomicU64::new(GROW_COST_FIRST.as_nanos() as u64),
-            in_transit: AtomicUsize::new(0),
+            segments: Segments::new(),
             grower: Grower::new(),
-            ahead: Mutex::new(None),
-            grown: Condvar::new(),
-            ahead_wait: AHEAD_WAIT,
-            transit_wait: alloc::TRANSIT_WAIT,
-            segments: None,
             host: HostCache::new(config.host_cache_bytes),
         }
     }
@@ -245,13 +195,13 @@ impl Pool {
     /// Call `f` with each driver allocation the pool makes (`true`) or
     /// gives up (`false`): the allocation history's segment events.
     pub(crate) fn on_segments(mut self, f: SegmentEvents) -> Self {
-        self.segments = Some(f);
+        self.segments.events = Some(f);
         self
     }
 
     #[inline]
     fn segment_event(&self, made: bool, a: &Allocation) {
-        if let Some(f) = &self.segments {
+        if let Some(f) = &self.segments.events {
             f(made, a);
         }
     }
@@ -279,13 +229,6 @@ impl Pool {
         key & (n - 1)
     }
 
-    /// What a growth costs: the pool's own `cuMemAlloc` calls' mean time,
-    /// and at least [`GROW_COST_LEAST`].
-    #[inline]
-    fn grow_cost(&self) -> Duration {
-        Duration::from_nanos(self.grow_ns.load(Ordering::Relaxed)).max(GROW_COST_LEAST)
-    }
-
     /// Whether the context's sync blocks (read at each retain; [`Fencer::spun`]).
     pub(crate) fn set_blocking_sync(&self, on: bool) {
         self.fencer.ext().blocking_sync.store(on, Ordering::Relaxed);
@@ -295,7 +238,7 @@ impl Pool {
     /// queued GPU work holds fenced frees back longer than the driver takes.
     #[inline]
     pub(crate) fn gpu_busy(&self) -> bool {
-        self.fencer.spun(self.grow_cost())
+        self.fencer.spun(self.segments.grow_cost())
     }
 
     /// What the pool may grow by within its budget, `max(1.5 x live,
@@ -336,7 +279,7 @@ impl Pool {
 
     /// Forget the peaks: each arena's peak becomes its live bytes.
     pub(crate) fn reset_peak(&self) {
-        let mut held = lock(&self.held);
+        let mut held = lock(&self.segments.held);
         held.peak = held.bytes;
         held.segments_stats.reset_peak();
         drop(held);
@@ -353,9 +296,7 @@ impl Pool {
     /// and cached blocks by their size's class; empty classes left out.
     pub(crate) fn class_stats(&self) -> Vec<ClassStats> {
         let mut by = FastMap::default();
-        for i in 0..self.arenas.len() {
-            self.arena(i).class_counts(&mut by);
-        }
+        (0..self.arenas.len()).for_each(|i| self.arena(i).class_counts(&mut by));
         let mut v: Vec<ClassStats> = by
             .into_iter()
             .map(|(class, c)| ClassStats { class, ..c })

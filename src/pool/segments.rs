@@ -2,11 +2,13 @@
 //! and giving it back: a trim, a reservation's undo, forgetting after a reset.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
+use super::alloc::TRANSIT_WAIT;
 use super::arena::{round, BlockState, Kind, SMALL_MAX};
-use super::Pool;
+use super::{Pool, SegmentEvents};
 use crate::driver::{relaxed, DevicePtr, RawContext};
 use crate::error::{Error, Result, CUDA_ERROR_OUT_OF_MEMORY};
 use crate::stats::{Client, SegmentStats};
@@ -23,6 +25,15 @@ pub(super) const MIN_LARGE_ALLOC: usize = 10 << 20;
 pub(super) const ROUND_LARGE: usize = 2 << 20;
 /// A reservation grows in segments of at most this many bytes.
 const RESERVE_SEGMENT: usize = 1 << 30;
+
+/// What a growth costs before one is measured: a `cuMemAlloc` took
+/// 39-99 µs on an H100 while kernels ran, 40-60 µs on an idle H200.
+const GROW_COST_FIRST: Duration = Duration::from_micros(50);
+
+/// The least a growth is taken to cost: an idle H200's `cuMemAlloc` took
+/// at least 20 µs, and a faster driver (the simulator) would make every
+/// wait for a fence look dearer than growing.
+const GROW_COST_LEAST: Duration = Duration::from_micros(20);
 
 /// The segment a miss of `want` bytes (rounded, [`round`]) grows by.
 pub(super) fn segment_size(want: usize) -> usize {
@@ -103,6 +114,54 @@ pub(crate) struct Allocation {
 
 /// A segment as a snapshot sees it: its blocks' address, size, state, in order.
 pub(crate) type SegmentView = (Allocation, Vec<(DevicePtr, usize, BlockState)>);
+
+/// The pool's driver memory: what it holds, its limit, growths' cost and those under way.
+pub(super) struct Segments {
+    pub(super) held: Mutex<Held>,
+    /// The most bytes `held` may hold (`usize::MAX`: no limit).
+    limit: AtomicUsize,
+    /// The pool's `cuMemAlloc` calls' mean time in ns, a moving average.
+    pub(super) grow_ns: AtomicU64,
+    /// Growths between their driver call and their arena ([`Landing`]):
+    /// memory no arena shows yet, which out of memory waits for.
+    in_transit: AtomicUsize,
+    /// The most [`Segments::wait_in_transit`] waits ([`TRANSIT_WAIT`]; tests lengthen it).
+    pub(super) transit_wait: Duration,
+    /// Told of each segment made (`true`) or given up (`false`), before any of its blocks is
+    /// handed out or the driver may hand its addresses out again ([`Pool::on_segments`]).
+    pub(super) events: Option<SegmentEvents>,
+}
+
+impl Segments {
+    pub(super) fn new() -> Self {
+        Segments {
+            held: Mutex::default(),
+            limit: AtomicUsize::new(usize::MAX),
+            grow_ns: AtomicU64::new(GROW_COST_FIRST.as_nanos() as u64),
+            in_transit: AtomicUsize::new(0),
+            transit_wait: TRANSIT_WAIT,
+            events: None,
+        }
+    }
+
+    /// What a growth costs, so the most a wait for a fence may cost: the
+    /// pool's own `cuMemAlloc` calls' mean time, and at least [`GROW_COST_LEAST`].
+    #[inline]
+    pub(super) fn grow_cost(&self) -> Duration {
+        Duration::from_nanos(self.grow_ns.load(Ordering::Relaxed)).max(GROW_COST_LEAST)
+    }
+
+    /// Wait a while for growths in transit to reach their arenas (an
+    /// allocation out of memory, each round); whether any was under way.
+    pub(super) fn wait_in_transit(&self) -> bool {
+        let growing = self.in_transit.load(Ordering::Acquire) > 0;
+        let until = Instant::now() + self.transit_wait;
+        while self.in_transit.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        growing
+    }
+}
 
 /// What the pool holds from the driver. Touched on growth, trims and resets.
 #[derive(Default)]
@@ -195,10 +254,10 @@ impl Pool {
         bytes: usize,
         kind: Kind,
     ) -> Result<Landing<'_>> {
-        let transit = InTransit::enter(&self.in_transit);
+        let transit = InTransit::enter(&self.segments.in_transit);
         {
-            let mut held = lock(&self.held);
-            let limit = self.limit.load(Ordering::Relaxed);
+            let mut held = lock(&self.segments.held);
+            let limit = self.segments.limit.load(Ordering::Relaxed);
             if held.bytes + held.pending + bytes > limit {
                 return Err(Error::cuda(
                     "gpuptr pool limit",
@@ -219,9 +278,9 @@ impl Pool {
         if r.is_ok() {
             // A moving average over about eight growths.
             let ns = took.as_nanos().min(u64::MAX as u128) as u64;
-            let old = self.grow_ns.load(Ordering::Relaxed);
-            self.grow_ns
-                .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+            let g = &self.segments.grow_ns;
+            let old = g.load(Ordering::Relaxed);
+            g.store(old - old / 8 + ns / 8, Ordering::Relaxed);
         }
         log::debug!(
             target: "gpuptr::pool",
@@ -229,7 +288,7 @@ impl Pool {
             took.as_micros(),
             std::thread::current().name().unwrap_or("(unnamed)")
         );
-        let mut held = lock(&self.held);
+        let mut held = lock(&self.segments.held);
         held.pending -= bytes;
         let a = Allocation {
             base: r?,
@@ -248,7 +307,7 @@ impl Pool {
     /// Forget the segment at `base` without freeing it: its context was
     /// reset while the driver allocated it, and its memory went with it.
     pub(super) fn forget_segment(&self, base: DevicePtr) {
-        let gone = lock(&self.held).forget(base);
+        let gone = lock(&self.segments.held).forget(base);
         if let Some((a, _)) = gone {
             self.segment_event(false, &a);
         }
@@ -318,7 +377,7 @@ impl Pool {
         let waiting = everything || !self.fencer.capturing();
         let done = self.fencer.done();
         let mut by_arena: Vec<Vec<(DevicePtr, usize)>> = vec![Vec::new(); self.arenas.len()];
-        for (&base, &(a, arena)) in &lock(&self.held).segments {
+        for (&base, &(a, arena)) in &lock(&self.segments.held).segments {
             by_arena[arena].push((base, a.bytes));
         }
         let (mut freed, mut first_err) = (Vec::new(), Ok(()));
@@ -328,7 +387,7 @@ impl Pool {
             let taken = a.take_free_segments(&segs, waiting);
             drop(a);
             for base in taken {
-                let mut held = lock(&self.held);
+                let mut held = lock(&self.segments.held);
                 let Some((seg, _)) = held.forget(base) else {
                     continue;
                 };
@@ -343,7 +402,7 @@ impl Pool {
                 let r = relaxed(self.driver.as_ref(), || unsafe {
                     self.driver.mem_free(context, seg.base)
                 });
-                let mut held = lock(&self.held);
+                let mut held = lock(&self.segments.held);
                 held.pending -= seg.bytes;
                 match r {
                     Ok(()) => freed.push(seg),
@@ -372,7 +431,7 @@ impl Pool {
     pub(crate) fn forget(&self, bump: impl FnOnce(), then: impl FnOnce()) -> Vec<Allocation> {
         let gone: Vec<Allocation> = {
             let mut arenas: Vec<_> = (0..self.arenas.len()).map(|i| self.arena(i)).collect();
-            let mut held = lock(&self.held);
+            let mut held = lock(&self.segments.held);
             bump();
             arenas.iter_mut().for_each(|a| a.forget_all());
             held.bytes = 0;
@@ -394,7 +453,11 @@ impl Pool {
     /// The segments held, by address, with their blocks' address, size and
     /// state (memory snapshots); one lock at a time, quick lists merged.
     pub(crate) fn allocations(&self) -> Vec<SegmentView> {
-        let all: Vec<(Allocation, usize)> = lock(&self.held).segments.values().copied().collect();
+        let all: Vec<(Allocation, usize)> = lock(&self.segments.held)
+            .segments
+            .values()
+            .copied()
+            .collect();
         all.into_iter()
             .map(|(a, i)| (a, self.arena(i).segment_blocks(a.base, a.bytes)))
             .collect()
@@ -405,24 +468,24 @@ impl Pool {
     /// inside pool memory is bound-checked against its block, not its
     /// segment, and memory cached in the pool is no one's to wrap).
     pub(crate) fn used_block(&self, address: DevicePtr) -> Option<Option<(DevicePtr, usize)>> {
-        let (a, arena) = lock(&self.held).containing(address)?;
+        let (a, arena) = lock(&self.segments.held).containing(address)?;
         Some(self.arena(arena).used_block_at(a.base, address))
     }
 
     /// Number of segments the pool holds (cached or handed out).
     pub(crate) fn held_blocks(&self) -> usize {
-        lock(&self.held).segments.len()
+        lock(&self.segments.held).segments.len()
     }
 
     /// Bytes the pool holds from the driver (handed out or cached).
     pub(crate) fn held_bytes(&self) -> usize {
-        lock(&self.held).bytes
+        lock(&self.segments.held).bytes
     }
 
     /// Bytes held from the driver, their peak, and the segments as PyTorch
     /// counts them, at one moment.
     pub(crate) fn held_stats(&self) -> (usize, usize, SegmentStats) {
-        let held = lock(&self.held);
+        let held = lock(&self.segments.held);
         (held.bytes, held.peak, held.segments_stats)
     }
 
@@ -430,10 +493,10 @@ impl Pool {
     /// allocation takes the out-of-memory path (the fence, then returning
     /// the cache), and fails if that makes no room. Nothing held goes back.
     pub(crate) fn set_limit(&self, bytes: usize) {
-        self.limit.store(bytes, Ordering::Relaxed);
+        self.segments.limit.store(bytes, Ordering::Relaxed);
     }
 
     pub(crate) fn limit(&self) -> usize {
-        self.limit.load(Ordering::Relaxed)
+        self.segments.limit.load(Ordering::Relaxed)
     }
 }

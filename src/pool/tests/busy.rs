@@ -191,7 +191,7 @@ fn growth_ahead_goes_on_until_it_would_leave_less_than_a_quarter_free() {
             free / MIB,
             MEMORY / MIB
         );
-        assert_eq!(*lock(&pool.ahead), None, "the request is over");
+        assert_eq!(*lock(&pool.grower.arena), None, "the request is over");
         // SAFETY: allocated above, no longer used.
         unsafe { sim.mem_free(ctx, filler) }.unwrap();
         assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
@@ -209,7 +209,7 @@ fn growth_ahead_goes_on_until_it_would_leave_less_than_a_quarter_free() {
 fn out_of_memory_with_a_growth_stuck_in_transit_fails_after_one_retry() {
     const MEMORY: usize = 64 << 20;
     let (sim, ctx, mut pool) = pool(MEMORY);
-    pool.transit_wait = Duration::from_millis(100);
+    pool.segments.transit_wait = Duration::from_millis(100);
     let held = pool.grow(ctx, 0, 2 * MIB, Kind::Large).unwrap();
     // SAFETY: a live context of the simulator; freed below.
     let filler = unsafe { sim.mem_alloc(ctx, MEMORY - 2 * MIB) }.unwrap();
@@ -218,11 +218,11 @@ fn out_of_memory_with_a_growth_stuck_in_transit_fails_after_one_retry() {
     let took = t.elapsed();
     assert!(r.is_err_and(|e| e.is_oom()));
     assert!(
-        took >= 2 * pool.transit_wait,
+        took >= 2 * pool.segments.transit_wait,
         "{took:?}: fewer than 2 rounds"
     );
     assert!(
-        took < 7 * pool.transit_wait / 2,
+        took < 7 * pool.segments.transit_wait / 2,
         "{took:?}: more than 2 rounds"
     );
     pool.arena(0).add_segment(held.base, held.bytes, held.kind);
@@ -244,7 +244,8 @@ fn out_of_memory_with_a_growth_stuck_in_transit_fails_after_one_retry() {
 #[test]
 fn a_miss_waits_for_a_fence_that_does_not_spin_a_few_milliseconds_then_grows() {
     let (sim, ctx, pool) = pool(1 << 30);
-    pool.grow_ns
+    pool.segments
+        .grow_ns
         .store(10_000_000_000, std::sync::atomic::Ordering::Relaxed);
     let k = alloc(&pool, ctx, MIB, Some(S));
     // Queued work that never ends (until completed below): no fence ends.
@@ -279,7 +280,7 @@ fn a_miss_waits_for_a_fence_that_does_not_spin_a_few_milliseconds_then_grows() {
 #[test]
 fn a_growth_is_taken_to_cost_a_gpus_driver_allocation_before_one_is_measured() {
     let (_sim, _ctx, pool) = pool(64 << 20);
-    let first = pool.grow_cost();
+    let first = pool.segments.grow_cost();
     assert!(first >= Duration::from_micros(39), "{first:?}");
     assert!(first <= Duration::from_micros(99), "{first:?}");
 }
@@ -292,9 +293,10 @@ fn a_growth_is_taken_to_cost_a_gpus_driver_allocation_before_one_is_measured() {
 #[test]
 fn a_driver_faster_than_any_gpus_makes_a_growth_cost_20_us_at_least() {
     let (_sim, _ctx, pool) = pool(64 << 20);
-    pool.grow_ns
+    pool.segments
+        .grow_ns
         .store(1_000, std::sync::atomic::Ordering::Relaxed);
-    let least = pool.grow_cost();
+    let least = pool.segments.grow_cost();
     assert!(least >= Duration::from_micros(20), "{least:?}");
     assert!(least < Duration::from_micros(39), "{least:?}");
 }

@@ -123,10 +123,17 @@ fn a_growth_is_taken_to_cost_at_least_an_idle_gpus_driver_allocation() {
         let seg = *pool.grow(ctx, 0, 2 * MIB, Kind::Small).unwrap();
         pool.arena(0).add_segment(seg.base, seg.bytes, seg.kind);
     }
-    let measured = Duration::from_nanos(pool.grow_ns.load(std::sync::atomic::Ordering::Relaxed));
-    assert_eq!(pool.grow_cost(), measured.max(Duration::from_micros(20)));
+    let measured = Duration::from_nanos(
+        pool.segments
+            .grow_ns
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
+    assert_eq!(
+        pool.segments.grow_cost(),
+        measured.max(Duration::from_micros(20))
+    );
     assert!(
-        pool.grow_cost() >= Duration::from_micros(20),
+        pool.segments.grow_cost() >= Duration::from_micros(20),
         "{measured:?} measured"
     );
     assert!(pool.trim(ctx, false, |_| {}, |_| {}).1.is_ok());
@@ -144,8 +151,12 @@ fn a_growth_is_taken_to_cost_at_least_an_idle_gpus_driver_allocation() {
 fn a_miss_waits_for_the_helper_about_as_long_as_a_busy_gpus_driver_allocation() {
     let (_sim, _ctx, pool) = pool(64 << 20);
     let busy_alloc = SLOWEST_BUSY_ALLOC;
-    assert!(pool.ahead_wait >= 4 * busy_alloc, "{:?}", pool.ahead_wait);
-    assert!(pool.ahead_wait <= 32 * busy_alloc, "{:?}", pool.ahead_wait);
+    assert!(pool.grower.wait >= 4 * busy_alloc, "{:?}", pool.grower.wait);
+    assert!(
+        pool.grower.wait <= 32 * busy_alloc,
+        "{:?}",
+        pool.grower.wait
+    );
 }
 
 /// Memory freed without a stream is reused only after its fence.
@@ -276,8 +287,8 @@ fn a_miss_waits_for_the_helpers_growth_of_its_arena_then_takes_from_it() {
     let (sim, ctx, mut pool) = pool(256 << 20);
     // Delivery 1 ms into the wait must come within the bound however
     // slowly the host schedules (valgrind took over 5 ms in CI).
-    pool.ahead_wait = Duration::from_secs(30);
-    *lock(&pool.ahead) = Some(0);
+    pool.grower.wait = Duration::from_secs(30);
+    *lock(&pool.grower.arena) = Some(0);
     let calls = || sim.calls(CallKind::MemAlloc);
     // Out of transit at once: the thread below stands in for the helper.
     let seg = *pool.grow(ctx, 0, 8 * MIB, Kind::Small).unwrap();
@@ -293,10 +304,10 @@ fn a_miss_waits_for_the_helpers_growth_of_its_arena_then_takes_from_it() {
         assert_eq!(b.address, seg.base);
         pool.release(ctx, back(b, 1 << 16), None, || true);
     });
-    assert_eq!(*lock(&pool.ahead), None, "the request is over");
+    assert_eq!(*lock(&pool.grower.arena), None, "the request is over");
     // Nobody delivers: the miss goes to the driver after the bound.
-    pool.ahead_wait = AHEAD_WAIT;
-    *lock(&pool.ahead) = Some(0);
+    pool.grower.wait = AHEAD_WAIT;
+    *lock(&pool.grower.arena) = Some(0);
     let t = Instant::now();
     let c = alloc(&pool, ctx, 2 * MIB, None);
     assert!(t.elapsed() >= AHEAD_WAIT && c.new_allocation.is_some());
@@ -310,13 +321,13 @@ fn a_miss_waits_for_the_helpers_growth_of_its_arena_then_takes_from_it() {
 #[test]
 fn out_of_memory_waits_for_growths_in_transit_ten_slow_driver_allocations() {
     let (_sim, _ctx, pool) = pool(64 << 20);
-    assert_eq!(pool.transit_wait, super::alloc::TRANSIT_WAIT);
+    assert_eq!(pool.segments.transit_wait, super::alloc::TRANSIT_WAIT);
     assert!(
-        pool.transit_wait >= 10 * SLOWEST_BUSY_ALLOC,
+        pool.segments.transit_wait >= 10 * SLOWEST_BUSY_ALLOC,
         "{:?}",
-        pool.transit_wait
+        pool.segments.transit_wait
     );
-    assert!(pool.transit_wait <= Duration::from_millis(10));
+    assert!(pool.segments.transit_wait <= Duration::from_millis(10));
 }
 
 /// An allocation out of memory waits for a growth in transit (allocated by
@@ -329,7 +340,7 @@ fn out_of_memory_waits_for_a_growth_in_transit_then_takes_from_it() {
     let (sim, ctx, mut pool) = pool(MEMORY);
     // Landing 2 ms into the wait must come within the bound however slowly
     // the host schedules (valgrind in CI).
-    pool.transit_wait = Duration::from_secs(30);
+    pool.segments.transit_wait = Duration::from_secs(30);
     let calls = || sim.calls(CallKind::MemAlloc);
     // In transit until dropped: the thread below stands in for its grower.
     let landing = pool.grow(ctx, 0, 8 * MIB, Kind::Small).unwrap();
@@ -353,7 +364,7 @@ fn out_of_memory_waits_for_a_growth_in_transit_then_takes_from_it() {
         pool.release(ctx, back(a, MIB), None, || true);
     });
     // Nothing lands: out of memory after the bound, each round.
-    pool.transit_wait = Duration::from_millis(20);
+    pool.segments.transit_wait = Duration::from_millis(20);
     // SAFETY: allocated above, no longer used.
     unsafe { sim.mem_free(ctx, filler) }.unwrap();
     let held = pool.grow(ctx, 0, 2 * MIB, Kind::Large).unwrap();
@@ -362,7 +373,11 @@ fn out_of_memory_waits_for_a_growth_in_transit_then_takes_from_it() {
     let t = Instant::now();
     let r = pool.alloc(ctx, 16 * MIB, None, 0, Client::Direct, || true);
     assert!(r.is_err_and(|e| e.is_oom()));
-    assert!(t.elapsed() >= pool.transit_wait, "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= pool.segments.transit_wait,
+        "{:?}",
+        t.elapsed()
+    );
     pool.arena(0).add_segment(held.base, held.bytes, held.kind);
     drop(held);
     // SAFETY: allocated above, no longer used.

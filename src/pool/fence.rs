@@ -359,9 +359,9 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
     let spare_cpus = std::thread::available_parallelism().is_ok_and(|n| n.get() > 1);
     let pace = sh.ext.pace;
     let poll = pace.max(FENCE_POLL);
-    // The number the fence thread asked for itself last, and until when it
-    // goes on asking (see `FENCE_HOT`).
-    let (mut own_ask, mut hot_until) = (0u64, None::<Instant>);
+    // The number the fence thread asked for itself last, until when it goes
+    // on asking (see `FENCE_HOT`), and whether the threads waiting saw a log.
+    let (mut own_ask, mut hot_until, mut waited_logged) = (0u64, None::<Instant>, false);
     let mut st = lock(&sh.state);
     loop {
         // Wait for a request: poll a while (no wake-up needed), then sleep.
@@ -429,11 +429,13 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         sh.ext.started_ns.store(0, Ordering::Relaxed);
         st = lock(&sh.state);
         st.s.syncing = false;
-        // The logger only queues the record (no GIL, no lock but its own),
-        // before the fence reads as done, so a caller that waited for it
-        // (`flush_pool`) delivers it before returning. Back-to-back fences
-        // (`FENCE_HOT`) are logged only if asked for, waited for, or long.
-        let logged = started.filter(|t| asked_for || st.s.waiters > 0 || t.elapsed() >= LOG_LONG);
+        // The logger only queues the record (no GIL), before the fence reads
+        // as done, so a caller that waited (`flush_pool`) delivers it. Back-to-
+        // back fences (`FENCE_HOT`) are logged if asked for, long, or the first
+        // that threads waiting now saw (they may wake only after several).
+        let waited = st.s.waiters > 0 && !std::mem::replace(&mut waited_logged, true);
+        waited_logged &= st.s.waiters > 0;
+        let logged = started.filter(|t| asked_for || waited || t.elapsed() >= LOG_LONG);
         match (&r, logged) {
             (Ok(()), Some(t)) => log::debug!(
                 target: "gpuptr::fence",

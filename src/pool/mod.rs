@@ -137,15 +137,13 @@ impl Default for PoolConfig {
 /// let a 3 MiB loop grow to 58 MiB in one run of eight.
 const FENCE_WAIT_MAX: Duration = Duration::from_millis(4);
 
-/// A device's caching pool, over the driver alone.
+/// A device's caching pool, over the driver alone: its parts are named in the module doc.
 pub(crate) struct Pool {
     config: PoolConfig,
     driver: Arc<dyn Driver>,
     arenas: Box<[Padded]>,
     fencer: Fencer,
-    /// What the pool holds from the driver, and what a growth costs.
     segments: Segments,
-    /// Growth ahead of demand, on its helper thread.
     grower: Grower,
     /// The cache of pinned host memory (`host.rs`), fenced by `fencer` too.
     host: HostCache,

@@ -407,6 +407,25 @@ fn test_a_device_size_near_the_top_of_the_address_space_is_an_error_not_a_panic(
 }
 
 #[test]
+fn test_a_simulated_device_larger_than_the_host_runs_out_of_memory_rather_than_abort() {
+    // A segment of almost 1 TiB (the simulator's address space per device)
+    // on a simulated device of 16 TiB: more than the host can give (Linux
+    // refuses one allocation larger than its memory and swap), so the
+    // simulator's allocation fails; it aborted the process before.
+    let (drv, rt) = sim_pooled(1, 1 << 44);
+    let ctx = rt.context(0).unwrap();
+    let err = ctx
+        .alloc((1 << 40) - (2 << 20))
+        .expect_err("no host backs 1 TiB");
+    assert!(err.is_oom(), "{err}");
+    assert_eq!((rt.stats()[0].live_bytes, drv.live_bytes()), (0, 0));
+    assert!(
+        ctx.alloc(1 << 20).is_ok(),
+        "the device still serves what fits"
+    );
+}
+
+#[test]
 fn test_reserving_blocks_of_a_size_near_the_top_of_the_address_space_is_an_error() {
     let (_drv, rt) = sim_pooled(1, 64 << 20);
     let ctx = rt.context(0).unwrap();

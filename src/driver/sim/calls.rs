@@ -155,13 +155,15 @@ impl Driver for SimDriver {
         if at + span > hi {
             return Err(err("cuMemAlloc", CUDA_ERROR_OUT_OF_MEMORY));
         }
+        // A simulated device larger than the host's memory runs out here.
+        let bytes = zeroed_device_bytes(size).ok_or(err("cuMemAlloc", CUDA_ERROR_OUT_OF_MEMORY))?;
         st.blocks.insert(
             at,
             Block {
                 device,
                 kind: Kind::Device,
                 len: size,
-                storage: Storage::Device(vec![0; size]),
+                storage: Storage::Device(bytes),
             },
         );
         st.used[device] += size;

@@ -94,6 +94,25 @@ impl SimConfig {
     }
 }
 
+/// `size` zero bytes of simulated device memory, or `None` where the host
+/// cannot give them (`vec![0; size]` would abort the process instead):
+/// zeroed pages come lazily, so a large device costs only what is written.
+fn zeroed_device_bytes(size: usize) -> Option<Vec<u8>> {
+    if size == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(size).ok()?;
+    // SAFETY: `layout` has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` is a fresh allocation of the global allocator with the
+    // layout of `size` bytes (align 1), all initialised (zeroed): exactly
+    // what a Vec<u8> of length and capacity `size` owns and frees.
+    Some(unsafe { Vec::from_raw_parts(ptr, size, size) })
+}
+
 /// Host memory the simulator allocated itself (pinned or managed), at a
 /// real, stable address.
 struct HostBuf {

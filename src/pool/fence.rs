@@ -421,10 +421,10 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             .started_cpu
             .store(thread_cpu_ns(clock).unwrap_or(0), Ordering::Release);
         sh.ext.started_ns.store(now_ns(), Ordering::Release);
-        // SAFETY: `context` is live: the pool's owner passes its retained
-        // context with each request, and a reset or teardown (which ends
-        // it) shuts this helper down or drains every batch first; a call
-        // on a context gone since fails with an error, never touches memory.
+        // SAFETY: `context` is a primary context the pool's owner retained and
+        // passed with a request; a teardown may release it during the helper's
+        // own run of fences (a failure ends it): the driver keeps a released
+        // primary context's handle, so the call fails and touches no memory.
         let r = unsafe { sh.ext.driver.synchronize(context) };
         sh.ext.started_ns.store(0, Ordering::Relaxed);
         st = lock(&sh.state);
@@ -452,9 +452,9 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
             Ok(()) => {
                 sh.ext.done.fetch_max(target, Ordering::AcqRel);
             }
-            // The batches stay sealed (never handed out unfenced); a later
-            // request retries and covers them.
-            Err(_) => st.s.failed = st.s.failed.max(target),
+            // Batches stay sealed for a later request's fence; the helper's own
+            // run ends (on a released context: two warnings, not 70).
+            Err(_) => (st.s.failed, hot_until) = (st.s.failed.max(target), None),
         }
         if st.s.waiters > 0 {
             sh.done.notify_all();

@@ -480,7 +480,11 @@ fn trim(py: Python<'_>, host: bool) -> PyResult<usize> {
 /// gpuptr's side of a reset of ``device``'s context (numba's
 /// ``cuda.close()``, before numba resets it): cached blocks go back to the
 /// driver, and every live pointer turns stale (using it raises
-/// `InvalidPointerError`; freeing it does nothing).
+/// `InvalidPointerError`; freeing it does nothing). Call it only when the
+/// context is reset next (``cuDevicePrimaryCtxReset``): the memory of live
+/// pointers and pinned registrations is left to that reset, which frees it
+/// (gpuptr must not free it, as it may already be another owner's after a
+/// reset). Without a reset it stays allocated until the process ends.
 #[pyfunction]
 fn reset_context(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
     let _log = logging::Deliver(py);

@@ -149,7 +149,9 @@ impl Runtime {
     /// Prepare for `device`'s context being reset (numba's `cuda.close()`):
     /// cached blocks go back to the driver, and every live allocation turns
     /// stale. Stale pointers raise `InvalidPointer` on use, and freeing them
-    /// is a no-op, so they never free memory a later allocation reuses.
+    /// is a no-op, so they never free memory a later allocation reuses. The
+    /// memory of live allocations is left to the reset that follows: without
+    /// one it stays allocated (after one it may be another owner's).
     pub fn reset(self: &Arc<Self>, device: usize) -> Result<()> {
         crate::fork::check()?;
         self.check_device(device)?;

@@ -305,6 +305,39 @@ fn test_an_unbalanced_end_capture_is_refused_and_closes_no_other_threads_gate() 
     assert_eq!(rt.capturing(0), Ok(false));
 }
 
+/// A thread that exits during a capture it began ends it as it goes: the
+/// capture held every fence of the device back for good, and nothing else
+/// could end it (an end is taken only from the thread that began it).
+#[test]
+fn test_a_thread_that_exits_during_its_capture_ends_it() {
+    let (drv, rt) = sim_pooled(1, 64 << 20);
+    let ctx = rt.context(0).unwrap();
+    let other = rt.clone();
+    std::thread::spawn(move || {
+        other.begin_capture(0).unwrap();
+        other.begin_capture(0).unwrap(); // nested: both end
+        other.end_capture(0).unwrap();
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        rt.capturing(0),
+        Ok(false),
+        "the dead thread's capture ended"
+    );
+    // Fences run again: the device's memory is reused, not exhausted.
+    for _ in 0..200 {
+        drop(ctx.alloc(8 << 20).unwrap());
+    }
+    assert!(rt.flush_pool(0).unwrap());
+    assert!(drv.live_bytes() <= 32 << 20, "{}", drv.live_bytes());
+    // This thread's own captures are its own to end, and a balanced one
+    // leaves nothing behind for its exit.
+    rt.begin_capture(0).unwrap();
+    rt.end_capture(0).unwrap();
+    assert_eq!(rt.capturing(0), Ok(false));
+}
+
 /// A block freed without a stream on an idle GPU, well before a capture,
 /// is reusable inside it, where no fence may run: its free asked for a
 /// fence at once, and that fence ended before the capture began. (A pool

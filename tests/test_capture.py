@@ -59,6 +59,23 @@ def test_an_unbalanced_end_capture_is_refused_and_closes_no_other_threads_gate()
     assert not gpuptr.is_capturing(0)
 
 
+def test_a_thread_that_exits_during_its_capture_ends_it(caplog):
+    # Left under way, its capture held every fence back: memory freed was
+    # never reused and the device ran out with nothing live.
+    import logging
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="gpuptr")
+    t = threading.Thread(target=gpuptr.begin_capture, args=(0,))
+    t.start()
+    t.join(30)
+    assert not gpuptr.is_capturing(0)
+    for _ in range(300):
+        gpuptr.alloc(8 << 20, device=0).free()
+    assert gpuptr.flush_pool(0) is True
+    assert any("exited during a capture" in r.getMessage() for r in caplog.records if r.name == "gpuptr")
+
+
 def _try(f, *args):
     try:
         return f(*args)

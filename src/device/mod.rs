@@ -353,7 +353,12 @@ impl DeviceState {
     /// `Err` when the calling thread has no capture begun on this device
     /// under way: an unbalanced end would close another thread's gate.
     pub(crate) fn end_capture(&self) -> Result<()> {
-        let me = std::thread::current().id();
+        self.end_capture_of(std::thread::current().id())
+    }
+
+    /// [`DeviceState::end_capture`] for thread `me` (an exiting thread's
+    /// leftover captures, from its thread-local record).
+    pub(crate) fn end_capture_of(&self, me: std::thread::ThreadId) -> Result<()> {
         {
             let mut open = lock(&self.capture_threads);
             let Some(i) = open.iter().position(|(t, _)| *t == me) else {

@@ -12,7 +12,8 @@ mod ipc;
 mod slot;
 mod wrap;
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::context::Context;
 use crate::device::{DeviceState, Owner, Services};
@@ -61,6 +62,34 @@ impl std::fmt::Debug for Runtime {
             .field("driver", &self.driver().kind())
             .finish_non_exhaustive()
     }
+}
+
+/// The captures this thread began on each runtime's devices and has not
+/// ended ([`Runtime::begin_capture`]), ended when the thread exits: a capture
+/// left under way holds every fence of its device back for good.
+struct OpenCaptures(RefCell<Vec<(Weak<Runtime>, usize)>>, std::thread::ThreadId);
+
+impl Drop for OpenCaptures {
+    fn drop(&mut self) {
+        for (rt, device) in self.0.take() {
+            let Some(rt) = rt.upgrade() else { continue };
+            // A thread-local destructor must not unwind (that aborts).
+            let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                rt.devices[device].end_capture_of(self.1)
+            }));
+            if matches!(ended, Ok(Ok(()))) {
+                log::warn!(
+                    target: "gpuptr::context",
+                    "device {device}: a thread exited during a capture it began; the capture is ended"
+                );
+            }
+        }
+    }
+}
+
+thread_local! {
+    static OPEN_CAPTURES: OpenCaptures =
+        OpenCaptures(RefCell::new(Vec::new()), std::thread::current().id());
 }
 
 impl Runtime {
@@ -174,9 +203,12 @@ impl Runtime {
     /// the cache and fails rather than wait for a fence. Calls nest: one
     /// end per begin. gpuptr's own allocations and frees need no call: they
     /// run in relaxed capture mode.
-    pub fn begin_capture(&self, device: usize) -> Result<()> {
+    /// A thread that exits with captures it began still under way ends
+    /// them as it goes (with a warning): no fence could run again otherwise.
+    pub fn begin_capture(self: &Arc<Self>, device: usize) -> Result<()> {
         self.check_device(device)?;
         self.devices[device].begin_capture();
+        let _ = OPEN_CAPTURES.try_with(|o| o.0.borrow_mut().push((Arc::downgrade(self), device)));
         Ok(())
     }
 
@@ -186,7 +218,16 @@ impl Runtime {
     /// would otherwise close the gate of another thread's capture.
     pub fn end_capture(&self, device: usize) -> Result<()> {
         self.check_device(device)?;
-        self.devices[device].end_capture()
+        self.devices[device].end_capture()?;
+        let mine =
+            |(rt, d): &(Weak<Runtime>, usize)| *d == device && std::ptr::eq(rt.as_ptr(), self);
+        let _ = OPEN_CAPTURES.try_with(|o| {
+            let mut open = o.0.borrow_mut();
+            if let Some(i) = open.iter().rposition(mine) {
+                open.swap_remove(i);
+            }
+        });
+        Ok(())
     }
 
     /// The capture `stream` takes part in (begun after

@@ -323,6 +323,13 @@ def test_memory_is_a_context_manager_that_frees_it():
 
 
 @sim
+class _Index:
+    """An int-like device number, as numpy's integers are (``__index__``)."""
+
+    def __index__(self) -> int:
+        return 0
+
+
 def test_the_one_number_helpers_follow_the_pool():
     gpuptr.trim()
     gpuptr.reset_peak_stats()
@@ -342,6 +349,12 @@ def test_the_one_number_helpers_follow_the_pool():
     assert gpuptr.max_memory_reserved() == gpuptr.stats()[0]["pool_bytes"]
     with pytest.raises(gpuptr.InvalidArgumentError):
         gpuptr.memory_allocated(99)
+    helpers = (gpuptr.memory_allocated, gpuptr.max_memory_allocated, gpuptr.memory_reserved, gpuptr.max_memory_reserved)
+    for helper in helpers:
+        for bad in (0.9, -0.5, True, "0", b"0", "x"):  # int() took the first five as device 0
+            with pytest.raises(TypeError, match="device must be an int"):
+                helper(bad)
+        assert helper(_Index()) == helper(0)
 
 
 @sim

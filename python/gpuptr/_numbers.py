@@ -4,6 +4,7 @@ gpuptr's pool: numba, CuPy, PyTorch and direct allocations together."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Dict, Optional
 
 from gpuptr import _core
@@ -12,11 +13,17 @@ __all__ = ["max_memory_allocated", "max_memory_reserved", "memory_allocated", "m
 
 
 def _device_stats(device: Optional[int]) -> Dict[str, Any]:
-    d = _core._current_device() if device is None else int(device)
+    if device is None:
+        d = _core._current_device()
+    else:
+        # As every device argument: a TypeError for anything but an int
+        # (0.9, True and "0" are not devices), InvalidArgumentError for a
+        # device that does not exist.
+        _core.pool_classes(device)
+        d = operator.index(device)
     for s in _core.stats():
         if s["device"] == d:
             return dict(s)
-    _core.pool_classes(d)  # a device that does not exist raises here
     raise AssertionError("unreachable: stats() lists every device")
 
 

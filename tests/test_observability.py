@@ -58,6 +58,24 @@ def test_memory_summary_matches_stats(no_leaks):
     del keep
 
 
+def test_memory_summary_claims_no_bytes_the_pool_does_not_hold(no_leaks):
+    # A 3 MiB block cut from a free 20 MiB segment leaves a 17 MiB free
+    # block in the 20 MiB class: the table showed it as 20 MiB cached (and
+    # the live block as its 3.5 MiB class), 23.5 MiB in a 20 MiB pool.
+    a = gpuptr.alloc(4 << 20)
+    a.free()
+    gpuptr.flush_pool()
+    b = gpuptr.alloc((3 << 20) + 512)
+    gpuptr.flush_pool()
+    s = gpuptr.stats()[0]
+    text = gpuptr.memory_summary(0)
+    assert s["live_bytes"] + s["cached_bytes"] == s["pool_bytes"]
+    table = text.split("block size", 1)[1].splitlines()[1:]
+    assert table and all(len(row.split()) == 5 for row in table), table  # size, unit, three counts
+    assert "cached bytes" not in text and "live bytes" not in text
+    del b
+
+
 def test_memory_summary_of_a_device_that_does_not_exist_is_an_invalid_argument():
     with pytest.raises(gpuptr.InvalidArgumentError):
         gpuptr.memory_summary(99)

@@ -127,7 +127,13 @@ def test_numpy_refuses_device_memory_and_says_how_to_read_it(no_leaks):
     for host in (gpuptr.alloc_host(16, mapped=True), gpuptr.alloc_managed(16), gpuptr.alloc_host(16)):
         assert np.asarray(host).shape == (16,)
         host.free()
+        # Freed, it is refused as freed, not as device memory numpy cannot read.
+        for to_numpy in (np.asarray, np.array):
+            with pytest.raises(gpuptr.InvalidPointerError, match="freed"):
+                to_numpy(host)
     mem.free()
+    with pytest.raises(gpuptr.InvalidPointerError, match="freed"):
+        np.asarray(mem)
 
 
 def test_zero_size_alloc_is_a_null_pointer(no_leaks):

@@ -361,6 +361,21 @@ macro_rules! host_methods {
             unsafe fn __releasebuffer__(slf: Bound<'_, Self>, _view: *mut ffi::Py_buffer) {
                 slf.get().inner.release_buffer();
             }
+
+            /// numpy reads the bytes through the buffer, and comes here only
+            /// if the buffer refused it: freed memory raises
+            /// ``InvalidPointerError`` (not a 0-d object array of the pointer).
+            #[pyo3(signature = (*_args, **_kwargs))]
+            fn __array__(
+                &self,
+                _args: &Bound<'_, pyo3::types::PyTuple>,
+                _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+            ) -> PyResult<()> {
+                self.inner.host.check_live()?;
+                Err(pyo3::exceptions::PyTypeError::new_err(
+                    "numpy reads pinned memory through its buffer: numpy.frombuffer(mem, dtype)",
+                ))
+            }
         }
     };
 }

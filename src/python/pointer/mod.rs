@@ -454,12 +454,15 @@ impl PyMemoryPointer {
     /// (``copy_to_host``, or CuPy or torch for an array on the device),
     /// rather than make an object array that holds the pointer. Host memory
     /// (``MappedMemory``, ``ManagedMemory``) is read through its buffer.
+    /// Freed or stale memory raises ``InvalidPointerError`` (numpy comes
+    /// here once a freed host block's buffer refused it).
     #[pyo3(signature = (*_args, **_kwargs))]
     fn __array__(
         &self,
         _args: &Bound<'_, PyTuple>,
         _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
+        self.view.parent().check_live()?;
         Err(pyo3::exceptions::PyTypeError::new_err(
             "numpy cannot read device memory: copy it to the host with copy_to_host() \
              (numpy.frombuffer(mem.copy_to_host(), dtype)), or make a device array of it \

@@ -125,6 +125,12 @@ def test_a_reservation_past_the_free_memory_is_refused_whole():
         gpuptr.reserve(2 * total)
     assert isinstance(ei.value, MemoryError)
     assert gpuptr.stats()[0]["pool_bytes"] == held0, "nothing was taken"
+    # A block larger than the device is what cannot fit: the message named
+    # the reservation's 1 MiB.
+    with pytest.raises(gpuptr.OutOfMemoryError, match=r"could not allocate \S+ [MG]iB .*in blocks of") as ei:
+        gpuptr.reserve(1 << 20, block_size=2 * total)
+    assert ei.value.args and "1.00 MiB" not in str(ei.value), ei.value
+    assert gpuptr.stats()[0]["pool_bytes"] == held0, "nothing was taken"
     got = gpuptr.reserve("10%", block_size="1MiB")
     assert 0 < got <= free0 // 10 + (1 << 20)
     gpuptr.trim()

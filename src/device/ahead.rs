@@ -98,16 +98,22 @@ impl DeviceState {
             return Ok(0);
         };
         // More than the device has free would take all of it and still
-        // fall short: refused whole, naming what there is.
+        // fall short: refused whole, naming what there is. A block larger
+        // than the reservation is what must fit.
+        let need = bytes.max(size);
         // SAFETY: `ctx` is retained by its holder, the caller.
         if let Ok((free, total)) = unsafe { self.driver().mem_get_info(ctx.raw()) } {
-            if bytes > free {
+            if need > free {
                 use crate::error::bytes as human;
+                let blocks = match size > bytes {
+                    true => format!(" in blocks of {}", human(size)),
+                    false => String::new(),
+                };
                 return Err(Error::OutOfMemory {
                     device: self.device,
-                    requested: bytes,
+                    requested: need,
                     detail: format!(
-                        " for a reservation; the device has {} free of {} (reserve less, or a share such as \"80%\" of what is free)",
+                        " for a reservation{blocks}; the device has {} free of {} (reserve less, or a share such as \"80%\" of what is free)",
                         human(free),
                         human(total)
                     ),
@@ -139,7 +145,7 @@ impl DeviceState {
             Err(e) if e.is_oom() && reserved > 0 => Ok(reserved),
             // Nothing: the message an allocation's would be (what the pool
             // holds, its limit, what the device has free).
-            Err(e) if e.is_oom() => Err(self.out_of_memory(ctx, bytes)),
+            Err(e) if e.is_oom() => Err(self.out_of_memory(ctx, need)),
             r => r.map(|()| reserved),
         }
     }

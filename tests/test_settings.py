@@ -136,6 +136,26 @@ def test_a_reservation_past_the_free_memory_is_refused_whole():
     gpuptr.trim()
 
 
+def test_a_pool_limit_without_a_pool_is_refused_not_ignored():
+    # GPUPTR_POOL=0 sends allocations to the driver: a limit had nothing to
+    # cap, and a 64 MiB allocation went through a 1 MiB "limit" silently.
+    r = _child(
+        """
+        import gpuptr
+        try:
+            gpuptr.set_pool_limit(1 << 20)
+        except gpuptr.InvalidArgumentError as e:
+            print("refused:", e)
+        gpuptr.set_pool_limit(None)  # no cap: nothing to do, no error
+        print("limit", gpuptr.stats()[0]["pool_limit"], "allocated", gpuptr.alloc(64 << 20).size)
+        """,
+        GPUPTR_POOL="0",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "refused: invalid argument: device 0 has no pool to limit (GPUPTR_POOL=0" in r.stdout, r.stdout
+    assert "limit None allocated 67108864" in r.stdout, r.stdout
+
+
 def test_settings_from_the_environment():
     r = _child(
         """

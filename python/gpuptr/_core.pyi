@@ -644,7 +644,8 @@ def set_pool_limit(nbytes: Union[int, float, str, None], device: Optional[int] =
     ``"40GiB"``, ``"512M"``), or a share of each device's memory (``0.8``,
     ``"80%"``). Past it an allocation reuses and returns the cache first,
     then raises ``OutOfMemoryError``, whose message names the limit.
-    ``stats()`` shows ``pool_bytes`` and ``pool_limit``.
+    ``stats()`` shows ``pool_bytes`` and ``pool_limit``. Without a pool
+    (``GPUPTR_POOL=0``) a limit raises ``InvalidArgumentError``.
     """
 def track(enabled: bool = True) -> None:
     """Turn the leak report on (or off): while on, every allocation gpuptr

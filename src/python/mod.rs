@@ -372,7 +372,8 @@ fn is_capturing(device: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
 /// ``"40GiB"``, ``"512M"``), or a share of each device's memory (``0.8``,
 /// ``"80%"``). Past it an allocation reuses and returns the cache first,
 /// then raises ``OutOfMemoryError``, whose message names the limit.
-/// ``stats()`` shows ``pool_bytes`` and ``pool_limit``.
+/// ``stats()`` shows ``pool_bytes`` and ``pool_limit``. Without a pool
+/// (``GPUPTR_POOL=0``) a limit raises ``InvalidArgumentError``.
 #[pyfunction]
 #[pyo3(signature = (nbytes, device=None))]
 fn set_pool_limit(

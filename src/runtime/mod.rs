@@ -277,9 +277,16 @@ impl Runtime {
     /// Cap the bytes `device`'s pool holds from the driver (`None`: no cap,
     /// the default), as RMM's maximum pool size: past it an allocation first
     /// reuses and returns the cache, then fails as out of memory. A device
-    /// without a pool ignores it.
+    /// without a pool (`GPUPTR_POOL=0`) has nothing to cap: a limit there is
+    /// an [`Error::InvalidArgument`](crate::Error::InvalidArgument), `None` a no-op.
     pub fn set_pool_limit(&self, device: usize, bytes: Option<usize>) -> Result<()> {
         self.check_device(device)?;
+        if bytes.is_some() && !self.devices[device].pooled() {
+            return Err(crate::Error::InvalidArgument(format!(
+                "device {device} has no pool to limit (GPUPTR_POOL=0 turned it off): \
+                 its allocations go to the driver as they come"
+            )));
+        }
         self.devices[device].set_pool_limit(bytes);
         Ok(())
     }

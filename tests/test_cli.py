@@ -211,10 +211,13 @@ def test_check_skips_the_pool_row_when_the_pool_is_off():
 
 
 def test_check_with_no_device_says_so_and_runs_nothing_else():
-    # With no device visible the checks failed with an IndexError each.
+    # With no device visible the checks failed with an IndexError each. The
+    # simulator with no device is a driver that finds none (NoDriverError,
+    # as cuInit's CUDA_ERROR_NO_DEVICE).
     out = _run_env("check", GPUPTR_DRIVER="sim", GPUPTR_SIM_DEVICES="0", timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "shows no device" in out.stdout and "IndexError" not in out.stdout
+    assert "NoDriverError" in out.stdout and "no CUDA device" in out.stdout, out.stdout
+    assert "IndexError" not in out.stdout
     assert "checks were not run: each needs a working driver and a device" in out.stdout
 
 

@@ -156,6 +156,20 @@ def test_a_pool_limit_without_a_pool_is_refused_not_ignored():
     assert "limit None allocated 67108864" in r.stdout, r.stdout
 
 
+def test_a_simulator_with_no_device_is_no_driver_as_cuinit_finding_none():
+    r = _child(
+        """
+        import gpuptr
+        try:
+            gpuptr.alloc(10)
+        except gpuptr.NoDriverError as e:
+            print("NoDriverError:", e)
+        """,
+        GPUPTR_SIM_DEVICES="0",
+    )
+    assert "NoDriverError: no CUDA driver: GPUPTR_SIM_DEVICES=0" in r.stdout, (r.stdout, r.stderr)
+
+
 def test_settings_from_the_environment():
     r = _child(
         """

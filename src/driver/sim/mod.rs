@@ -75,12 +75,19 @@ impl SimConfig {
         }
     }
 
-    /// Read `GPUPTR_SIM_DEVICES` (default 1) and `GPUPTR_SIM_MEMORY` (bytes,
-    /// default 1 GiB).
+    /// Read `GPUPTR_SIM_DEVICES` (default 1; 0 is no device, a
+    /// [`Error::NoDriver`] as the CUDA driver's) and `GPUPTR_SIM_MEMORY`
+    /// (bytes, default 1 GiB).
     pub fn from_env() -> Result<Self> {
         use crate::config::{size_or, usize_or as read, SIM_DEVICES, SIM_MEMORY};
         let d = SimConfig::default();
         let devices = read(SIM_DEVICES, d.devices)?;
+        if devices == 0 {
+            // As the CUDA driver that finds no device (`cuInit`).
+            return Err(Error::NoDriver(
+                "GPUPTR_SIM_DEVICES=0: the simulator has no CUDA device".into(),
+            ));
+        }
         if devices > MAX_DEVICES {
             return Err(Error::InvalidArgument(format!(
                 "GPUPTR_SIM_DEVICES={devices} is more than the simulator's {MAX_DEVICES}"

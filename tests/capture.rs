@@ -338,6 +338,34 @@ fn test_a_thread_that_exits_during_its_capture_ends_it() {
     assert_eq!(rt.capturing(0), Ok(false));
 }
 
+/// A capture begun from a thread-local's destructor, once the thread's
+/// record of its captures is gone, is refused rather than left open for good.
+#[test]
+fn test_a_capture_begun_as_its_thread_exits_is_not_left_open() {
+    struct BeginsOnDrop(Arc<Runtime>, std::sync::mpsc::Sender<gpuptr::Result<()>>);
+    impl Drop for BeginsOnDrop {
+        fn drop(&mut self) {
+            let _ = self.1.send(self.0.begin_capture(0));
+        }
+    }
+    thread_local! {
+        static LATE: std::cell::RefCell<Option<BeginsOnDrop>> = const { std::cell::RefCell::new(None) };
+    }
+    let (_drv, rt) = sim_pooled(1, 64 << 20);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let other = rt.clone();
+    std::thread::spawn(move || {
+        // Made first, so destroyed after the capture record (the reverse order).
+        LATE.with(|l| *l.borrow_mut() = Some(BeginsOnDrop(other.clone(), tx)));
+        other.begin_capture(0).unwrap();
+        other.end_capture(0).unwrap();
+    })
+    .join()
+    .unwrap();
+    let begun = rx.recv().unwrap();
+    assert_eq!(rt.capturing(0), Ok(false), "{begun:?}");
+}
+
 /// A block freed without a stream on an idle GPU, well before a capture,
 /// is reusable inside it, where no fence may run: its free asked for a
 /// fence at once, and that fence ended before the capture began. (A pool

@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Dict, Iterator, Optional
+import os
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from gpuptr import _core
 
@@ -44,9 +45,18 @@ def capturing(device: Optional[int] = None) -> Iterator[None]:
     if device is None:
         device = _core._current_device()
     _core.begin_capture(device)
+    pid = os.getpid()
     try:
         yield
     finally:
+        _end(device, pid)
+
+
+def _end(device: int, pid: int) -> None:
+    """End the capture process ``pid`` began on ``device``: in a child
+    forked meanwhile it is the parent's, not this process's to end (and
+    gpuptr refuses every call there)."""
+    if os.getpid() == pid:
         _core.end_capture(device)
 
 
@@ -57,8 +67,8 @@ def _wrap(cls: Any, begin: str, end: str, device_of: Any, stream_of: Any = None)
     original_begin, original_end = getattr(cls, begin), getattr(cls, end)
     if getattr(original_begin, "__gpuptr_capture__", False):
         return
-    # The device each capture began on, by the capturing object.
-    began: Dict[int, int] = {}
+    # The device and process each capture began in, by the capturing object.
+    began: Dict[int, Tuple[int, int]] = {}
 
     @functools.wraps(original_begin)
     def begin_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -69,7 +79,7 @@ def _wrap(cls: Any, begin: str, end: str, device_of: Any, stream_of: Any = None)
         except BaseException:
             _core.end_capture(device)
             raise
-        began[id(self)] = device
+        began[id(self)] = (device, os.getpid())
         if stream_of is not None:
             _keep_graph_memory(device, stream_of, self)
         return r
@@ -79,9 +89,9 @@ def _wrap(cls: Any, begin: str, end: str, device_of: Any, stream_of: Any = None)
         try:
             return original_end(self, *args, **kwargs)
         finally:
-            device = began.pop(id(self), None)
-            if device is not None:
-                _core.end_capture(device)
+            where = began.pop(id(self), None)
+            if where is not None:
+                _end(*where)
 
     begin_wrapper.__gpuptr_capture__ = True  # type: ignore[attr-defined]
     setattr(cls, begin, begin_wrapper)

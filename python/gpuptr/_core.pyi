@@ -511,6 +511,8 @@ def begin_capture(device: Optional[int] = None) -> None:
     nest. ``gpuptr.install()`` makes these calls around CuPy's and PyTorch's
     own captures; gpuptr's allocations and frees need none (they run in
     relaxed capture mode).
+    A thread that ends with captures it began still under way ends them, with
+    a warning, before ``Thread.join()`` returns.
     """
 def end_capture(device: Optional[int] = None) -> None:
     """End a capture begun with ``begin_capture`` on ``device`` (default: the

@@ -404,8 +404,10 @@ impl DeviceState {
         }
     }
 
+    /// Whether a capture begun here is under way (a device without a pool
+    /// keeps the record too).
     pub(crate) fn capturing(&self) -> bool {
-        self.pool.as_ref().is_some_and(Pool::capturing)
+        !lock(&self.capture_threads).is_empty()
     }
 
     /// Cap the bytes the pool holds from the driver (`None`: no cap).

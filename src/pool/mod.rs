@@ -355,11 +355,6 @@ impl Pool {
         self.fencer.end_capture();
     }
 
-    /// Whether a capture is under way on the device.
-    pub(crate) fn capturing(&self) -> bool {
-        self.fencer.capturing()
-    }
-
     /// Let growth ahead under way finish (so what the pool holds stays put for
     /// statistics and trims), wait for the fence after every free so far, and
     /// make those blocks free (tests, `synchronize`); `false` if it failed.

@@ -294,12 +294,17 @@ fn capture_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
 /// nest. ``gpuptr.install()`` makes these calls around CuPy's and PyTorch's
 /// own captures; gpuptr's allocations and frees need none (they run in
 /// relaxed capture mode).
+/// A thread that ends with captures it began still under way ends them, with
+/// a warning, before ``Thread.join()`` returns.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
 fn begin_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
     let d = capture_device(device)?;
     let rt = runtime()?;
-    py.detach(|| rt.begin_capture(d)).map_err(Into::into)
+    let open = ThreadCaptures::of_this_thread(py)?;
+    py.detach(|| rt.begin_capture(d))?;
+    crate::sync::lock(&open.get().0).push(d);
+    Ok(())
 }
 
 /// End a capture begun with ``begin_capture`` on ``device`` (default: the
@@ -307,9 +312,60 @@ fn begin_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<
 /// nothing ends) when this thread has no such capture under way there.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
-fn end_capture(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+fn end_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
     let d = capture_device(device)?;
-    Ok(runtime()?.end_capture(d)?)
+    runtime()?.end_capture(d)?;
+    let open = ThreadCaptures::of_this_thread(py)?;
+    let mut open = crate::sync::lock(&open.get().0);
+    if let Some(i) = open.iter().rposition(|&o| o == d) {
+        open.swap_remove(i);
+    }
+    Ok(())
+}
+
+/// The devices of the captures this Python thread began and has not ended,
+/// kept in a ``threading.local``. Python clears a thread's locals as the
+/// thread ends, before ``Thread.join()`` returns, and so ends them then: the
+/// core's own record of them ends them only at the OS thread's exit, later
+/// (a join could return with the capture still holding every fence back).
+#[pyclass(frozen, module = "gpuptr._core")]
+struct ThreadCaptures(std::sync::Mutex<Vec<usize>>);
+
+impl ThreadCaptures {
+    fn of_this_thread(py: Python<'_>) -> PyResult<Bound<'_, ThreadCaptures>> {
+        static LOCAL: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+        let local = LOCAL
+            .get_or_try_init(py, || {
+                py.import("threading")?.call_method0("local").map(Bound::unbind)
+            })?
+            .bind(py);
+        if let Ok(open) = local.getattr("gpuptr_captures") {
+            return Ok(open.cast_into::<ThreadCaptures>()?);
+        }
+        let open = Bound::new(py, ThreadCaptures(std::sync::Mutex::new(Vec::new())))?;
+        local.setattr("gpuptr_captures", &open)?;
+        Ok(open)
+    }
+}
+
+impl Drop for ThreadCaptures {
+    fn drop(&mut self) {
+        // In a forked child nothing of the parent's is ours to end.
+        if crate::fork::forked() {
+            return;
+        }
+        let Some(rt) = crate::Runtime::global_if_open() else {
+            return;
+        };
+        for d in std::mem::take(&mut *crate::sync::lock(&self.0)) {
+            if rt.end_capture(d).is_ok() {
+                log::warn!(
+                    target: "gpuptr::context",
+                    "device {d}: a thread ended during a capture it began; the capture is ended"
+                );
+            }
+        }
+    }
 }
 
 /// Tell gpuptr that the capture ``stream`` takes part in has begun (call

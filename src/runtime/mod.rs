@@ -71,6 +71,11 @@ struct OpenCaptures(RefCell<Vec<(Weak<Runtime>, usize)>>, std::thread::ThreadId)
 
 impl Drop for OpenCaptures {
     fn drop(&mut self) {
+        // In a forked child the parent's locks may be held by threads that
+        // are gone, and nothing of the parent's is ours to end.
+        if crate::fork::forked() {
+            return;
+        }
         for (rt, device) in self.0.take() {
             let Some(rt) = rt.upgrade() else { continue };
             // A thread-local destructor must not unwind (that aborts).
@@ -205,10 +210,18 @@ impl Runtime {
     /// run in relaxed capture mode.
     /// A thread that exits with captures it began still under way ends
     /// them as it goes (with a warning): no fence could run again otherwise.
+    /// A thread whose thread-locals are being destroyed cannot keep that
+    /// record: a begin there is refused ([`Error::InvalidArgument`](crate::Error::InvalidArgument)).
     pub fn begin_capture(self: &Arc<Self>, device: usize) -> Result<()> {
         self.check_device(device)?;
         self.devices[device].begin_capture();
-        let _ = OPEN_CAPTURES.try_with(|o| o.0.borrow_mut().push((Arc::downgrade(self), device)));
+        let kept = OPEN_CAPTURES.try_with(|o| o.0.borrow_mut().push((Arc::downgrade(self), device)));
+        if kept.is_err() {
+            let _ = self.devices[device].end_capture();
+            return Err(crate::Error::InvalidArgument(
+                "begin_capture: this thread is exiting, and could not end the capture".into(),
+            ));
+        }
         Ok(())
     }
 

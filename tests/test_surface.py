@@ -77,6 +77,36 @@ def test_a_device_that_is_not_an_int_is_a_type_error_everywhere(call):
         call()
 
 
+class _Index:
+    """An int-like object (as numpy's integers are), or one whose
+    ``__index__`` raises ``error``."""
+
+    def __init__(self, value=0, error=None):
+        self.value, self.error = value, error
+
+    def __index__(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_an_int_like_device_or_size_is_taken_and_its_own_error_propagates():
+    # memory_summary(obj) compared the object with device numbers and gave
+    # an empty string; an error raised in __index__ (KeyboardInterrupt among
+    # them) became "must be an int".
+    assert gpuptr.memory_summary(_Index(0)) == gpuptr.memory_summary(0) != ""
+    gpuptr.alloc(_Index(64), device=_Index(0)).free()
+    for error in (ValueError("mine"), KeyboardInterrupt()):
+        for call in (
+            lambda i: gpuptr.alloc(i),
+            lambda i: gpuptr.alloc(64, device=i),
+            lambda i: gpuptr.memory_allocated(i),
+            lambda i: gpuptr.memory_summary(i),
+        ):
+            with pytest.raises(type(error)):
+                call(_Index(error=error))
+
+
 def _binding_imports():
     """Each src/python/*.rs file's references to its siblings."""
     import pathlib

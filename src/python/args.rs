@@ -69,13 +69,30 @@ pub(crate) fn shown(obj: &Bound<'_, PyAny>) -> String {
 /// a size or a device): anything but an int is a `TypeError`; an int past
 /// 64 bits is an `InvalidArgumentError` that names `what` and the range.
 pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
+    int_value(obj, what).map_err(|e| match e {
+        Err(e) => e,
+        Ok(Past64Bits) => Error::InvalidArgument(format!(
+            "{what} {} is out of range: it must be an int from -2**63 to {MAX}",
+            shown(obj)
+        ))
+        .into(),
+    })
+}
+
+/// [`int_arg`]'s int, or why not: an int past 64 bits (`Ok`, for the
+/// caller to name its range), or the error to raise: a `TypeError`, or one
+/// the object's own `__index__` raised (a KeyboardInterrupt among them),
+/// which is the caller's to see, as Python's own calls let it be.
+fn int_value(obj: &Bound<'_, PyAny>, what: &str) -> Result<isize, PyResult<Past64Bits>> {
     let type_error = || {
         let name = obj
             .get_type()
             .name()
             .map(|n| n.to_string())
             .unwrap_or_default();
-        pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {name}"))
+        Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "{what} must be an int, not {name}"
+        )))
     };
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(type_error());
@@ -83,18 +100,19 @@ pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<isize> {
     // Anything but an int converts through `__index__`, which may be Python code.
     let _region =
         (!obj.is_instance_of::<pyo3::types::PyInt>()).then(|| Region::enter_or_hang(obj.py()));
-    match obj.extract::<isize>() {
-        Ok(v) => Ok(v),
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
-            Err(Error::InvalidArgument(format!(
-                "{what} {} is out of range: it must be an int from -2**63 to {MAX}",
-                shown(obj)
-            ))
-            .into())
+    obj.extract::<isize>().map_err(|e| {
+        if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) {
+            Ok(Past64Bits)
+        } else if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) {
+            type_error()
+        } else {
+            Err(e)
         }
-        Err(_) => Err(type_error()),
-    }
+    })
 }
+
+/// An int argument past 64 bits ([`int_value`]).
+struct Past64Bits;
 
 /// A byte count named `what`: an int from 0 to 2**63-1 (see [`int_arg`]);
 /// anything outside is an `InvalidArgumentError` naming `what` and the range.
@@ -106,10 +124,10 @@ pub(crate) fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
         ))
         .into()
     };
-    match int_arg(obj, what) {
+    match int_value(obj, what) {
         Ok(n) => usize::try_from(n).map_err(|_| out_of_range()),
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Err(e),
-        Err(_) => Err(out_of_range()),
+        Err(Ok(Past64Bits)) => Err(out_of_range()),
+        Err(Err(e)) => Err(e),
     }
 }
 
@@ -123,11 +141,11 @@ pub(crate) fn optional_size(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyRes
 /// A device ordinal: negative is an `InvalidArgumentError`, and so is an int
 /// past 64 bits (naming the range).
 pub(crate) fn device_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
-    match int_arg(obj, "device") {
+    match int_value(obj, "device") {
         Ok(d) => usize::try_from(d)
             .map_err(|_| Error::InvalidArgument(format!("device {d} does not exist")).into()),
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Err(e),
-        Err(_) => Err(Error::InvalidArgument(format!(
+        Err(Err(e)) => Err(e),
+        Err(Ok(Past64Bits)) => Err(Error::InvalidArgument(format!(
             "device {} does not exist: a device ordinal is an int from 0 to {MAX}",
             shown(obj)
         ))

@@ -131,6 +131,7 @@ def test_a_reservation_past_the_free_memory_is_refused_whole():
         gpuptr.reserve(1 << 20, block_size=2 * total)
     assert ei.value.args and "1.00 MiB" not in str(ei.value), ei.value
     assert gpuptr.stats()[0]["pool_bytes"] == held0, "nothing was taken"
+    assert gpuptr.reserve(0, block_size=2 * total) == 0, "a reservation of nothing needs no block"
     got = gpuptr.reserve("10%", block_size="1MiB")
     assert 0 < got <= free0 // 10 + (1 << 20)
     gpuptr.trim()
@@ -168,6 +169,20 @@ def test_a_simulator_with_no_device_is_no_driver_as_cuinit_finding_none():
         GPUPTR_SIM_DEVICES="0",
     )
     assert "NoDriverError: no CUDA driver: GPUPTR_SIM_DEVICES=0" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_a_share_of_nothing_free_reserves_nothing():
+    # With the device full, reserve("80%") said the share was "less than one
+    # byte of the device's 0 bytes (give a share of at least 1/0 ...)".
+    r = _child(
+        """
+        import gpuptr
+        free, total = gpuptr.context(0).get_memory_info()
+        m = gpuptr.alloc(free)
+        print(gpuptr.context(0).get_memory_info()[0], gpuptr.reserve("80%"), gpuptr.reserve(0.5))
+        """
+    )
+    assert r.stdout.split() == ["0", "0", "0"], (r.stdout, r.stderr)
 
 
 def test_settings_from_the_environment():
@@ -362,7 +377,6 @@ def test_memory_is_a_context_manager_that_frees_it():
     owner.free()
 
 
-@sim
 class _Index:
     """An int-like device number, as numpy's integers are (``__index__``)."""
 
@@ -370,6 +384,7 @@ class _Index:
         return 0
 
 
+@sim
 def test_the_one_number_helpers_follow_the_pool():
     gpuptr.trim()
     gpuptr.reset_peak_stats()

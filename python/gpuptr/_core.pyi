@@ -571,7 +571,8 @@ def reset_context(device: int) -> None:
     context is reset next (``cuDevicePrimaryCtxReset``): the memory of live
     pointers and pinned registrations is left to that reset, which frees it
     (gpuptr must not free it, as it may already be another owner's after a
-    reset). Without a reset it stays allocated until the process ends.
+    reset). Without a reset it stays allocated until the context is reset or
+    released by every holder, or the process ends.
     """
 
 @final

@@ -99,8 +99,9 @@ impl DeviceState {
         };
         // More than the device has free would take all of it and still
         // fall short: refused whole, naming what there is. A block larger
-        // than the reservation is what must fit.
-        let need = bytes.max(size);
+        // than the reservation is what must fit (a reservation of nothing
+        // needs nothing).
+        let need = if bytes == 0 { 0 } else { bytes.max(size) };
         // SAFETY: `ctx` is retained by its holder, the caller.
         if let Ok((free, total)) = unsafe { self.driver().mem_get_info(ctx.raw()) } {
             if need > free {

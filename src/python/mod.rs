@@ -336,7 +336,9 @@ impl ThreadCaptures {
         static LOCAL: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
         let local = LOCAL
             .get_or_try_init(py, || {
-                py.import("threading")?.call_method0("local").map(Bound::unbind)
+                py.import("threading")?
+                    .call_method0("local")
+                    .map(Bound::unbind)
             })?
             .bind(py);
         if let Ok(open) = local.getattr("gpuptr_captures") {
@@ -485,10 +487,14 @@ fn reserve(
     // Held by the runtime: the reservation lives with the context, which
     // would otherwise end with this call and give the blocks back.
     let ctx = runtime()?.held_context(device_context(device)?.device())?;
-    // A share of a reservation is of what the device has free now.
+    // A share of a reservation is of what the device has free now: of
+    // nothing free, nothing (not an error about a share under one byte).
     let bytes = match wanted {
         crate::sizes::Size::Bytes(n) => n,
-        share => share.bytes_on(ctx.memory_info()?.0, "nbytes")?,
+        share => match ctx.memory_info()?.0 {
+            0 => 0,
+            free => share.bytes_on(free, "nbytes")?,
+        },
     };
     Ok(py.detach(|| ctx.reserve(size, bytes))?)
 }
@@ -541,7 +547,8 @@ fn trim(py: Python<'_>, host: bool) -> PyResult<usize> {
 /// context is reset next (``cuDevicePrimaryCtxReset``): the memory of live
 /// pointers and pinned registrations is left to that reset, which frees it
 /// (gpuptr must not free it, as it may already be another owner's after a
-/// reset). Without a reset it stays allocated until the process ends.
+/// reset). Without a reset it stays allocated until the context is reset or
+/// released by every holder, or the process ends.
 #[pyfunction]
 fn reset_context(py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<()> {
     let _log = logging::Deliver(py);

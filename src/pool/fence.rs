@@ -423,8 +423,9 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         sh.ext.started_ns.store(now_ns(), Ordering::Release);
         // SAFETY: `context` is a primary context the pool's owner retained and
         // passed with a request; a teardown may release it during the helper's
-        // own run of fences (a failure ends it): the driver keeps a released
-        // primary context's handle, so the call fails and touches no memory.
+        // own run of fences (a failure ends it). A primary context's handle
+        // stays its device's, so the call then touches no memory: it fails on
+        // the released context, or synchronizes it if someone retained it.
         let r = unsafe { sh.ext.driver.synchronize(context) };
         sh.ext.started_ns.store(0, Ordering::Relaxed);
         st = lock(&sh.state);
@@ -432,7 +433,8 @@ fn fence_loop(sh: &Shared<FenceState, FenceExt>) {
         // The logger only queues the record (no GIL), before the fence reads
         // as done, so a caller that waited (`flush_pool`) delivers it. Back-to-
         // back fences (`FENCE_HOT`) are logged if asked for, long, or the first
-        // that threads waiting now saw (they may wake only after several).
+        // that threads waiting now saw (they may wake only after several): a
+        // waiter that came later may find an earlier fence's record only.
         let waited = st.s.waiters > 0 && !std::mem::replace(&mut waited_logged, true);
         waited_logged &= st.s.waiters > 0;
         let logged = started.filter(|t| asked_for || waited || t.elapsed() >= LOG_LONG);

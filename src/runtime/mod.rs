@@ -66,8 +66,9 @@ impl std::fmt::Debug for Runtime {
 
 /// The captures this thread began on each runtime's devices and has not
 /// ended ([`Runtime::begin_capture`]), ended when the thread exits: a capture
-/// left under way holds every fence of its device back for good.
-struct OpenCaptures(RefCell<Vec<(Weak<Runtime>, usize)>>, std::thread::ThreadId);
+/// left under way holds every fence of its device back for good. Each is
+/// kept by its device, which may outlive its runtime (contexts hold it).
+struct OpenCaptures(RefCell<Vec<Weak<DeviceState>>>, std::thread::ThreadId);
 
 impl Drop for OpenCaptures {
     fn drop(&mut self) {
@@ -76,18 +77,21 @@ impl Drop for OpenCaptures {
         if crate::fork::forked() {
             return;
         }
-        for (rt, device) in self.0.take() {
-            let Some(rt) = rt.upgrade() else { continue };
-            // A thread-local destructor must not unwind (that aborts).
-            let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                rt.devices[device].end_capture_of(self.1)
+        for device in self.0.take() {
+            // A thread-local destructor must not unwind (that aborts): the
+            // end, its log and the device's last drop all run inside.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let Some(device) = device.upgrade() else {
+                    return;
+                };
+                if device.end_capture_of(self.1).is_ok() {
+                    log::warn!(
+                        target: "gpuptr::context",
+                        "device {}: a thread exited during a capture it began; the capture is ended",
+                        device.ordinal()
+                    );
+                }
             }));
-            if matches!(ended, Ok(Ok(()))) {
-                log::warn!(
-                    target: "gpuptr::context",
-                    "device {device}: a thread exited during a capture it began; the capture is ended"
-                );
-            }
         }
     }
 }
@@ -185,7 +189,8 @@ impl Runtime {
     /// stale. Stale pointers raise `InvalidPointer` on use, and freeing them
     /// is a no-op, so they never free memory a later allocation reuses. The
     /// memory of live allocations is left to the reset that follows: without
-    /// one it stays allocated (after one it may be another owner's).
+    /// one it stays allocated until the context is reset or released by every
+    /// holder (after a reset it may be another owner's).
     pub fn reset(self: &Arc<Self>, device: usize) -> Result<()> {
         crate::fork::check()?;
         self.check_device(device)?;
@@ -212,10 +217,11 @@ impl Runtime {
     /// them as it goes (with a warning): no fence could run again otherwise.
     /// A thread whose thread-locals are being destroyed cannot keep that
     /// record: a begin there is refused ([`Error::InvalidArgument`](crate::Error::InvalidArgument)).
-    pub fn begin_capture(self: &Arc<Self>, device: usize) -> Result<()> {
+    pub fn begin_capture(&self, device: usize) -> Result<()> {
         self.check_device(device)?;
         self.devices[device].begin_capture();
-        let kept = OPEN_CAPTURES.try_with(|o| o.0.borrow_mut().push((Arc::downgrade(self), device)));
+        let state = Arc::downgrade(&self.devices[device]);
+        let kept = OPEN_CAPTURES.try_with(|o| o.0.borrow_mut().push(state));
         if kept.is_err() {
             let _ = self.devices[device].end_capture();
             return Err(crate::Error::InvalidArgument(
@@ -233,7 +239,7 @@ impl Runtime {
         self.check_device(device)?;
         self.devices[device].end_capture()?;
         let mine =
-            |(rt, d): &(Weak<Runtime>, usize)| *d == device && std::ptr::eq(rt.as_ptr(), self);
+            |d: &Weak<DeviceState>| std::ptr::eq(d.as_ptr(), Arc::as_ptr(&self.devices[device]));
         let _ = OPEN_CAPTURES.try_with(|o| {
             let mut open = o.0.borrow_mut();
             if let Some(i) = open.iter().rposition(mine) {

@@ -123,6 +123,12 @@ def test_numpy_refuses_device_memory_and_says_how_to_read_it(no_leaks):
             with pytest.raises(TypeError, match="copy_to_host") as e:
                 to_numpy(device)
             assert "CuPy" in str(e.value) and "torch" in str(e.value), e.value
+    # A view of mapped host memory is read through the memory itself (the
+    # message said numpy cannot read device memory).
+    mapped = gpuptr.alloc_host(16, mapped=True)
+    with pytest.raises(TypeError, match="through the MappedMemory itself"):
+        np.asarray(mapped.view(0, 8))
+    mapped.free()
     # Host memory is host memory: numpy reads its bytes.
     for host in (gpuptr.alloc_host(16, mapped=True), gpuptr.alloc_managed(16), gpuptr.alloc_host(16)):
         assert np.asarray(host).shape == (16,)

@@ -463,6 +463,13 @@ impl PyMemoryPointer {
         _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
         self.view.parent().check_live()?;
+        if self.view.parent().host().is_some() {
+            // A view of mapped host memory: the memory itself exports it.
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "numpy reads mapped memory through the MappedMemory itself \
+                 (numpy.frombuffer(mapped, dtype), then slice it), not through a view of it",
+            ));
+        }
         Err(pyo3::exceptions::PyTypeError::new_err(
             "numpy cannot read device memory: copy it to the host with copy_to_host() \
              (numpy.frombuffer(mem.copy_to_host(), dtype)), or make a device array of it \

@@ -12,15 +12,16 @@ from gpuptr import _core
 __all__ = ["max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"]
 
 
+def device_index(device: Any) -> int:
+    """``device`` as an int, checked as every device argument is: a
+    ``TypeError`` for anything but an int (0.9, True and "0" are not
+    devices), ``InvalidArgumentError`` for a device that does not exist."""
+    _core.pool_classes(device)
+    return operator.index(device)
+
+
 def _device_stats(device: Optional[int]) -> Dict[str, Any]:
-    if device is None:
-        d = _core._current_device()
-    else:
-        # As every device argument: a TypeError for anything but an int
-        # (0.9, True and "0" are not devices), InvalidArgumentError for a
-        # device that does not exist.
-        _core.pool_classes(device)
-        d = operator.index(device)
+    d = _core._current_device() if device is None else device_index(device)
     for s in _core.stats():
         if s["device"] == d:
             return dict(s)

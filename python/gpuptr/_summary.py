@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import operator
 from typing import List, Optional
 
 from gpuptr import _core
+from gpuptr._numbers import device_index
 
 __all__ = ["memory_summary"]
 
@@ -26,8 +26,8 @@ def memory_summary(device: Optional[int] = None) -> str:
     class holds blocks of up to its size). ``device``: one device (default: all)."""
     stats = _core.stats()
     if device is not None:
-        _core.pool_classes(device)  # not an int, or a device that does not exist, raises here
-        stats = [s for s in stats if s["device"] == operator.index(device)]
+        one = device_index(device)
+        stats = [s for s in stats if s["device"] == one]
     lines: List[str] = []
     for s in stats:
         d = s["device"]

@@ -301,10 +301,8 @@ fn capture_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
 fn begin_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
     let d = capture_device(device)?;
     let rt = runtime()?;
-    let open = ThreadCaptures::of_this_thread(py)?;
-    py.detach(|| rt.begin_capture(d))?;
-    crate::sync::lock(&open.get().0).push(d);
-    Ok(())
+    ThreadCaptures::watch_this_thread(py)?;
+    py.detach(|| rt.begin_capture(d)).map_err(Into::into)
 }
 
 /// End a capture begun with ``begin_capture`` on ``device`` (default: the
@@ -312,27 +310,22 @@ fn begin_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<
 /// nothing ends) when this thread has no such capture under way there.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
-fn end_capture(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+fn end_capture(device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
     let d = capture_device(device)?;
-    runtime()?.end_capture(d)?;
-    let open = ThreadCaptures::of_this_thread(py)?;
-    let mut open = crate::sync::lock(&open.get().0);
-    if let Some(i) = open.iter().rposition(|&o| o == d) {
-        open.swap_remove(i);
-    }
-    Ok(())
+    Ok(runtime()?.end_capture(d)?)
 }
 
-/// The devices of the captures this Python thread began and has not ended,
-/// kept in a ``threading.local``. Python clears a thread's locals as the
-/// thread ends, before ``Thread.join()`` returns, and so ends them then: the
-/// core's own record of them ends them only at the OS thread's exit, later
-/// (a join could return with the capture still holding every fence back).
+/// Kept in a ``threading.local`` by a thread that began a capture: Python
+/// clears a thread's locals as the thread ends, before ``Thread.join()``
+/// returns, and its drop then ends the thread's open captures
+/// ([`crate::Runtime::end_thread_captures`]); the core's record would end
+/// them only at the OS thread's exit, later (a join could return with the
+/// capture still holding every fence back).
 #[pyclass(frozen, module = "gpuptr._core")]
-struct ThreadCaptures(std::sync::Mutex<Vec<usize>>);
+struct ThreadCaptures;
 
 impl ThreadCaptures {
-    fn of_this_thread(py: Python<'_>) -> PyResult<Bound<'_, ThreadCaptures>> {
+    fn watch_this_thread(py: Python<'_>) -> PyResult<()> {
         static LOCAL: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
         let local = LOCAL
             .get_or_try_init(py, || {
@@ -341,32 +334,16 @@ impl ThreadCaptures {
                     .map(Bound::unbind)
             })?
             .bind(py);
-        if let Ok(open) = local.getattr("gpuptr_captures") {
-            return Ok(open.cast_into::<ThreadCaptures>()?);
+        if !local.hasattr("gpuptr_captures")? {
+            local.setattr("gpuptr_captures", Bound::new(py, ThreadCaptures)?)?;
         }
-        let open = Bound::new(py, ThreadCaptures(std::sync::Mutex::new(Vec::new())))?;
-        local.setattr("gpuptr_captures", &open)?;
-        Ok(open)
+        Ok(())
     }
 }
 
 impl Drop for ThreadCaptures {
     fn drop(&mut self) {
-        // In a forked child nothing of the parent's is ours to end.
-        if crate::fork::forked() {
-            return;
-        }
-        let Some(rt) = crate::Runtime::global_if_open() else {
-            return;
-        };
-        for d in std::mem::take(&mut *crate::sync::lock(&self.0)) {
-            if rt.end_capture(d).is_ok() {
-                log::warn!(
-                    target: "gpuptr::context",
-                    "device {d}: a thread ended during a capture it began; the capture is ended"
-                );
-            }
-        }
+        crate::Runtime::end_thread_captures();
     }
 }
 

@@ -72,6 +72,13 @@ struct OpenCaptures(RefCell<Vec<Weak<DeviceState>>>, std::thread::ThreadId);
 
 impl Drop for OpenCaptures {
     fn drop(&mut self) {
+        self.end_all();
+    }
+}
+
+impl OpenCaptures {
+    /// End every capture on the record, with a warning each.
+    fn end_all(&self) {
         // In a forked child the parent's locks may be held by threads that
         // are gone, and nothing of the parent's is ours to end.
         if crate::fork::forked() {
@@ -102,6 +109,14 @@ thread_local! {
 }
 
 impl Runtime {
+    /// End every capture the calling thread began, on any runtime's devices,
+    /// and has not ended, with a warning each, as the thread's exit does: for
+    /// a binding whose threads end, as its users see it (Python's
+    /// `Thread.join()` returns), before their thread-locals are destroyed.
+    pub fn end_thread_captures() {
+        let _ = OPEN_CAPTURES.try_with(OpenCaptures::end_all);
+    }
+
     /// A runtime over `driver`, with a caching pool per device.
     pub fn new(driver: Arc<dyn Driver>) -> Result<Arc<Self>> {
         Runtime::with_pool(driver, Some(PoolConfig::default()))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -86,3 +88,32 @@ def test_gpuptr_track_env_turns_it_on_at_start():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "1"]
+
+
+# From an attacker's pass ------------------------------------------------------
+
+
+def test_a_caller_whose_file_name_is_not_utf8_keeps_the_stack(tracking):
+    # A path Python read with surrogate escapes (a Latin-1 directory): the
+    # whole stack was lost, reported as "<no Python caller>".
+    ns = {"gpuptr": gpuptr}
+    exec(compile("def f():\n    return gpuptr.alloc(1234)\n", os.fsdecode(b"/nowhere/caf\xe9.py"), "exec"), ns)
+    m = ns["f"]()
+    (mine,) = [o for o in sites() if o["bytes"] == 1234]
+    assert re.match(r"/nowhere/caf\ufffd+\.py:2 in f <- ", mine["site"]), mine["site"]
+    assert __file__ in mine["site"]
+    m.free()
+
+
+def test_gpuptr_installed_under_a_path_that_is_not_utf8_names_callers(tmp_path):
+    # Every allocation was "<no Python caller>" there.
+    home = tmp_path / os.fsdecode(b"site-\xff")
+    shutil.copytree(os.path.dirname(gpuptr.__file__), home / "gpuptr")
+    code = (
+        "import gpuptr\ngpuptr.track()\ndef mine():\n    return gpuptr.alloc(100)\n"
+        "m = mine()\nassert gpuptr.__file__.startswith(%r)\nprint(gpuptr.outstanding()[0]['site'])\n" % str(home)
+    )
+    env = dict(os.environ, PYTHONPATH=str(home))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("<string>:4 in mine <- <string>:5 in <module>"), out.stdout

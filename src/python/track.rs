@@ -38,8 +38,10 @@ fn python_stack(py: Python<'_>, depth: usize) -> PyResult<Vec<Frame>> {
     static PACKAGE: PyOnceLock<String> = PyOnceLock::new();
     let getframe = GETFRAME.import(py, "sys", "_getframe")?;
     let package = PACKAGE.get_or_try_init(py, || -> PyResult<String> {
-        let file: String = py.import("gpuptr")?.getattr("__file__")?.extract()?;
-        let dir = std::path::Path::new(&file)
+        // Lossy, as the frames' files are: a path need not be UTF-8.
+        let file = py.import("gpuptr")?.getattr("__file__")?;
+        let file = file.cast::<PyString>()?.to_string_lossy();
+        let dir = std::path::Path::new(file.as_ref())
             .parent()
             .map(|p| p.to_string_lossy().into_owned())
             .unwrap_or_default();
@@ -51,18 +53,21 @@ fn python_stack(py: Python<'_>, depth: usize) -> PyResult<Vec<Frame>> {
     while !frame.is_none() && frames.len() < depth {
         let code = frame.getattr(intern!(py, "f_code"))?;
         let file = code.getattr(intern!(py, "co_filename"))?;
-        let file = file.cast::<PyString>()?.to_str()?;
+        // A file or function name need not be UTF-8 (a path Python read
+        // with surrogate escapes): its frame is kept, lossily, not the
+        // whole stack lost.
+        let file = file.cast::<PyString>()?.to_string_lossy();
         if !file.starts_with(package.as_str()) {
             let line: u32 = frame
                 .getattr(intern!(py, "f_lineno"))?
                 .extract()
                 .unwrap_or(0);
             let name = code.getattr(intern!(py, "co_name"))?;
-            let name = name.cast::<PyString>()?.to_str()?;
+            let name = name.cast::<PyString>()?.to_string_lossy();
             frames.push(Frame {
-                filename: file.into(),
+                filename: file.as_ref().into(),
                 line,
-                name: name.into(),
+                name: name.as_ref().into(),
             });
         }
         frame = frame.getattr(intern!(py, "f_back"))?;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 import weakref
 
 import pytest
@@ -305,6 +306,21 @@ def test_a_freed_pointer_hands_no_address_to_a_consumer():
         p.record_stream(12345)      # a use declared after the free
     assert set(q.copy_to_host()) == {1}
     q.free()
+
+
+def test_an_element_type_with_a_lone_surrogate_is_a_typed_error(mem):
+    # A str no UTF-8 can hold raised UnicodeEncodeError, no gpuptr error.
+    with pytest.raises(gpuptr.InvalidArgumentError, match="typestr"):
+        gpuptr.from_cuda_array_interface(desc(mem.device_pointer_value, (4,), "<f\ud8004"))
+    with pytest.raises(gpuptr.InvalidArgumentError, match="not supported"):
+        gpuptr._core._dtype_info("float\ud800")
+    if importlib.util.find_spec("numpy"):  # names outside gpuptr's table go to numpy
+        with pytest.raises(gpuptr.InvalidArgumentError, match="not an element type"):
+            gpuptr.as_array(mem, 4, "float\ud800")
+    v = gpuptr.as_array(mem, 4, "uint8")
+    v.dtype_name = "\ud800"
+    with pytest.raises(BufferError, match="no DLPack code"):
+        v.__dlpack__()
 
 
 def test_a_crafted_capsule_not_on_a_cuda_device_is_refused(mem):

@@ -66,6 +66,17 @@ def test_a_size_past_2_63_bytes_is_refused_as_string_and_as_int(big, no_limit):
 
 
 @sim
+@pytest.mark.parametrize("what", ["nbytes", "block_size"])
+def test_a_size_string_with_a_lone_surrogate_is_a_typed_error(what, no_limit):
+    # It raised UnicodeEncodeError, no gpuptr error.
+    calls = [gpuptr.set_pool_limit, gpuptr.reserve] if what == "nbytes" else [lambda s: gpuptr.reserve(0, block_size=s)]
+    for call in calls:
+        with pytest.raises(gpuptr.InvalidArgumentError, match=f"{what}=.* is not a size"):
+            call("1\ud800GB")
+    assert gpuptr.stats()[0]["pool_limit"] is None
+
+
+@sim
 def test_a_share_of_less_than_one_byte_is_refused_not_a_zero_limit(no_limit):
     with pytest.raises(gpuptr.InvalidArgumentError, match="less than one byte"):
         gpuptr.set_pool_limit(1e-12)

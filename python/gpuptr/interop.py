@@ -234,7 +234,7 @@ def _dtype_name(dtype: Any) -> str:
 
     try:
         dt = numpy.dtype(dtype)
-    except TypeError as e:
+    except (TypeError, UnicodeEncodeError) as e:  # a str with a lone surrogate
         raise InvalidArgumentError(f"{dtype!r} is not an element type: {e}") from None
     if dt.byteorder == ">":
         raise InvalidArgumentError(f"big-endian element type {dt.str} is not supported")

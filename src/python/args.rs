@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::PyAny;
+use pyo3::types::{PyAny, PyString};
 
 use super::shutdown::Region;
 use crate::{DevicePtr, Error, RawStream, Runtime};
@@ -63,6 +63,13 @@ pub(crate) fn shown(obj: &Bound<'_, PyAny>) -> String {
             Err(_) => "an int".into(),
         },
     }
+}
+
+/// A str argument's text, a lone surrogate (which no UTF-8 has) read as
+/// U+FFFD: every parser refuses that with its own typed error, where the
+/// strict read raised `UnicodeEncodeError`.
+pub(crate) fn text<'a>(s: &'a Bound<'_, PyString>) -> std::borrow::Cow<'a, str> {
+    s.to_string_lossy()
 }
 
 /// An integer argument named `what` that must not be a bool (``True`` is not

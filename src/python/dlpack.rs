@@ -13,7 +13,7 @@ use std::ffi::{c_void, CStr};
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyTuple};
+use pyo3::types::{PyCapsule, PyString, PyTuple};
 
 use crate::{Error, Layout, Loan, RawStream, View};
 
@@ -640,8 +640,11 @@ pub(crate) struct Request<'a, 'py> {
 /// ``(typestr, itemsize, DLPack code, bits)`` of an element type named as
 /// numpy names it (``"float32"``, ``"bfloat16"``, ``"float8_e4m3fn"``).
 #[pyfunction]
-pub(crate) fn _dtype_info(name: &str) -> PyResult<(&'static str, usize, u8, u8)> {
-    let (dt, typestr) = dtype_named(name).ok_or_else(|| {
+pub(crate) fn _dtype_info(name: &Bound<'_, PyString>) -> PyResult<(&'static str, usize, u8, u8)> {
+    // Lossy, as `args::text` reads (this module is a leaf): a lone
+    // surrogate names no type, and is refused below.
+    let name = name.to_string_lossy();
+    let (dt, typestr) = dtype_named(&name).ok_or_else(|| {
         PyErr::from(Error::InvalidArgument(format!(
             "element type {name:?} is not supported (supported: {})",
             DTYPES.iter().map(|d| d.0).collect::<Vec<_>>().join(", ")

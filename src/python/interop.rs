@@ -6,7 +6,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
-use super::args::runtime;
+use super::args::{runtime, text};
 use super::dlpack::{
     self, _dlpack_consume, describe, dtype_name_of_typestr, dtype_named, ArraySpec, Request,
 };
@@ -190,7 +190,7 @@ pub(crate) fn _import_cai<'py>(
     let typestr = typestr
         .cast_into::<PyString>()
         .map_err(|e| bad(format!("typestr must be a str, got {}", e.into_inner())))?;
-    let itemsize = typestr_itemsize(typestr.to_str()?)?;
+    let itemsize = typestr_itemsize(&text(&typestr))?;
     let strides = match desc.get_item(intern!(py, "strides"))? {
         Some(s) if !s.is_none() => Some(ints(&s, "strides")?),
         _ => None,
@@ -276,7 +276,7 @@ pub(crate) fn _dlpack_export<'py>(
     pointer: &Bound<'py, PyMemoryPointer>,
     shape: Vec<usize>,
     strides: Option<Vec<i64>>,
-    dtype: &str,
+    dtype: &Bound<'py, PyString>,
     readonly: bool,
     producer_stream: Option<RawStream>,
     stream: Option<&Bound<'py, PyAny>>,
@@ -284,7 +284,8 @@ pub(crate) fn _dlpack_export<'py>(
     dl_device: Option<&Bound<'py, PyAny>>,
     copy: Option<bool>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (dt, _) = dtype_named(dtype).ok_or_else(|| {
+    let dtype = text(dtype);
+    let (dt, _) = dtype_named(&dtype).ok_or_else(|| {
         PyBufferError::new_err(format!("element type {dtype:?} has no DLPack code"))
     })?;
     let spec = ArraySpec {

@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyComplex, PyFloat, PyInt, PyString};
 
-use super::args::size_arg;
+use super::args::{size_arg, text};
 use crate::sizes::{self, Size};
 
 /// The size `obj` gives for the argument `what`.
@@ -20,8 +20,8 @@ pub(crate) fn size_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Size> {
         let f = obj.call_method0("__float__")?.extract::<f64>()?;
         return Ok(Size::share(f, what)?);
     }
-    if obj.is_instance_of::<PyString>() {
-        return Ok(sizes::parse(&obj.extract::<String>()?, what)?);
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(sizes::parse(&text(s), what)?);
     }
     Ok(Size::Bytes(size_arg(obj, what)?))
 }
@@ -73,8 +73,8 @@ fn refused_kind(obj: &Bound<'_, PyAny>) -> Option<&'static str> {
 /// hint offers none ([`sizes::parse_bytes`]).
 pub(crate) fn bytes_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     refuse_kind(obj, what, "an int of bytes or \"1GiB\"")?;
-    if obj.is_instance_of::<PyString>() {
-        return Ok(sizes::parse_bytes(&obj.extract::<String>()?, what)?);
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(sizes::parse_bytes(&text(s), what)?);
     }
     match size_of(obj, what)? {
         Size::Bytes(n) => Ok(n),

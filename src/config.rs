@@ -7,7 +7,7 @@
 //! | `GPUPTR_SIM_MEMORY` | the simulator | each device's size in bytes (`4GiB`; default 1 GiB); no share, as there is no device to take one of |
 //! | `GPUPTR_POOL` | the global runtime | a switch: off (`0`, `off`, `false`, `no`) means no caching pool |
 //! | `GPUPTR_POOL_HEADROOM` | the global runtime | the least the pool holds before a miss of memory freed without a stream waits for a fence rather than grow ([`PoolConfig::headroom_bytes`](crate::PoolConfig::headroom_bytes)); default 32 MiB |
-//! | `GPUPTR_POOL_AHEAD` | the global runtime | the segment grown ahead, on a busy GPU, for memory freed without a stream ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
+//! | `GPUPTR_POOL_AHEAD` | the global runtime | the most a busy GPU's growth, and growth ahead, add for memory freed without a stream ([`PoolConfig::ahead_bytes`](crate::PoolConfig::ahead_bytes)); 0 turns it off |
 //! | `GPUPTR_HOST_CACHE` | the global runtime | the most pinned host memory the pool caches ([`PoolConfig::host_cache_bytes`](crate::PoolConfig::host_cache_bytes)); 0 turns the host cache off |
 //! | `GPUPTR_TRACK` | the global runtime | a switch: on (`1`, `on`, `true`, `yes`) means the leak report from the start |
 //! | `GPUPTR_HISTORY` | the global runtime | a switch: on means the allocation history from the start ([`crate::history`]) |

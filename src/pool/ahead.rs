@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::arena::{Arena, Kind};
 use super::helper::{Helper, Shared};
-use super::segments::Allocation;
+use super::segments::{Allocation, ROUND_LARGE, SMALL_SEGMENT};
 use super::Pool;
 use crate::driver::RawContext;
 use crate::sync::{lock, wait_while};
@@ -144,8 +144,8 @@ impl Pool {
     pub(super) fn wants_ahead(&self, a: &mut Arena, busy: impl FnOnce(&mut Arena) -> bool) -> bool {
         if a.ahead_asked
             || self.config.ahead_bytes == 0
-            || a.free_any_bytes() >= self.config.ahead_bytes
             || a.waiting_bytes() == 0
+            || a.free_any_bytes() >= self.busy_growth(a)
             || !busy(a)
         {
             return false;
@@ -212,14 +212,15 @@ impl Pool {
         arena: usize,
         kind: Kind,
     ) -> Result<super::segments::Landing<'_>, &'static str> {
-        let bytes = self.config.ahead_bytes;
-        {
+        let bytes = {
             let mut a = self.arena(arena);
             a.promote(self.fencer.done());
+            let bytes = self.busy_growth(&a);
             if a.free_any_bytes() >= bytes {
                 return Err("a fence made the stock up");
             }
-        }
+            bytes
+        };
         let free: usize = (0..self.arenas.len())
             .map(|i| self.arena(i).free_any_bytes())
             .sum();
@@ -236,6 +237,16 @@ impl Pool {
         *lock(&self.grower.arena) = Some(arena);
         self.grow(context, arena, bytes, kind)
             .map_err(|_| "the driver or the pool limit refused")
+    }
+
+    /// What a busy GPU's growth (and growth ahead) adds to arena `a`: what
+    /// it uses, handed out and waiting for a fence, in 2 MiB steps, from 2
+    /// to [`ahead_bytes`](super::PoolConfig::ahead_bytes). Each doubles the
+    /// arena (a busy spell's driver calls, 60-490 µs each, stay few), and a
+    /// fence misread as busy costs what was used, not 64 MiB.
+    pub(super) fn busy_growth(&self, a: &Arena) -> usize {
+        let used = (a.live_bytes + a.waiting_bytes()).div_ceil(ROUND_LARGE) * ROUND_LARGE;
+        used.clamp(SMALL_SEGMENT, self.config.ahead_bytes.max(SMALL_SEGMENT))
     }
 
     /// A request for growth ahead in `arena` is over: it may be asked

@@ -235,11 +235,12 @@ impl Pool {
                 return Ok(g);
             }
         }
-        // 5. Grow by a segment: a larger one for a busy GPU's fenced
-        // frees, which come back only once its work is done.
+        // 5. Grow by a segment, on a busy GPU by what the arena uses
+        // ([`Pool::busy_growth`]): its fenced frees come back only later.
         let busy = ask.tag == ANY && self.gpu_busy();
         let fit = segments::segment_size(ask.want);
-        let first = fit.max(if busy { self.config.ahead_bytes } else { 0 });
+        let used = busy.then(|| self.busy_growth(&self.arena(ask.home)));
+        let first = fit.max(used.unwrap_or(0));
         let kind = Kind::of(ask.want);
         let mut grown = self.grow(context, ask.home, first, kind);
         // A device too full for a whole segment may still fit less.

@@ -136,22 +136,18 @@ fn grow_loop(sh: &Shared<GrowState, ()>) {
 }
 
 impl Pool {
-    /// After a hand-out without a stream from arena `a` (locked): whether to
-    /// ask for growth ahead, once until served: while a busy GPU holds such
-    /// frees back (`busy`, asked last: see [`Pool::gpu_busy`]) and `a` has less
-    /// free for anyone than [`ahead_bytes`](super::PoolConfig::ahead_bytes).
+    /// After a hand-out without a stream from arena `a` (locked): whether to ask
+    /// for growth ahead, once until served: while a busy GPU holds such frees back
+    /// (`busy`, asked last) and `a` has less free for anyone than [`Pool::busy_growth`].
     #[inline]
     pub(super) fn wants_ahead(&self, a: &mut Arena, busy: impl FnOnce(&mut Arena) -> bool) -> bool {
-        if a.ahead_asked
-            || self.config.ahead_bytes == 0
-            || a.waiting_bytes() == 0
-            || a.free_any_bytes() >= self.busy_growth(a)
-            || !busy(a)
-        {
-            return false;
-        }
-        a.ahead_asked = true;
-        true
+        let wanted = !a.ahead_asked
+            && self.config.ahead_bytes > 0
+            && a.waiting_bytes() > 0
+            && a.free_any_bytes() < self.busy_growth(a)
+            && busy(a);
+        a.ahead_asked |= wanted;
+        wanted
     }
 
     /// [`Pool::gpu_busy`] for a hit in arena `a`: after a look that found

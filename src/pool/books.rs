@@ -67,11 +67,8 @@ impl Arena {
         self.live_count += 1;
         self.peak_bytes = self.peak_bytes.max(self.live_bytes);
         self.alloc_count += 1;
-        if hit {
-            self.hits += 1;
-        } else {
-            self.misses += 1;
-        }
+        self.hits += u64::from(hit);
+        self.misses += u64::from(!hit);
     }
 
     /// Count the return of a block handed out for `size` bytes to

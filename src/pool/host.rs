@@ -89,11 +89,8 @@ impl Shard {
     fn handed_out(&mut self, size: usize, hit: bool) {
         self.live_bytes += size;
         self.live_count += 1;
-        if hit {
-            self.hits += 1;
-        } else {
-            self.misses += 1;
-        }
+        self.hits += u64::from(hit);
+        self.misses += u64::from(!hit);
     }
 
     /// Empty the cache into `out`: (block, class, whether its fence is done).

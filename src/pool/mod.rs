@@ -33,9 +33,8 @@
 //!    pool's own `cuMemAlloc` time): a busy GPU. If other threads took what
 //!    it freed, claim a waiting block and wait for its fence once more;
 //! 4. the growth helper allocating for this arena: wait for it;
-//! 5. grow by one segment; without a stream on a busy GPU by what waits
-//!    for its fence, up to [`PoolConfig::ahead_bytes`], and the helper
-//!    grows the arena ahead;
+//! 5. grow by one segment; without a stream on a busy GPU by what the arena
+//!    uses (up to [`PoolConfig::ahead_bytes`]), and the helper grows it ahead;
 //! 6. the driver refused: seal every arena, wait for one fence for all, take
 //!    the best fit anywhere; the device then gives free segments back and
 //!    asks again (`device/oom.rs`).
@@ -97,10 +96,10 @@ pub struct PoolConfig {
     /// next), so frees gather into fewer fences. Zero (default): no rest.
     pub fence_pace: Duration,
     /// Growth ahead of demand: while a busy GPU holds frees without a
-    /// stream back, an arena that churns them keeps as many bytes free for
-    /// anyone as wait for its fence, grown on a helper thread in segments
-    /// of that size, at most this one (so is a busy GPU's miss), so an
-    /// allocation need not wait for the driver. Zero: off.
+    /// stream back, an arena that churns them is grown on a helper thread by
+    /// what it uses (handed out and waiting), at most this many bytes at a
+    /// time (as is a busy GPU's miss), so an allocation need not wait for
+    /// the driver. Zero: off.
     pub ahead_bytes: usize,
     /// The pool's budget is `max(1.5 x live, headroom_bytes)`: past it a
     /// miss of memory freed without a stream waits for its fence rather

@@ -268,6 +268,26 @@ def test_stopping_records_no_more():
     assert not [e for e in frees if e["size"] == 5555], "freed after it stopped: not recorded"
 
 
+def test_dump_snapshot_takes_a_path_as_open_takes_it(history, tmp_path):
+    # str, bytes (a name that is not UTF-8 too) and path-like objects of
+    # either, as open() and torch's _dump_snapshot take them; bytes raised
+    # TypeError.
+    class BytesPath:
+        def __fspath__(self):
+            return os.fsencode(tmp_path / "fspath.pickle")
+
+    kept = gpuptr.alloc(4096)
+    for path in (tmp_path / "a.pickle", str(tmp_path / "b.pickle"),
+                 os.fsencode(tmp_path) + b"/caf\xe9.pickle", BytesPath()):
+        gpuptr.dump_snapshot(path)
+        with open(path, "rb") as f:
+            assert "segments" in pickle.load(f), path
+    assert b"caf\xe9.pickle" in os.listdir(os.fsencode(tmp_path))
+    with pytest.raises(TypeError):
+        gpuptr.dump_snapshot(5)
+    del kept
+
+
 def test_out_of_memory_writes_the_snapshot_and_the_error_names_it(tmp_path):
     path = tmp_path / "oom.pickle"
     gpuptr.record_history(True, oom_snapshot=path)
@@ -292,6 +312,12 @@ def test_out_of_memory_writes_the_snapshot_and_the_error_names_it(tmp_path):
         gpuptr.record_history(True, oom_snapshot=tmp_path / "missing" / "oom.pickle")
         with pytest.raises(gpuptr.OutOfMemoryError, match="could not be written"):
             gpuptr.alloc(64 << 20)
+        # A bytes path, in a name that is not UTF-8, as open() takes it.
+        raw = os.fsencode(tmp_path) + b"/oom-\xe9.pickle"
+        gpuptr.record_history(True, oom_snapshot=raw)
+        with pytest.raises(gpuptr.OutOfMemoryError, match="a memory snapshot was written"):
+            gpuptr.alloc(64 << 20)
+        assert os.path.getsize(raw) > 0
         gpuptr.record_history(True, oom_snapshot="")
         with pytest.raises(gpuptr.OutOfMemoryError) as err:
             gpuptr.alloc(64 << 20)

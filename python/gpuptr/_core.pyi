@@ -668,7 +668,7 @@ def outstanding() -> list[Outstanding]:
 def record_history(
     enabled: bool = True,
     max_entries: Optional[int] = None,
-    oom_snapshot: Union[str, "os.PathLike[str]", None] = None,
+    oom_snapshot: Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]", None] = None,
 ) -> None:
     """Start (or stop) recording the allocation history, as PyTorch's
     ``torch.cuda.memory._record_memory_history``, for every library on
@@ -680,7 +680,7 @@ def record_history(
     recorded and what was stays for ``snapshot()``. ``GPUPTR_HISTORY=1``
     starts it at start-up.
 
-    ``oom_snapshot``: a path (``str`` or ``os.PathLike``) where a snapshot is
+    ``oom_snapshot``: a path (``str``, ``bytes`` or ``os.PathLike``) where a snapshot is
     written when an allocation runs out of memory (its error then names the
     file), as ``GPUPTR_OOM_SNAPSHOT`` does; ``""`` writes none; ``None``
     (the default) leaves the setting as it is. A snapshot that cannot be
@@ -700,13 +700,14 @@ def snapshot() -> dict[str, Any]:
     block and trace entries also have ``client``, and their first frame is
     ``{"filename": "gpuptr", "line": 0, "name": "client=NAME"}``.
     """
-def dump_snapshot(path: Union[str, "os.PathLike[str]"]) -> None:
+def dump_snapshot(path: Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]) -> None:
     """Write the memory snapshot (see ``snapshot()``) to ``path`` as a pickle,
     the file ``python -m torch.cuda._memory_viz trace_plot`` (and the viewer
     at pytorch.org/memory_viz) reads. It is written beside ``path`` and
     renamed over it, so no reader sees half of it. A directory that does not
     exist, or one that cannot be written, raises the ``OSError`` that says
     so (``FileNotFoundError``, ``PermissionError``, ...), naming ``path``.
+    ``path`` is a ``str``, ``bytes`` or path-like object, as ``open`` takes.
     """
 def _set_log_level(level: int) -> None:
     """Set the level records are kept at, from a Python logging level (the

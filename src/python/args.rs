@@ -72,6 +72,17 @@ pub(crate) fn text<'a>(s: &'a Bound<'_, PyString>) -> std::borrow::Cow<'a, str> 
     s.to_string_lossy()
 }
 
+/// A file path as `open` takes it: a `str`, `bytes` (any bytes a POSIX
+/// name holds, UTF-8 or not) or an `os.PathLike` of either.
+pub(crate) fn fs_path(obj: &Bound<'_, PyAny>) -> PyResult<std::path::PathBuf> {
+    let path = obj.py().import("os")?.call_method1("fspath", (obj,))?;
+    if let Ok(b) = path.cast::<pyo3::types::PyBytes>() {
+        use std::os::unix::ffi::OsStrExt;
+        return Ok(std::ffi::OsStr::from_bytes(b.as_bytes()).into());
+    }
+    path.extract()
+}
+
 /// An integer argument named `what` that must not be a bool (``True`` is not
 /// a size or a device): anything but an int is a `TypeError`; an int past
 /// 64 bits is an `InvalidArgumentError` that names `what` and the range.

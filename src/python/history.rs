@@ -4,13 +4,11 @@
 //! (through the allocation sites, `track::python_site`) and turns a failed
 //! write into the `OSError` Python code expects.
 
-use std::path::PathBuf;
-
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
 
-use super::args::{runtime, size_arg};
+use super::args::{fs_path, runtime, size_arg};
 use crate::Error;
 
 /// Start (or stop) recording the allocation history, as PyTorch's
@@ -23,7 +21,7 @@ use crate::Error;
 /// recorded and what was stays for ``snapshot()``. ``GPUPTR_HISTORY=1``
 /// starts it at start-up.
 ///
-/// ``oom_snapshot``: a path (``str`` or ``os.PathLike``) where a snapshot is
+/// ``oom_snapshot``: a path (``str``, ``bytes`` or ``os.PathLike``) where a snapshot is
 /// written when an allocation runs out of memory (its error then names the
 /// file), as ``GPUPTR_OOM_SNAPSHOT`` does; ``""`` writes none; ``None``
 /// (the default) leaves the setting as it is. A snapshot that cannot be
@@ -36,8 +34,9 @@ use crate::Error;
 pub(crate) fn record_history(
     enabled: bool,
     max_entries: Option<&Bound<'_, PyAny>>,
-    oom_snapshot: Option<PathBuf>,
+    oom_snapshot: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
+    let oom_snapshot = oom_snapshot.map(fs_path).transpose()?;
     let max_entries = match max_entries {
         Some(n) => size_arg(n, "max_entries")?,
         None => crate::history::DEFAULT_MAX_ENTRIES,
@@ -86,8 +85,10 @@ pub(crate) fn snapshot(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
 /// renamed over it, so no reader sees half of it. A directory that does not
 /// exist, or one that cannot be written, raises the ``OSError`` that says
 /// so (``FileNotFoundError``, ``PermissionError``, ...), naming ``path``.
+/// ``path`` is a ``str``, ``bytes`` or path-like object, as ``open`` takes.
 #[pyfunction]
-pub(crate) fn dump_snapshot(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+pub(crate) fn dump_snapshot(py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
+    let path = fs_path(path)?;
     let _log = super::logging::Deliver(py);
     let rt = runtime()?;
     let r = py.detach(|| rt.snapshot().write(&path));

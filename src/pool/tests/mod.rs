@@ -15,7 +15,7 @@ mod fence;
 mod freeset;
 mod lookup;
 
-use super::ahead::{AHEAD_WAIT, IDLE_SKIPS};
+use super::ahead::AHEAD_WAIT;
 use super::arena::{Arena, Kind};
 use super::{Block, Grant, Pool, PoolConfig};
 use crate::driver::{CallKind, Driver, RawContext, SimConfig, SimDriver};

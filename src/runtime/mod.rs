@@ -388,8 +388,12 @@ impl Runtime {
     }
 
     /// The process-wide runtime if [`Runtime::global`] opened it already
-    /// (this never opens a driver).
+    /// (this never opens a driver); none in a forked child, where a lock of
+    /// it may be held for good by a parent thread the fork left behind.
     pub fn global_if_open() -> Option<&'static Arc<Runtime>> {
+        if crate::fork::forked() {
+            return None;
+        }
         GLOBAL.get().and_then(|r| r.as_ref().ok())
     }
 

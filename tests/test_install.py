@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -676,6 +677,58 @@ def test_torch_frees_in_a_child_forked_while_threads_allocate_never_hang():
         [sys.executable, "-c", _FORK_WHILE_THREADS_FREE, here, "60"], env=env, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0 and r.stdout.strip() == "[0]", (r.stdout, r.stderr)
+
+
+_NATIVE_CHURN = r"""
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stddef.h>
+typedef void *(*alloc_t)(ptrdiff_t, int, void *);
+typedef void (*free_t)(void *, ptrdiff_t, int, void *);
+static alloc_t A;
+static free_t F;
+static void *run(void *arg) {
+    for (long i = 0;; i++) F(A(512 + ((long)arg * 7 + i) % 200000, 0, NULL), 0, 0, NULL);
+    return NULL;
+}
+int start(const char *path, int n) {
+    void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!h) return -1;
+    A = (alloc_t)dlsym(h, "gpuptr_torch_alloc");
+    F = (free_t)dlsym(h, "gpuptr_torch_free");
+    for (long k = 0; k < n; k++) {
+        pthread_t t;
+        pthread_create(&t, NULL, run, (void *)k);
+        pthread_detach(t);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_torch_allocations_from_threads_python_never_ran_on_survive_the_interpreters_exit(tmp_path):
+    # PyTorch's own threads go on allocating while the interpreter exits,
+    # with the history recording. Once finalized, CPython reports that every
+    # thread holds the GIL; attaching to walk the stack panicked ("The
+    # Python interpreter is not initialized", on stderr at 7 exits of 10)
+    # and failed an allocation that had succeeded.
+    (tmp_path / "churn.c").write_text(_NATIVE_CHURN)
+    lib = tmp_path / "libchurn.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "churn.c"), "-lpthread", "-ldl"], check=True)
+    code = textwrap.dedent(
+        f"""
+        import ctypes, time, gpuptr
+        from gpuptr import _core
+        gpuptr.record_history(True)
+        assert ctypes.CDLL({str(lib)!r}).start(_core.__file__.encode(), 8) == 0
+        time.sleep(0.2)
+        """
+    )
+    env = dict(__import__("os").environ, GPUPTR_DRIVER="sim")
+    for _ in range(5):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "panicked" not in r.stderr, r.stderr
 
 
 def test_cupys_out_of_memory_class_can_be_caught_before_install(fake_cupy):

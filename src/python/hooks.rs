@@ -129,10 +129,14 @@ fn caller_site() -> Site {
         // a thread Python has never run on.
         fn PyGILState_GetThisThreadState() -> *mut c_void;
     }
+    let outside = || Site::Described("<a PyTorch allocation outside Python>".into());
     // SAFETY: it only reads the calling thread's state, and the extension
     // module is loaded into a CPython, which exports it.
     if unsafe { PyGILState_Check() } == 1 {
-        return Python::attach(super::track::python_site);
+        // Not `attach`: once the interpreter is finalized this check says 1
+        // on every thread (its key is gone), and attaching then panicked,
+        // failing a thread's allocation that had succeeded.
+        return Python::try_attach(super::track::python_site).unwrap_or_else(outside);
     }
     let history = Runtime::global_if_open().is_some_and(|rt| rt.recording_history());
     // SAFETY: as above, a read of the calling thread's state.
@@ -144,7 +148,7 @@ fn caller_site() -> Site {
             return Python::attach(super::track::python_site);
         }
     }
-    Site::Described("<a PyTorch allocation outside Python>".into())
+    outside()
 }
 
 fn free(ptr: *mut c_void, stream: RawStream) {

@@ -731,6 +731,33 @@ def test_torch_allocations_from_threads_python_never_ran_on_survive_the_interpre
         assert r.returncode == 0 and "panicked" not in r.stderr, r.stderr
 
 
+def test_cupy_c_hooks_on_daemon_threads_survive_the_interpreters_exit():
+    # The stream source is Python code (CuPy's fallback is a lambda): a
+    # daemon thread that took the GIL back inside it during finalization
+    # was ended with a forced unwind through the hook's frames, which
+    # aborted the process (rc -6 at 5 exits of 10).
+    code = textwrap.dedent(
+        """
+        import ctypes, threading, time
+        from gpuptr import _core
+        malloc, free, _, ordered, _, _ = _core._cupy_c_hooks()
+        _core._cupy_set_stream_source(lambda: 0x9000)
+        c_malloc = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(malloc)
+        c_free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(free)
+        def churn(s):
+            while True:
+                c_free(ordered, c_malloc(ordered, 4096 + s, 0), 0)
+        for s in range(4):
+            threading.Thread(target=churn, args=(s,), daemon=True).start()
+        time.sleep(0.2)
+        """
+    )
+    env = dict(__import__("os").environ, GPUPTR_DRIVER="sim")
+    for _ in range(8):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr)
+
+
 def test_cupys_out_of_memory_class_can_be_caught_before_install(fake_cupy):
     import gpuptr.cupy
 

@@ -264,7 +264,14 @@ fn cupy_stream(py: Python<'_>) -> PyResult<Option<RawStream>> {
     let Some(source) = source else {
         return Ok(None);
     };
-    super::args::stream_arg(Some(&source.bind(py).call0()?))
+    let handle = {
+        // Python code run from gpuptr's frames: a region, or a daemon
+        // thread that took the GIL back there during exit unwound through
+        // them (abort).
+        let _region = super::shutdown::Region::enter_or_hang(py);
+        source.bind(py).call0()?
+    };
+    super::args::stream_arg(Some(&handle))
 }
 
 /// `param` of the C hooks handed to CuPy's `CFunctionAllocator` (which
@@ -455,9 +462,13 @@ fn cupy_error(e: crate::Error) -> PyErr {
             _ => 0,
         };
         let msg = e.to_string();
-        return Python::attach(|py| match cls.bind(py).call1((msg, requested)) {
-            Ok(err) => PyErr::from_value(err),
-            Err(other) => other,
+        return Python::attach(|py| {
+            // Python code (the class's `__init__`): a region, as above.
+            let _region = super::shutdown::Region::enter_or_hang(py);
+            match cls.bind(py).call1((msg, requested)) {
+                Ok(err) => PyErr::from_value(err),
+                Err(other) => other,
+            }
         });
     }
     e.into()

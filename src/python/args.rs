@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyAny, PyString};
+use pyo3::types::PyAny;
 
 use super::shutdown::Region;
 use crate::{DevicePtr, Error, RawStream, Runtime};
@@ -63,13 +63,6 @@ pub(crate) fn shown(obj: &Bound<'_, PyAny>) -> String {
             Err(_) => "an int".into(),
         },
     }
-}
-
-/// A str argument's text, a lone surrogate (which no UTF-8 has) read as
-/// U+FFFD: every parser refuses that with its own typed error, where the
-/// strict read raised `UnicodeEncodeError`.
-pub(crate) fn text<'a>(s: &'a Bound<'_, PyString>) -> std::borrow::Cow<'a, str> {
-    s.to_string_lossy()
 }
 
 /// A file path as `open` takes it: a `str`, `bytes` (any bytes a POSIX

@@ -641,8 +641,8 @@ pub(crate) struct Request<'a, 'py> {
 /// numpy names it (``"float32"``, ``"bfloat16"``, ``"float8_e4m3fn"``).
 #[pyfunction]
 pub(crate) fn _dtype_info(name: &Bound<'_, PyString>) -> PyResult<(&'static str, usize, u8, u8)> {
-    // Lossy, as `args::text` reads (this module is a leaf): a lone
-    // surrogate names no type, and is refused below.
+    // Lossy: a lone surrogate (no UTF-8 has one) names no type, and is
+    // refused below, not raised as `UnicodeEncodeError`.
     let name = name.to_string_lossy();
     let (dt, typestr) = dtype_named(&name).ok_or_else(|| {
         PyErr::from(Error::InvalidArgument(format!(

@@ -6,7 +6,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
-use super::args::{runtime, text};
+use super::args::runtime;
 use super::dlpack::{
     self, _dlpack_consume, describe, dtype_name_of_typestr, dtype_named, ArraySpec, Request,
 };
@@ -190,7 +190,9 @@ pub(crate) fn _import_cai<'py>(
     let typestr = typestr
         .cast_into::<PyString>()
         .map_err(|e| bad(format!("typestr must be a str, got {}", e.into_inner())))?;
-    let itemsize = typestr_itemsize(&text(&typestr))?;
+    // Lossy: a lone surrogate (no UTF-8 has one) is refused below as any
+    // unknown typestr is, not raised as `UnicodeEncodeError`.
+    let itemsize = typestr_itemsize(&typestr.to_string_lossy())?;
     let strides = match desc.get_item(intern!(py, "strides"))? {
         Some(s) if !s.is_none() => Some(ints(&s, "strides")?),
         _ => None,
@@ -284,7 +286,7 @@ pub(crate) fn _dlpack_export<'py>(
     dl_device: Option<&Bound<'py, PyAny>>,
     copy: Option<bool>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let dtype = text(dtype);
+    let dtype = dtype.to_string_lossy(); // as `_dtype_info` reads it
     let (dt, _) = dtype_named(&dtype).ok_or_else(|| {
         PyBufferError::new_err(format!("element type {dtype:?} has no DLPack code"))
     })?;

@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyBool, PyComplex, PyFloat, PyInt, PyString};
 
-use super::args::{size_arg, text};
+use super::args::size_arg;
 use crate::sizes::{self, Size};
 
 /// The size `obj` gives for the argument `what`.
@@ -21,7 +21,9 @@ pub(crate) fn size_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Size> {
         return Ok(Size::share(f, what)?);
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(sizes::parse(&text(s), what)?);
+        // Lossy: a lone surrogate is refused as a bad size, not raised as
+        // `UnicodeEncodeError`.
+        return Ok(sizes::parse(&s.to_string_lossy(), what)?);
     }
     Ok(Size::Bytes(size_arg(obj, what)?))
 }
@@ -74,7 +76,7 @@ fn refused_kind(obj: &Bound<'_, PyAny>) -> Option<&'static str> {
 pub(crate) fn bytes_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     refuse_kind(obj, what, "an int of bytes or \"1GiB\"")?;
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(sizes::parse_bytes(&text(s), what)?);
+        return Ok(sizes::parse_bytes(&s.to_string_lossy(), what)?);
     }
     match size_of(obj, what)? {
         Size::Bytes(n) => Ok(n),
